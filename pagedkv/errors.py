@@ -1,0 +1,83 @@
+"""Every exception pagedkv raises on bad input or exhausted resources.
+
+All derive from `PagedKVError`, so a caller can catch the family at once; each also derives
+from the builtin it refines (ValueError, KeyError, ...) so generic handlers keep working.
+"""
+
+from __future__ import annotations
+
+
+class PagedKVError(Exception):
+    """Base class of all pagedkv errors."""
+
+
+# --- cache -----------------------------------------------------------------------------------
+
+
+class OutOfBlocksError(PagedKVError, MemoryError):
+    """Not enough free blocks; nothing was changed."""
+
+    def __init__(self, needed: int, available: int, what: str = "allocation") -> None:
+        super().__init__(f"{what} needs {needed} blocks but only {available} are available")
+        self.needed = needed
+        self.available = available
+
+
+class DoubleFreeError(PagedKVError, ValueError):
+    """A block was freed while its reference count was already zero."""
+
+
+class InvalidBlockError(PagedKVError, IndexError):
+    """A block id outside [0, num_blocks)."""
+
+
+class UnknownSequenceError(PagedKVError, KeyError):
+    """A sequence id the cache does not know."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else "unknown sequence"
+
+
+class DuplicateSequenceError(PagedKVError, ValueError):
+    """A sequence id that is already live."""
+
+
+class PositionError(PagedKVError, IndexError):
+    """A token position outside a sequence's length."""
+
+
+class StorageMismatchError(PagedKVError, ValueError):
+    """A tensor whose shape, dtype or device does not fit the KV storage."""
+
+
+class CacheConfigError(PagedKVError, ValueError):
+    """An invalid cache configuration (block size, budget, dtype...)."""
+
+
+# --- model -----------------------------------------------------------------------------------
+
+
+class ModelLoadError(PagedKVError, RuntimeError):
+    """A model could not be loaded (missing file, bad shapes)."""
+
+
+class UnsupportedModelError(ModelLoadError):
+    """An architecture pagedkv does not implement."""
+
+
+# --- engine ----------------------------------------------------------------------------------
+
+
+class InvalidParamsError(PagedKVError, ValueError):
+    """Invalid sampling parameters or request arguments."""
+
+
+class RequestTooLongError(PagedKVError, ValueError):
+    """A request that can never fit: prompt + max_tokens over the context or the whole cache."""
+
+
+class UnknownRequestError(PagedKVError, KeyError):
+    """A request id the engine does not know."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "unknown request"
