@@ -1,0 +1,546 @@
+"""PagedKVCache: per-sequence block tables over a shared BlockPool.
+
+Ownership: a sequence owns one reference to each block in its table; a block shared by a fork or
+a prefix hit has one reference per table that holds it. Only the last block of a table can be
+partly filled, and only it is ever written by an append; if it is shared, the writer first gets
+a private copy (copy-on-write), so no sequence ever sees another's later writes.
+
+Hashes: a sequence's full block gets its chained hash once its K/V are computed (`computed=True`
+on create/append, or `mark_computed` for chunked prefill). A full block never changes again
+unless `truncate` makes it a partial last block again: then, if no one else holds it, its hash is
+dropped before it can be overwritten.
+
+Block tables live in a persistent int32 buffer [rows, max_blocks] (one row per live sequence),
+updated in place when a block is added, copied or moved; the batched tensors of a step are
+built from it with a few vectorized ops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pagedkv.cache.block_pool import Block, BlockPool
+from pagedkv.cache.hashing import ROOT_HASH, block_hash, chain_hashes
+from pagedkv.cache.storage import KVStorage
+from pagedkv.errors import (
+    CacheConfigError,
+    DuplicateSequenceError,
+    OutOfBlocksError,
+    PositionError,
+    StorageMismatchError,
+    UnknownSequenceError,
+)
+
+SeqId = Hashable
+
+
+@dataclass(slots=True, eq=False)
+class SeqState:
+    seq_id: SeqId
+    row: int  # row of this sequence in the block-table buffer
+    blocks: list[Block] = field(default_factory=list)
+    token_ids: list[int] | None = field(default_factory=list)  # None: ids unknown, no caching
+    num_tokens: int = 0
+    num_computed: int = 0  # tokens whose K/V are written; full blocks below are hashed
+    block_hashes: list[bytes] = field(default_factory=list)  # chain of its full, computed blocks
+    extra_key: object = None
+
+
+@dataclass(slots=True)
+class CacheStats:
+    num_blocks: int
+    block_size: int
+    used_blocks: int
+    free_blocks: int  # includes cached ones (they are evictable)
+    cached_blocks: int  # free blocks still holding a prefix hash
+    active_sequences: int
+    live_tokens: int  # distinct token slots holding live data (shared blocks counted once)
+    utilization: float  # live_tokens / (used_blocks * block_size)
+    usage: float  # used_blocks / num_blocks
+    internal_waste: int  # unused slots inside used blocks
+    holes: int  # free blocks below the highest used block id
+    largest_free_run: int  # longest run of consecutive free block ids
+    external_fragmentation: float  # 1 - largest_free_run / free_blocks
+    allocations: int
+    frees: int
+    cow_copies: int
+    evictions: int
+    prefix_queries: int  # tokens looked up
+    prefix_hits: int  # tokens served from the cache
+    prefix_hit_rate: float
+    memory_used_bytes: int
+    memory_total_bytes: int
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class PagedKVCache:
+    """Sequences, block tables, sharing and prefix caching over a pool of `num_blocks` blocks.
+
+    `storage` (optional) holds the K/V data; when given, copy-on-write and defragmentation move
+    data there too. Without it the cache does pure bookkeeping (for simulations).
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        *,
+        storage: KVStorage | None = None,
+        enable_prefix_caching: bool = True,
+        max_seq_len: int | None = None,
+        bytes_per_block: int | None = None,
+    ) -> None:
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise CacheConfigError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        if not isinstance(block_size, int) or block_size < 1:
+            raise CacheConfigError(f"block_size must be a positive int, got {block_size!r}")
+        if storage is not None and (
+            storage.num_blocks != num_blocks or storage.block_size != block_size
+        ):
+            raise StorageMismatchError(
+                f"storage has {storage.num_blocks} blocks of {storage.block_size}, cache wants "
+                f"{num_blocks} of {block_size}"
+            )
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.storage = storage
+        self.enable_prefix_caching = enable_prefix_caching
+        self.bytes_per_block = bytes_per_block or (storage.bytes_per_block if storage else 0)
+        self.pool = BlockPool(num_blocks)
+        self.seqs: dict[SeqId, SeqState] = {}
+        cols = _cdiv(max_seq_len, block_size) if max_seq_len else min(num_blocks, 64)
+        self._tables = torch.zeros((16, max(1, cols)), dtype=torch.int32)  # [rows, max_blocks]
+        self._np = self._tables.numpy()  # same memory: scalar writes without torch overhead
+        self._free_rows = list(range(15, -1, -1))
+        self.cow_copies = 0
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    # --- queries ------------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    def seq(self, seq_id: SeqId) -> SeqState:
+        try:
+            return self.seqs[seq_id]
+        except (KeyError, TypeError):
+            raise UnknownSequenceError(f"unknown sequence {seq_id!r}") from None
+
+    def __contains__(self, seq_id: SeqId) -> bool:
+        return seq_id in self.seqs
+
+    def num_tokens(self, seq_id: SeqId) -> int:
+        return self.seq(seq_id).num_tokens
+
+    def block_ids(self, seq_id: SeqId) -> list[int]:
+        return [b.block_id for b in self.seq(seq_id).blocks]
+
+    def block_token_counts(self, seq_id: SeqId) -> list[int]:
+        """Tokens this sequence holds in each of its blocks (all full but maybe the last)."""
+        s = self.seq(seq_id)
+        bs = self.block_size
+        return [min(bs, s.num_tokens - i * bs) for i in range(len(s.blocks))]
+
+    def slot(self, seq_id: SeqId, pos: int) -> int:
+        """Cache slot of token `pos`: block_id * block_size + offset."""
+        s = self.seq(seq_id)
+        if not 0 <= pos < s.num_tokens:
+            raise PositionError(f"position {pos} outside sequence {seq_id!r} of {s.num_tokens}")
+        b, o = divmod(pos, self.block_size)
+        return s.blocks[b].block_id * self.block_size + o
+
+    def blocks_needed(self, num_tokens: int, seq_id: SeqId | None = None) -> int:
+        """New blocks to hold `num_tokens` more tokens (for `seq_id`, or a new sequence)."""
+        if seq_id is None:
+            return _cdiv(num_tokens, self.block_size)
+        s = self.seq(seq_id)
+        grow = _cdiv(s.num_tokens + num_tokens, self.block_size) - len(s.blocks)
+        return grow + int(num_tokens > 0 and self._needs_cow(s))
+
+    def _needs_cow(self, s: SeqState) -> bool:
+        return s.num_tokens % self.block_size != 0 and s.blocks[-1].ref_cnt > 1
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    def create(
+        self,
+        seq_id: SeqId,
+        token_ids: Sequence[int] | int,
+        *,
+        extra_key: object = None,
+        computed: bool = True,
+    ) -> int:
+        """Add a sequence holding `token_ids` (or a count of unknown tokens).
+
+        Reuses cached blocks of the longest cached prefix (capped at len - 1 tokens, so the last
+        token is always computed for its logits) and allocates the rest. Returns the number of
+        tokens served from the prefix cache. All-or-nothing: OutOfBlocksError changes nothing.
+        """
+        if seq_id in self.seqs:
+            raise DuplicateSequenceError(f"sequence {seq_id!r} already exists")
+        ids = self._as_ids(token_ids)
+        n = len(ids) if ids is not None else int(token_ids)  # type: ignore[arg-type]
+        hits, hashes = self._find_cached(ids, n, extra_key)
+        needed = _cdiv(n, self.block_size) - len(hits)
+        revived = sum(1 for b in hits if b.ref_cnt == 0)  # touching them takes them off the queue
+        available = self.pool.num_free - revived
+        if needed > available:
+            raise OutOfBlocksError(needed, available, f"sequence {seq_id!r}")
+        for b in hits:
+            self.pool.touch(b)
+        s = SeqState(seq_id, self._take_row(), hits + self.pool.allocate(needed), ids, n)
+        s.extra_key = extra_key
+        s.block_hashes = hashes[: len(hits)]
+        s.num_computed = cached = len(hits) * self.block_size
+        self.seqs[seq_id] = s
+        self._write_row(s, 0)
+        if ids is not None and self.enable_prefix_caching:
+            self.prefix_queries += n
+            self.prefix_hits += cached
+        if computed:
+            self.mark_computed(seq_id, n)
+        return cached
+
+    def append(self, seq_id: SeqId, token_ids: Sequence[int] | int, *, computed: bool = True) -> None:
+        """Append tokens, allocating blocks as needed; a shared last block is copied first.
+
+        All-or-nothing: OutOfBlocksError changes nothing.
+        """
+        s = self.seq(seq_id)
+        ids = self._as_ids(token_ids)
+        k = len(ids) if ids is not None else int(token_ids)  # type: ignore[arg-type]
+        if k == 0:
+            return
+        if (ids is None) != (s.token_ids is None):
+            raise CacheConfigError("mixing known token ids and bare counts in one sequence")
+        grow = _cdiv(s.num_tokens + k, self.block_size) - len(s.blocks)
+        cow = self._needs_cow(s)
+        if grow + cow > self.pool.num_free:
+            raise OutOfBlocksError(grow + cow, self.pool.num_free, f"append to {seq_id!r}")
+        if cow:
+            self._copy_on_write(s)
+        if grow:
+            first = len(s.blocks)
+            s.blocks.extend(self.pool.allocate(grow))
+            self._write_row(s, first)
+        if ids is not None:
+            s.token_ids.extend(ids)  # type: ignore[union-attr]
+        s.num_tokens += k
+        if computed:
+            self.mark_computed(seq_id, s.num_tokens)
+
+    def append_one_each(self, seq_ids: Sequence[SeqId], token_ids: Sequence[int]) -> None:
+        """Decode fast path: append one known token to each sequence (all-or-nothing)."""
+        bs = self.block_size
+        seqs = [self.seq(i) for i in seq_ids]
+        need = sum(1 for s in seqs if s.num_tokens % bs == 0 or self._needs_cow(s))
+        if need > self.pool.num_free:
+            raise OutOfBlocksError(need, self.pool.num_free, "decode step")
+        for s, t in zip(seqs, token_ids, strict=True):
+            if s.num_tokens % bs == 0:
+                s.blocks.append(self.pool.allocate(1)[0])
+                self._write_row(s, len(s.blocks) - 1)
+            elif s.blocks[-1].ref_cnt > 1:
+                self._copy_on_write(s)
+            s.token_ids.append(t)  # type: ignore[union-attr]
+            s.num_tokens += 1
+            if s.num_tokens % bs == 0:
+                self.mark_computed(s.seq_id, s.num_tokens)
+            else:
+                s.num_computed = s.num_tokens
+
+    def mark_computed(self, seq_id: SeqId, num_tokens: int) -> None:
+        """Record that the first `num_tokens` tokens' K/V are written; hash the full blocks."""
+        s = self.seq(seq_id)
+        if not 0 <= num_tokens <= s.num_tokens:
+            raise PositionError(f"{num_tokens} computed tokens outside 0..{s.num_tokens}")
+        s.num_computed = max(s.num_computed, num_tokens)
+        if not self.enable_prefix_caching or s.token_ids is None:
+            return
+        bs = self.block_size
+        for i in range(len(s.block_hashes), s.num_computed // bs):
+            parent = s.block_hashes[-1] if s.block_hashes else ROOT_HASH
+            h = block_hash(parent, s.token_ids[i * bs : (i + 1) * bs], s.extra_key if i == 0 else None)
+            s.block_hashes.append(h)
+            self.pool.set_hash(s.blocks[i], h)
+
+    def fork(self, src: SeqId, dst: SeqId) -> None:
+        """`dst` shares every block of `src` (ref counts + 1); writes copy on demand."""
+        s = self.seq(src)
+        if dst in self.seqs:
+            raise DuplicateSequenceError(f"sequence {dst!r} already exists")
+        for b in s.blocks:
+            self.pool.touch(b)
+        t = SeqState(dst, self._take_row(), list(s.blocks),
+                     None if s.token_ids is None else list(s.token_ids), s.num_tokens,
+                     s.num_computed, list(s.block_hashes), s.extra_key)
+        self.seqs[dst] = t
+        self._write_row(t, 0)
+
+    def free(self, seq_id: SeqId) -> None:
+        """Release a sequence: its blocks lose one reference, tail first (evicted first)."""
+        s = self.seq(seq_id)
+        self.pool.free(reversed(s.blocks))
+        del self.seqs[seq_id]
+        self._tables[s.row].zero_()
+        self._free_rows.append(s.row)
+
+    def truncate(self, seq_id: SeqId, num_tokens: int) -> None:
+        """Keep only the first `num_tokens` tokens (context trimming); later blocks go back."""
+        s = self.seq(seq_id)
+        if not 0 <= num_tokens <= s.num_tokens:
+            raise PositionError(f"cannot truncate {seq_id!r} of {s.num_tokens} to {num_tokens}")
+        keep = _cdiv(num_tokens, self.block_size)
+        dropped = s.blocks[keep:]
+        self.pool.free(reversed(dropped))
+        del s.blocks[keep:]
+        self._tables[s.row, keep:].zero_()
+        if s.token_ids is not None:
+            del s.token_ids[num_tokens:]
+        s.num_tokens = num_tokens
+        s.num_computed = min(s.num_computed, num_tokens)
+        del s.block_hashes[num_tokens // self.block_size :]
+        if num_tokens % self.block_size and s.blocks[-1].ref_cnt == 1:
+            self.pool.drop_hash(s.blocks[-1])  # partial again: it will be overwritten
+
+    def reset_prefix_cache(self) -> None:
+        """Empty the prefix index; blocks in use keep serving their sequences."""
+        self.pool.reset_hashes()
+
+    def evict(self, n: int | None = None) -> int:
+        """Evict up to n cached free blocks (all if None), least recently freed first."""
+        return self.pool.evict(n)
+
+    # --- prefix lookup ------------------------------------------------------------------------
+
+    def lookup(self, token_ids: Sequence[int], extra_key: object = None) -> int:
+        """Tokens of `token_ids` a new sequence would get from the cache (no state change)."""
+        ids = list(token_ids)
+        return len(self._find_cached(ids, len(ids), extra_key)[0]) * self.block_size
+
+    def _find_cached(
+        self, ids: list[int] | None, n: int, extra_key: object
+    ) -> tuple[list[Block], list[bytes]]:
+        if ids is None or not self.enable_prefix_caching or n < 2:
+            return [], []
+        hashes = chain_hashes(ids, self.block_size, extra_key, max_blocks=(n - 1) // self.block_size)
+        hits: list[Block] = []
+        for h in hashes:
+            b = self.pool.lookup(h)
+            if b is None:
+                break
+            hits.append(b)
+        return hits, hashes
+
+    # --- batched tensors for a step -----------------------------------------------------------
+
+    def slot_mapping(
+        self, seq_ids: Sequence[SeqId], num_new: Sequence[int] | int = 1
+    ) -> torch.Tensor:
+        """int64 [sum(num_new)]: slots of each sequence's last num_new tokens, in order."""
+        seqs = [self.seq(i) for i in seq_ids]
+        if isinstance(num_new, int):
+            num_new = [num_new] * len(seqs)
+        for s, k in zip(seqs, num_new, strict=True):
+            if not 0 <= k <= s.num_tokens:
+                raise PositionError(f"{k} new tokens outside sequence {s.seq_id!r} of {s.num_tokens}")
+        rows = np.fromiter((s.row for s in seqs), np.int64, len(seqs))
+        ends = np.fromiter((s.num_tokens for s in seqs), np.int64, len(seqs))
+        return torch.from_numpy(self._slots(rows, ends, np.asarray(num_new, dtype=np.int64)))
+
+    def _slots(self, rows: np.ndarray, ends: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        bs = self.block_size
+        if counts.size and (counts == 1).all():  # decode: one token each
+            pos = ends - 1
+        else:
+            seq_idx = np.repeat(np.arange(len(counts)), counts)
+            starts = np.cumsum(counts) - counts
+            pos = (ends - counts)[seq_idx] + np.arange(len(seq_idx)) - starts[seq_idx]
+            rows = rows[seq_idx]
+        return self._np[rows, pos // bs].astype(np.int64) * bs + pos % bs
+
+    def block_tables(self, seq_ids: Sequence[SeqId]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int32 [B, max_blocks] block tables padded with 0, int32 [B] context lengths)."""
+        seqs = [self.seq(i) for i in seq_ids]
+        rows = np.fromiter((s.row for s in seqs), np.int64, len(seqs))
+        lens = np.fromiter((s.num_tokens for s in seqs), np.int32, len(seqs))
+        return self._tables_of(rows, lens), torch.from_numpy(lens)
+
+    def _tables_of(self, rows: np.ndarray, lens: np.ndarray) -> torch.Tensor:
+        width = max(1, -(-int(lens.max()) // self.block_size)) if lens.size else 1
+        return torch.from_numpy(self._np[rows, :width])
+
+    def decode_tensors(
+        self, seq_ids: Sequence[SeqId]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One decode step's (slot_mapping int64 [B], block_tables int32 [B, W], seq_lens int32 [B])
+        for sequences whose newest token is the one being computed; built in one pass."""
+        seqs = [self.seq(i) for i in seq_ids]
+        rows = np.fromiter((s.row for s in seqs), np.int64, len(seqs))
+        lens = np.fromiter((s.num_tokens for s in seqs), np.int64, len(seqs))
+        slots = self._slots(rows, lens, np.ones(len(seqs), np.int64))
+        lens32 = lens.astype(np.int32)
+        return torch.from_numpy(slots), self._tables_of(rows, lens32), torch.from_numpy(lens32)
+
+    def _take_row(self) -> int:
+        if not self._free_rows:
+            old = self._tables.shape[0]
+            grown = torch.zeros((2 * old, self._tables.shape[1]), dtype=torch.int32)
+            grown[:old] = self._tables
+            self._tables, self._np = grown, grown.numpy()
+            self._free_rows = list(range(2 * old - 1, old - 1, -1))
+        return self._free_rows.pop()
+
+    def _write_row(self, s: SeqState, first: int) -> None:
+        """Write s.blocks[first:] into its buffer row, growing the buffer's width if needed."""
+        n = len(s.blocks)
+        if n > self._tables.shape[1]:
+            grown = torch.zeros((self._tables.shape[0], max(n, 2 * self._tables.shape[1])),
+                                dtype=torch.int32)
+            grown[:, : self._tables.shape[1]] = self._tables
+            self._tables, self._np = grown, grown.numpy()
+        row = self._np[s.row]
+        for i in range(first, n):
+            row[i] = s.blocks[i].block_id
+
+    def _copy_on_write(self, s: SeqState) -> None:
+        old = s.blocks[-1]
+        new = self.pool.allocate(1)[0]
+        if self.storage is not None:
+            self.storage.copy_blocks([old.block_id], [new.block_id])
+        self.pool.free([old])
+        s.blocks[-1] = new
+        self._np[s.row, len(s.blocks) - 1] = new.block_id
+        self.cow_copies += 1
+
+    @staticmethod
+    def _as_ids(token_ids: Sequence[int] | int) -> list[int] | None:
+        if isinstance(token_ids, int):
+            if token_ids < 0:
+                raise PositionError(f"negative token count {token_ids}")
+            return None
+        return list(token_ids)
+
+    # --- statistics ---------------------------------------------------------------------------
+
+    def stats(self) -> CacheStats:
+        bs = self.block_size
+        fill: dict[int, int] = {}
+        for s in self.seqs.values():
+            for i, b in enumerate(s.blocks):
+                n = min(bs, s.num_tokens - i * bs)
+                if n > fill.get(b.block_id, 0):
+                    fill[b.block_id] = n
+        used = self.num_blocks - self.pool.num_free
+        live = sum(fill.values())
+        free_flags = [b.ref_cnt == 0 for b in self.pool.blocks]
+        top = max((i for i, f in enumerate(free_flags) if not f), default=-1)
+        holes = sum(free_flags[: top + 1])
+        run = best = 0
+        for f in free_flags:
+            run = run + 1 if f else 0
+            best = max(best, run)
+        free = self.pool.num_free
+        return CacheStats(
+            num_blocks=self.num_blocks,
+            block_size=bs,
+            used_blocks=used,
+            free_blocks=free,
+            cached_blocks=self.pool.num_cached_free,
+            active_sequences=len(self.seqs),
+            live_tokens=live,
+            utilization=live / (used * bs) if used else 1.0,
+            usage=used / self.num_blocks,
+            internal_waste=used * bs - live,
+            holes=holes,
+            largest_free_run=best,
+            external_fragmentation=1.0 - best / free if free else 0.0,
+            allocations=self.pool.allocations,
+            frees=self.pool.frees,
+            cow_copies=self.cow_copies,
+            evictions=self.pool.evictions,
+            prefix_queries=self.prefix_queries,
+            prefix_hits=self.prefix_hits,
+            prefix_hit_rate=self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0,
+            memory_used_bytes=used * self.bytes_per_block,
+            memory_total_bytes=self.num_blocks * self.bytes_per_block,
+        )
+
+    # --- defragmentation ----------------------------------------------------------------------
+
+    def should_defragment(self, min_holes_fraction: float = 0.25) -> bool:
+        """Worth compacting when free holes make up a large part of the used id range.
+
+        With paged attention any free block is usable, so this never gains capacity: it gains
+        locality (block tables read nearby memory) and lets a budget-resized pool shrink.
+        """
+        st = self.stats()
+        span = st.used_blocks + st.holes
+        return st.holes > 0 and span > 0 and st.holes / span >= min_holes_fraction
+
+    def defragment(self) -> int:
+        """Move used blocks to the lowest ids (cached free blocks right after), keeping data.
+
+        Updates the storage, every block table and the hash index (which maps to Block objects,
+        so it follows them). Returns the number of blocks whose data moved.
+        """
+        pool = self.pool
+        used = [b for b in pool.blocks if b.ref_cnt > 0]
+        cached = [b for b in pool.free_queue if b.hash is not None]
+        plain = [b for b in pool.blocks if b.ref_cnt == 0 and b.hash is None]
+        order = used + cached + plain
+        moves = [(b.block_id, new) for new, b in enumerate(order[: len(used) + len(cached)])
+                 if b.block_id != new]
+        if self.storage is not None and moves:
+            src, dst = zip(*moves, strict=True)
+            self.storage.copy_blocks(list(src), list(dst))
+        for new, b in enumerate(order):
+            b.block_id = new
+        pool.blocks = order
+        # free queue: plain blocks first in id order (fill low ids), cached ones keep LRU order
+        for b in list(pool.free_queue):
+            pool.free_queue.remove(b)
+        for b in plain + cached:
+            pool.free_queue.push_back(b)
+        for s in self.seqs.values():
+            self._write_row(s, 0)
+        return len(moves)
+
+    # --- invariants ---------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Assert the whole state is consistent (tests call this after every operation)."""
+        pool = self.pool
+        pool.check_invariants()
+        bs = self.block_size
+        refs = [0] * self.num_blocks
+        rows = set()
+        for s in self.seqs.values():
+            assert s.row not in rows, f"row {s.row} shared"
+            rows.add(s.row)
+            assert len(s.blocks) == _cdiv(s.num_tokens, bs), f"{s.seq_id!r}: block count"
+            assert s.token_ids is None or len(s.token_ids) == s.num_tokens
+            assert 0 <= s.num_computed <= s.num_tokens
+            assert len(s.block_hashes) <= s.num_tokens // bs
+            row = self._tables[s.row, : len(s.blocks)].tolist()
+            assert row == [b.block_id for b in s.blocks], f"{s.seq_id!r}: stale table row"
+            for i, b in enumerate(s.blocks):
+                assert pool.blocks[b.block_id] is b
+                refs[b.block_id] += 1
+                if i < len(s.block_hashes) and b.hash is not None:
+                    assert b.hash == s.block_hashes[i], f"{s.seq_id!r}: block {i} hash mismatch"
+        for b in pool.blocks:
+            assert b.ref_cnt == refs[b.block_id], (
+                f"block {b.block_id}: ref_cnt {b.ref_cnt} != {refs[b.block_id]} table references"
+            )
+        used = sum(1 for r in refs if r > 0)
+        assert used + pool.num_free == self.num_blocks, "free + used != total"
