@@ -357,6 +357,15 @@ class PagedKVCache:
         ends = np.fromiter((s.num_tokens for s in seqs), np.int64, len(seqs))
         return torch.from_numpy(self._slots(rows, ends, np.asarray(num_new, dtype=np.int64)))
 
+    def slots(self, seq_id: SeqId, start: int, end: int) -> torch.Tensor:
+        """int64 [end - start]: slots of positions start..end-1 of one sequence (prefill chunks)."""
+        s = self.seq(seq_id)
+        if not 0 <= start <= end <= s.num_tokens:
+            raise PositionError(f"range {start}..{end} outside sequence {seq_id!r} of {s.num_tokens}")
+        pos = np.arange(start, end, dtype=np.int64)
+        bs = self.block_size
+        return torch.from_numpy(self._np[s.row, pos // bs].astype(np.int64) * bs + pos % bs)
+
     def _slots(self, rows: np.ndarray, ends: np.ndarray, counts: np.ndarray) -> np.ndarray:
         bs = self.block_size
         if counts.size and (counts == 1).all():  # decode: one token each

@@ -1,0 +1,357 @@
+"""LLMEngine (add_request / step / abort, used by the server) and LLM (the offline API)."""
+
+from __future__ import annotations
+
+import itertools
+import re
+import sys
+import time
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from pagedkv.cache import KVStorage, PagedKVCache
+from pagedkv.cache.storage import num_blocks_for_budget
+from pagedkv.engine.model_runner import ModelRunner
+from pagedkv.engine.sampler import sample, top_logprobs
+from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.engine.scheduler import Scheduler
+from pagedkv.engine.sequence import CompletionOutput, Request, RequestOutput, Sequence, Status
+from pagedkv.errors import (
+    CacheConfigError,
+    InvalidParamsError,
+    RequestTooLongError,
+)
+
+Prompt = str | list[int] | list[dict]
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # used blocks / all blocks
+    num_blocks: int
+    blocks_used: int
+    blocks_cached: int  # free but still holding a prefix (evictable)
+    blocks_free: int  # includes the cached ones
+    prefix_cache_queries: int  # tokens
+    prefix_cache_hits: int  # tokens
+    prefix_hit_rate: float
+    num_preemptions: int
+    num_requests_finished: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    cow_copies: int
+    gen_tokens_per_s: float  # generated tokens / busy seconds, over the engine's life
+
+
+def parse_size(size: str | int) -> int:
+    """'2GiB', '512MB', '1e9' or an int -> bytes."""
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*([\d.eE+]+)\s*([KMGT]?)(i?)B?\s*", str(size))
+    if not m:
+        raise CacheConfigError(f"cannot parse memory size {size!r} (e.g. 2GiB, 512MB)")
+    base = 1024 if m.group(3) or not m.group(2) else 1000
+    scale = {"": 1, "K": base, "M": base**2, "G": base**3, "T": base**4}[m.group(2)]
+    return int(float(m.group(1)) * scale)
+
+
+class LLMEngine:
+    """Continuous-batching engine over the paged KV cache. Not thread-safe: one caller thread."""
+
+    def __init__(
+        self,
+        model: object = None,
+        *,
+        dtype: str | torch.dtype = "float32",
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_cache_memory: str | int = "1GiB",
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = True,
+        max_model_len: int | None = None,
+    ) -> None:
+        from pagedkv.model.loader import LoadedModel, load_model
+
+        self.loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype)
+        cfg = self.loaded.config
+        self.tokenizer = self.loaded.tokenizer
+        self.model_name = self.loaded.name
+        wdtype = next(self.loaded.model.parameters()).dtype
+        if num_blocks is None:
+            num_blocks = num_blocks_for_budget(parse_size(kv_cache_memory), cfg.num_layers,
+                                               block_size, cfg.num_kv_heads, cfg.head_dim, wdtype)
+        self.storage = KVStorage(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads,
+                                 cfg.head_dim, wdtype)
+        self.max_model_len = min(max_model_len or cfg.max_position_embeddings,
+                                 num_blocks * block_size)
+        self.cache = PagedKVCache(num_blocks, block_size, storage=self.storage,
+                                  enable_prefix_caching=enable_prefix_caching,
+                                  max_seq_len=self.max_model_len)
+        self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens)
+        self.runner = ModelRunner(self.loaded.model, self.cache, self.storage)
+        self.eos_ids = set(cfg.eos_token_ids or [])
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            self.eos_ids.add(self.tokenizer.eos_token_id)
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self._finished = 0
+        self._prompt_tokens = 0
+        self._gen_tokens = 0
+        self._busy_s = 0.0
+
+    # --- requests -----------------------------------------------------------------------------
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """Raw text, token ids, or chat messages (the model's chat template applied)."""
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt).input_ids)
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            text = self.tokenizer.apply_chat_template(prompt, tokenize=False,
+                                                      add_generation_prompt=True)
+            return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                            for t in prompt):
+            vocab = self.loaded.config.vocab_size
+            if any(not 0 <= t < vocab for t in prompt):
+                raise InvalidParamsError(f"token ids must lie in [0, {vocab})")
+            return list(prompt)
+        raise InvalidParamsError("a prompt is a string, a list of token ids or chat messages")
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Queue a request. Raises (and adds nothing) on bad input or a request that can never
+        fit: prompt + max_tokens over the context or the whole cache."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidParamsError("params must be a SamplingParams")
+        if request_id in self.requests:
+            raise InvalidParamsError(f"request id {request_id!r} is already in use")
+        ids = self.tokenize(prompt)
+        if not ids:
+            raise InvalidParamsError("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise RequestTooLongError(
+                f"prompt of {len(ids)} tokens leaves no room in a context of {self.max_model_len}"
+            )
+        capacity = self.cache.num_blocks * self.cache.block_size
+        if min(len(ids) + params.max_tokens, self.max_model_len) > capacity:
+            raise RequestTooLongError(
+                f"prompt ({len(ids)}) + max_tokens ({params.max_tokens}) exceeds the KV cache "
+                f"({capacity} tokens)"
+            )
+        req = Request(request_id, ids, params, prompt if isinstance(prompt, str) else None,
+                      cache_salt=cache_salt)
+        req.seqs.append(self._new_seq(req, 0, list(ids)))
+        self.requests[request_id] = req
+        self.scheduler.add(req.seqs[0])
+        self._prompt_tokens += len(ids)
+
+    def _new_seq(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
+        s = Sequence(next(self._seq_ids), req, index, token_ids)
+        if req.params.seed is not None:
+            s.generator = torch.Generator().manual_seed(req.params.seed * 1_000_003 + index)
+        if req.params.logprobs is not None:
+            s.logprobs = []
+        return s
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a request now; its blocks go back to the pool at once. Unknown ids are ignored."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        for s in req.seqs:
+            if not s.finished:
+                self.scheduler.finish(s)
+                s.finish_reason = "abort"
+        req.finish_time = time.monotonic()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # --- one step -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward pass, sample; return the requests that progressed."""
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            return []
+        logits, samplers = self.runner.run(plan)
+        tokens = sample(logits, [s.request.params for s in samplers],
+                        [s.generator for s in samplers])
+        touched: dict[str, Request] = {}
+        for row, (s, tok) in enumerate(zip(samplers, tokens, strict=True)):
+            req = s.request
+            if req.params.n > 1 and not req.forked:
+                self._fork_samples(s, logits[row])
+            self._accept(s, tok, logits[row])
+            touched[req.request_id] = req
+        outs = [self._output(r) for r in touched.values()]
+        for r in touched.values():
+            if r.finished:
+                r.finish_time = time.monotonic()
+                self.requests.pop(r.request_id, None)
+                self._finished += 1
+                outs_r = next(o for o in outs if o.request_id == r.request_id)
+                outs_r.finished, outs_r.finish_time = True, r.finish_time
+        self._busy_s += time.perf_counter() - t0
+        return outs
+
+    def _fork_samples(self, parent: Sequence, row: torch.Tensor) -> None:
+        """n > 1: the other samples share the prompt's blocks (copy-on-write) and each draw their
+        first token from the same logits."""
+        req = parent.request
+        req.forked = True
+        for i in range(1, req.params.n):
+            child = self._new_seq(req, i, list(parent.token_ids))
+            child.num_computed = parent.num_computed
+            self.cache.fork(parent.seq_id, child.seq_id)
+            self.scheduler.add_running(child)
+            req.seqs.append(child)
+            tok = sample(row[None], [req.params], [child.generator])[0]
+            self._accept(child, tok, row)
+
+    def _accept(self, s: Sequence, tok: int, row: torch.Tensor) -> None:
+        req = s.request
+        p = req.params
+        now = time.monotonic()
+        if req.first_token_time is None:
+            req.first_token_time = now
+        s.token_ids.append(tok)
+        self._gen_tokens += 1
+        if s.logprobs is not None:
+            s.logprobs.append(top_logprobs(row, tok, p.logprobs or 0))
+        n_out = len(s.token_ids) - s.num_prompt
+        reason = None
+        if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            reason = "stop"
+        elif n_out >= p.max_tokens or len(s.token_ids) >= self.max_model_len:
+            reason = "length"
+        s.text = self._detok(s, final=reason is not None)
+        if p.stop:
+            cut = _find_stop(s.text, p.stop)
+            if cut is not None:
+                s.text, reason = s.text[:cut], "stop"
+        if reason is not None:
+            s.finish_reason = reason
+            self.scheduler.finish(s)
+
+    def _detok(self, s: Sequence, final: bool) -> str:
+        text = self.tokenizer.decode(s.output_ids, skip_special_tokens=True)
+        # an incomplete UTF-8 sequence decodes to U+FFFD: hold it back until it completes
+        return text if final else text.rstrip("\ufffd")
+
+    def _output(self, r: Request) -> RequestOutput:
+        outs = [CompletionOutput(s.index, s.text, list(s.output_ids), s.finish_reason,
+                                 None if s.logprobs is None else list(s.logprobs))
+                for s in r.seqs]
+        return RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, outs, False,
+                             r.num_cached_tokens, r.arrival_time, r.first_token_time, None)
+
+    # --- stats --------------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        c = self.cache.stats()
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_usage=c.usage,
+            num_blocks=c.num_blocks,
+            blocks_used=c.used_blocks,
+            blocks_cached=c.cached_blocks,
+            blocks_free=c.free_blocks,
+            prefix_cache_queries=c.prefix_queries,
+            prefix_cache_hits=c.prefix_hits,
+            prefix_hit_rate=c.prefix_hit_rate,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_requests_finished=self._finished,
+            prompt_tokens_total=self._prompt_tokens,
+            generation_tokens_total=self._gen_tokens,
+            cow_copies=c.cow_copies,
+            gen_tokens_per_s=self._gen_tokens / self._busy_s if self._busy_s else 0.0,
+        )
+
+
+def _find_stop(text: str, stops: Iterable[str]) -> int | None:
+    cuts = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(cuts) if cuts else None
+
+
+class LLM:
+    """Offline batch generation: `LLM(model).generate(prompts, SamplingParams(...))`."""
+
+    def __init__(self, model: object = None, **engine_kwargs: object) -> None:
+        self.engine = LLMEngine(model, **engine_kwargs)  # type: ignore[arg-type]
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):  # noqa: ANN201
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order."""
+        plist = _as_prompt_list(prompts)
+        params = sampling_params or SamplingParams()
+        plist_params = list(params) if isinstance(params, list | tuple) else [params] * len(plist)
+        if len(plist_params) != len(plist):
+            raise InvalidParamsError("one SamplingParams per prompt, or a single one for all")
+        ids = [f"gen-{next(self._ids)}" for _ in plist]
+        try:
+            for rid, p, sp in zip(ids, plist, plist_params, strict=True):
+                self.engine.add_request(rid, p, sp)
+        except Exception:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool | None) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        show = sys.stderr.isatty() if use_tqdm is None else use_tqdm
+        bar = None
+        if show:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="generate", unit="req")
+        while len(done) < len(ids):
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [done[i] for i in ids]
+
+
+def _as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt of token ids
+    if isinstance(prompts, list) and prompts and all(isinstance(m, dict) for m in prompts):
+        return [prompts]  # one chat
+    if not isinstance(prompts, list | tuple) or not prompts:
+        raise InvalidParamsError("prompts must be a prompt or a non-empty list of prompts")
+    return list(prompts)
+
+
+__all__ = ["LLM", "EngineStats", "LLMEngine", "Status", "parse_size"]

@@ -1,0 +1,104 @@
+"""Requests and their sequences (one sequence per parallel sample)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedkv.engine.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One stream of tokens. `token_ids` = prompt + generated; the cache holds the K/V of the
+    first `num_computed` of them. In decode, exactly the newest token is not computed yet."""
+
+    seq_id: int
+    request: Request
+    index: int  # sample index within the request (0..n-1)
+    token_ids: list[int]
+    num_computed: int = 0
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    text: str = ""
+    logprobs: list[dict[int, float]] | None = None
+    generator: torch.Generator | None = None
+    admitted: float = 0.0  # admission order, for "preempt the newest"
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt :]
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_computed < len(self.token_ids) - 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None
+    seqs: list[Sequence] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_cached_tokens: int = 0
+    forked: bool = False  # n > 1: samples forked off the first sequence after its prefill
+    cache_salt: str | None = None  # prefix-cache extra key: tenants never share blocks
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs) and (self.forked or self.params.n == 1)
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # None while running, then "stop" | "length" | "abort"
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    arrival_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
