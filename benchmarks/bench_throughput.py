@@ -1,0 +1,152 @@
+"""`pagedkv bench throughput`: pagedkv against transformers on one chat workload, greedy.
+
+Three workloads, one run, SmolLM2 in float32:
+1. 64 chat requests of varied length (benchmarks/data/chat_prompts.json), max_tokens 128:
+   pagedkv, transformers static left-padded `generate`, transformers `generate_batch`; how many
+   outputs match the unbatched reference (pagedkv one request at a time).
+2. 32 requests sharing a ~500-token system prompt: prefix caching on against off.
+3. The first workload with a KV cache of a quarter of what it needs: preemptions, throughput,
+   and whether the outputs are unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+DATA = Path(__file__).parent / "data"
+
+
+def load_prompts(name: str) -> list[list[dict]]:
+    return json.loads((DATA / name).read_text())["prompts"]
+
+
+def _log(msg: str) -> None:
+    print(f"[bench throughput] {msg}", file=sys.stderr, flush=True)
+
+
+def _run_pagedkv(loaded, prompt_ids, max_tokens, **kw) -> tuple[list[list[int]], float, dict]:  # noqa: ANN001
+    from pagedkv.engine import LLM, SamplingParams
+
+    llm = LLM(loaded, **kw)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompt_ids, params, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    llm.engine.cache.check_invariants()
+    st = llm.engine.stats()
+    return [o.token_ids for o in outs], dt, {
+        "preemptions": st.num_preemptions,
+        "prefix_hit_rate": round(st.prefix_hit_rate, 4),
+        "num_blocks": st.num_blocks,
+        "blocks_in_use_after": st.blocks_used,
+    }
+
+
+def _figures(outs: list[list[int]], seconds: float, ref: list[list[int]] | None) -> dict:
+    n = sum(map(len, outs))
+    d = {"seconds": round(seconds, 2), "output_tokens": n, "output_tok_s": round(n / seconds, 1)}
+    if ref is not None:
+        d["match_reference"] = sum(a == b for a, b in zip(outs, ref, strict=True))
+        d["first_divergence"] = [_diverge(a, b) for a, b in zip(outs, ref, strict=True)
+                                 if a != b][:16]
+    return d
+
+
+def _diverge(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def run_throughput_bench(quick: bool = False, max_tokens: int = 128) -> dict:
+    from benchmarks.peers import hf_continuous, hf_static, load_hf
+    from pagedkv.model.loader import load_model
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    loaded = load_model(None, dtype=torch.float32)
+    tok = loaded.tokenizer
+
+    def encode(msgs: list[dict]) -> list[int]:
+        text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        return list(tok(text, add_special_tokens=False).input_ids)
+
+    chats = load_prompts("chat_prompts.json")
+    if quick:
+        chats = chats[::4]
+    prompt_ids = [encode(m) for m in chats]
+    eos = set(loaded.config.eos_token_ids or []) | {tok.eos_token_id}
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    res: dict = {"model": loaded.name, "dtype": "float32", "threads": torch.get_num_threads(),
+                 "requests": len(prompt_ids), "max_tokens": max_tokens,
+                 "prompt_tokens": {"total": sum(map(len, prompt_ids)),
+                                   "median": statistics.median(map(len, prompt_ids)),
+                                   "max": max(map(len, prompt_ids))}}
+
+    _log("reference: pagedkv one request at a time")
+    ref, ref_s, _ = _run_pagedkv(loaded, prompt_ids, max_tokens, max_num_seqs=1)
+    res["unbatched_reference"] = _figures(ref, ref_s, None)
+    _log("pagedkv batched")
+    outs, sec, info = _run_pagedkv(loaded, prompt_ids, max_tokens, max_num_seqs=256)
+    res["pagedkv"] = _figures(outs, sec, ref) | info
+
+    _log("transformers static generate")
+    hf = load_hf("sdpa")
+    hs, hs_s = hf_static(hf, prompt_ids, max_tokens, pad, eos)
+    res["hf_static"] = _figures(hs, hs_s, ref)
+    _log("transformers generate_batch")
+    try:
+        hc, hc_s = hf_continuous(hf, prompt_ids, max_tokens, pad, eos)
+        res["hf_continuous"] = _figures(hc, hc_s, ref) | {"attn_implementation": "sdpa"}
+    except Exception as e:  # report, never hide, a peer that cannot run
+        res["hf_continuous"] = {"error": f"{type(e).__name__}: {e}"}
+    del hf
+    p = res["pagedkv"]["output_tok_s"]
+    res["vs_hf_static"] = round(p / res["hf_static"]["output_tok_s"], 2)
+    if "output_tok_s" in res["hf_continuous"]:
+        res["vs_hf_continuous"] = round(p / res["hf_continuous"]["output_tok_s"], 2)
+    res["targets"] = {"vs_hf_static": 2.0, "vs_hf_continuous": 3.0, "prefix_cache_speedup": 2.5}
+
+    _log("prefix workload")
+    shared = [encode(m) for m in load_prompts("prefix_prompts.json")]
+    if quick:
+        shared = shared[:8]
+    on, on_s, on_info = _run_pagedkv(loaded, shared, max_tokens, max_num_seqs=256)
+    off, off_s, _ = _run_pagedkv(loaded, shared, max_tokens, max_num_seqs=256,
+                                 enable_prefix_caching=False)
+    res["prefix"] = {
+        "requests": len(shared),
+        "shared_prefix_tokens": _common_prefix(shared),
+        "on": _figures(on, on_s, None) | {"prefix_hit_rate": on_info["prefix_hit_rate"]},
+        "off": _figures(off, off_s, None),
+        "outputs_identical": on == off,
+    }
+    res["prefix_cache_speedup"] = round(off_s / on_s, 2)
+
+    _log("preemption workload: a quarter of the KV cache the workload needs")
+    bs = 16
+    need = sum(-(-(len(p) + max_tokens) // bs) for p in prompt_ids)
+    small = max(need // 4, max(-(-(len(p) + max_tokens) // bs) for p in prompt_ids))
+    pre, pre_s, pre_info = _run_pagedkv(loaded, prompt_ids, max_tokens, max_num_seqs=256,
+                                        num_blocks=small)
+    res["preemption"] = _figures(pre, pre_s, outs) | {
+        "num_blocks": small, "blocks_needed": need, "preemptions": pre_info["preemptions"],
+        "outputs_unchanged": pre == outs, "blocks_in_use_after": pre_info["blocks_in_use_after"],
+    }
+    return res
+
+
+def _common_prefix(seqs: list[list[int]]) -> int:
+    first = seqs[0]
+    n = len(first)
+    for s in seqs[1:]:
+        n = min(n, _diverge(first, s))
+    return n
+
+
+if __name__ == "__main__":
+    print(json.dumps(run_throughput_bench(quick="--quick" in sys.argv), indent=2))

@@ -1,0 +1,166 @@
+"""The engine on the real SmolLM2 weights: batching, preemption, prefix caching, sampling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedkv.engine import LLM, LLMEngine, SamplingParams, parse_size
+from pagedkv.errors import CacheConfigError, InvalidParamsError, RequestTooLongError
+
+PROMPTS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "user", "content": "Explain what a block table is in a paged KV cache."}],
+    "The quick brown fox",
+    [{"role": "user", "content": "List three prime numbers and say why they are prime."}],
+    [{"role": "system", "content": "Answer in one word."},
+     {"role": "user", "content": "What colour is grass?"}],
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+
+
+def _llm(model, **kw) -> LLM:  # noqa: ANN001
+    kw.setdefault("num_blocks", 256)
+    return LLM(model, **kw)
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2) -> list[list[int]]:  # noqa: ANN001
+    """Greedy outputs with ample memory, one request at a time."""
+    llm = _llm(smollm2, max_num_seqs=1)
+    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def test_batched_equals_one_at_a_time(smollm2, reference) -> None:  # noqa: ANN001
+    llm = _llm(smollm2)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert all(o.finish_reason in ("stop", "length") for o in outs)
+    assert all(o.text for o in outs)
+    llm.engine.cache.check_invariants()
+    assert llm.engine.stats().blocks_used == 0
+
+
+def test_preemption_keeps_outputs(smollm2, reference) -> None:  # noqa: ANN001
+    # 12 blocks of 16: the six requests need ~25; decodes must preempt one another
+    llm = _llm(smollm2, num_blocks=12, max_num_seqs=8)
+    outs = llm.generate(PROMPTS, GREEDY)
+    eng = llm.engine
+    assert eng.stats().num_preemptions > 0
+    assert [o.token_ids for o in outs] == reference
+    eng.cache.check_invariants()
+    st = eng.cache.stats()
+    assert st.used_blocks == 0 and st.free_blocks == st.num_blocks  # nothing leaked
+
+
+def test_chunked_prefill_keeps_outputs(smollm2, reference) -> None:  # noqa: ANN001
+    llm = _llm(smollm2, max_num_batched_tokens=8, max_num_seqs=4)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
+
+
+def test_prefix_caching_on_off_identical(smollm2) -> None:  # noqa: ANN001
+    system = {"role": "system", "content": "You are a careful assistant. " * 12}
+    prompts = [[system, {"role": "user", "content": q}]
+               for q in ("Name a river.", "Name a mountain.", "Name a city.")]
+    on = _llm(smollm2)
+    off = _llm(smollm2, enable_prefix_caching=False)
+    first = on.generate(prompts[:1], GREEDY)  # fills the cache
+    rest_on = on.generate(prompts[1:], GREEDY)
+    rest_off = off.generate(prompts[1:], GREEDY)
+    assert [o.token_ids for o in rest_on] == [o.token_ids for o in rest_off]
+    assert all(o.num_cached_tokens >= 16 for o in rest_on)
+    assert first[0].num_cached_tokens == 0
+    assert on.engine.stats().prefix_hit_rate > 0
+    assert off.engine.stats().prefix_cache_hits == 0
+    on.engine.cache.check_invariants()
+
+
+def test_parallel_sampling_seeded_and_shared(smollm2) -> None:  # noqa: ANN001
+    params = SamplingParams(n=4, temperature=1.0, top_p=0.9, seed=7, max_tokens=12)
+    a = _llm(smollm2).generate(PROMPTS[2], params)[0]
+    llm = _llm(smollm2)
+    b = llm.generate(PROMPTS[2], params)[0]
+    assert len(a.outputs) == 4
+    assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+    assert len({tuple(o.token_ids) for o in a.outputs}) > 1  # samples differ
+    assert llm.engine.cache.cow_copies > 0  # forks shared the prompt, then copied on write
+    llm.engine.cache.check_invariants()
+    assert llm.engine.stats().blocks_used == 0
+
+
+def test_abort_frees_blocks(smollm2) -> None:  # noqa: ANN001
+    eng = LLMEngine(smollm2, num_blocks=64)
+    eng.add_request("a", PROMPTS[2], SamplingParams(max_tokens=50, temperature=0))
+    eng.add_request("b", PROMPTS[0], SamplingParams(max_tokens=50, temperature=0))
+    eng.step()
+    eng.step()
+    assert eng.cache.stats().used_blocks > 0
+    eng.abort_request("a")
+    eng.abort_request("b")
+    eng.abort_request("unknown")  # no-op
+    assert eng.cache.stats().used_blocks == 0
+    assert not eng.has_unfinished_requests()
+    eng.cache.check_invariants()
+
+
+def test_stop_strings_and_tokens(smollm2, reference) -> None:  # noqa: ANN001
+    llm = _llm(smollm2)
+    full = llm.generate(PROMPTS[2], GREEDY)[0]
+    word = full.text.split()[2]
+    cut = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=24, stop=[word]))[0]
+    assert cut.finish_reason == "stop"
+    assert word not in cut.text and full.text.startswith(cut.text)
+    tok = full.token_ids[3]
+    st = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=24,
+                                                 stop_token_ids=[tok]))[0]
+    assert st.finish_reason == "stop" and st.token_ids[-1] == tok
+    ign = llm.generate(PROMPTS[5], SamplingParams(temperature=0, max_tokens=20,
+                                                  ignore_eos=True))[0]
+    assert len(ign.token_ids) == 20 and ign.finish_reason == "length"
+
+
+def test_logprobs(smollm2) -> None:  # noqa: ANN001
+    out = _llm(smollm2).generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=5,
+                                                             logprobs=3))[0]
+    lps = out.outputs[0].logprobs
+    assert len(lps) == len(out.token_ids)
+    for tok, lp in zip(out.token_ids, lps, strict=True):
+        assert tok in lp and len(lp) == 3  # greedy token is among the top 3
+        assert lp[tok] == max(lp.values()) and lp[tok] <= 0
+
+
+def test_invalid_requests(smollm2) -> None:  # noqa: ANN001
+    eng = LLMEngine(smollm2, num_blocks=8, max_model_len=100)
+    for bad in (dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(n=0),
+                dict(top_k=-5), dict(logprobs=99), dict(max_tokens="3"), dict(stop=[""])):
+        with pytest.raises(InvalidParamsError):
+            SamplingParams(**bad)
+    with pytest.raises(RequestTooLongError):
+        eng.add_request("long", list(range(1, 120)), SamplingParams(max_tokens=4))
+    with pytest.raises(RequestTooLongError):  # fits the context, never the 128-token cache
+        LLMEngine(smollm2, num_blocks=8).add_request("x", [1] * 100, SamplingParams(max_tokens=60))
+    with pytest.raises(InvalidParamsError):
+        eng.add_request("neg", [-1, 5], SamplingParams())
+    with pytest.raises(InvalidParamsError):
+        eng.add_request("empty", [], SamplingParams())
+    eng.add_request("ok", [1, 2, 3], SamplingParams(max_tokens=2))
+    with pytest.raises(InvalidParamsError):
+        eng.add_request("ok", [1, 2, 3], SamplingParams(max_tokens=2))
+    assert len(eng.requests) == 1  # failed adds left nothing behind
+
+
+def test_parse_size() -> None:
+    assert parse_size("2GiB") == 2 * 1024**3
+    assert parse_size("512MB") == 512 * 1000**2
+    assert parse_size(1234) == 1234
+    with pytest.raises(CacheConfigError):
+        parse_size("lots")
+
+
+def test_kv_budget_sizing(smollm2) -> None:  # noqa: ANN001
+    eng = LLMEngine(smollm2, kv_cache_memory="64MiB")
+    per_block = 2 * 30 * 16 * 3 * 64 * 4
+    assert eng.cache.num_blocks == 64 * 1024**2 // per_block
+    assert eng.storage.memory_bytes <= 64 * 1024**2
+    assert eng.storage.kv.dtype == torch.float32
