@@ -1,0 +1,238 @@
+"""`pagedkv bench serve`: load an OpenAI-compatible server with concurrent streaming requests.
+
+Reports what `vllm bench serve` reports: request and token throughput, and mean / median /
+p99 of TTFT (time to first token), TPOT (time per output token after the first:
+(latency - ttft) / (output_tokens - 1)), ITL (gap between successive streamed chunks) and
+E2EL (end-to-end latency), in milliseconds.
+
+    python -m benchmarks.bench_serve --base-url http://127.0.0.1:8000   # a running server
+    python -m benchmarks.bench_serve                                     # starts its own
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+DATA = Path(__file__).parent / "data"
+Prompt = str | list[dict[str, str]]
+
+
+@dataclass
+class RequestResult:
+    ok: bool = False
+    ttft: float = 0.0
+    latency: float = 0.0
+    itls: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    error: str = ""
+
+
+def default_prompts() -> list[Prompt]:
+    """The chat workload shared with the throughput benchmark."""
+    return json.loads((DATA / "chat_prompts.json").read_text())["prompts"]
+
+
+def _request_body(prompt: Prompt, model: str, max_tokens: int) -> tuple[str, dict[str, Any]]:
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        # Fixed output lengths make runs comparable (as vllm's random dataset does);
+        # servers that do not know the field ignore it.
+        "ignore_eos": True,
+    }
+    if isinstance(prompt, str):
+        return "/v1/completions", {**body, "prompt": prompt}
+    return "/v1/chat/completions", {**body, "messages": prompt}
+
+
+def _chunk_has_text(obj: dict[str, Any]) -> bool:
+    for choice in obj.get("choices") or []:
+        if choice.get("text") or (choice.get("delta") or {}).get("content"):
+            return True
+    return False
+
+
+async def _one_request(
+    client: httpx.AsyncClient, prompt: Prompt, model: str, max_tokens: int
+) -> RequestResult:
+    path, body = _request_body(prompt, model, max_tokens)
+    result = RequestResult()
+    chunks = 0
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", path, json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                obj = json.loads(line[6:])
+                if "error" in obj:
+                    result.error = str(obj["error"])
+                    return result
+                now = time.perf_counter()
+                if obj.get("usage"):
+                    result.prompt_tokens = obj["usage"]["prompt_tokens"]
+                    result.output_tokens = obj["usage"]["completion_tokens"]
+                if _chunk_has_text(obj):
+                    if chunks == 0:
+                        result.ttft = now - start
+                    else:
+                        result.itls.append(now - last)
+                    chunks += 1
+                    last = now
+    except httpx.HTTPError as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+        return result
+    result.latency = time.perf_counter() - start
+    result.output_tokens = result.output_tokens or chunks  # no usage: count chunks
+    result.ok = chunks > 0
+    return result
+
+
+def _stats_ms(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": 0.0, "median": 0.0, "p99": 0.0}
+    ordered = sorted(values)
+    p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+    return {"mean": 1e3 * statistics.fmean(ordered), "median": 1e3 * statistics.median(ordered),
+            "p99": 1e3 * p99}
+
+
+def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    summary: dict[str, Any] = {
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "duration_s": duration,
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": out_tokens / duration,
+        "total_token_throughput": (in_tokens + out_tokens) / duration,
+    }
+    for name, values in [("ttft", [r.ttft for r in ok]), ("tpot", tpots),
+                         ("itl", [x for r in ok for x in r.itls]),
+                         ("e2el", [r.latency for r in ok])]:
+        for stat, value in _stats_ms(values).items():
+            summary[f"{stat}_{name}_ms"] = value
+    errors = [r.error for r in results if r.error]
+    if errors:
+        summary["first_errors"] = errors[:3]
+    return summary
+
+
+async def _served_model(client: httpx.AsyncClient) -> str:
+    response = await client.get("/v1/models")
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]
+
+
+async def arun_serve_bench(
+    base_url: str,
+    num_requests: int = 64,
+    concurrency: int = 16,
+    max_tokens: int = 32,
+    prompts: list[Prompt] | None = None,
+    model: str | None = None,
+    api_key: str | None = None,
+) -> dict[str, Any]:
+    prompts = prompts or default_prompts()
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers, limits=limits,
+                                 timeout=httpx.Timeout(600.0)) as client:
+        model = model or await _served_model(client)
+        gate = asyncio.Semaphore(concurrency)
+
+        async def limited(i: int) -> RequestResult:
+            async with gate:
+                return await _one_request(client, prompts[i % len(prompts)], model, max_tokens)
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(limited(i) for i in range(num_requests)))
+        duration = time.perf_counter() - start
+    summary = summarize(list(results), duration)
+    summary.update(base_url=base_url, model=model, num_requests=num_requests,
+                   concurrency=concurrency, max_tokens=max_tokens)
+    return summary
+
+
+def run_serve_bench(
+    base_url: str | None = None,
+    num_requests: int = 64,
+    concurrency: int = 16,
+    max_tokens: int = 32,
+    prompts: list[Prompt] | None = None,
+    model: str | None = None,
+    api_key: str | None = None,
+    engine_kwargs: dict[str, Any] | None = None,
+    quick: bool = False,
+) -> dict[str, Any]:
+    """Benchmarks the server at base_url, or (base_url None) a pagedkv server started in this
+    process with LLMEngine(**engine_kwargs) (default: the shipped SmolLM2). quick: a
+    16-request, 16-token smoke run."""
+    if quick:
+        num_requests, concurrency, max_tokens = 16, 8, 16
+    kwargs = dict(num_requests=num_requests, concurrency=concurrency, max_tokens=max_tokens,
+                  prompts=prompts, model=model, api_key=api_key)
+    if base_url is not None:
+        return asyncio.run(arun_serve_bench(base_url, **kwargs))
+    from pagedkv.engine import LLMEngine
+    from pagedkv.server import ServerThread, build_app
+
+    engine = LLMEngine(**(engine_kwargs or {}))
+    with ServerThread(build_app(engine, api_key=api_key)) as server:
+        result = asyncio.run(arun_serve_bench(server.url, **kwargs))
+    result["base_url"] = "in-process"
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base-url", default=None, help="a running server (default: start one)")
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--model", default=None,
+                    help="name to request (default: the server's first model); with no "
+                         "--base-url, the model source for the in-process engine")
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--quick", action="store_true", help="16 requests of 16 tokens")
+    ap.add_argument("--prompt", action="append", default=None,
+                    help="raw completion prompt (repeatable; default: the chat workload)")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # as the CLI: weights from local files only
+    in_process = args.base_url is None
+    result = run_serve_bench(
+        args.base_url, num_requests=args.num_requests, concurrency=args.concurrency,
+        max_tokens=args.max_tokens, prompts=args.prompt,
+        model=None if in_process else args.model, api_key=args.api_key,
+        engine_kwargs={"model": args.model} if in_process else None, quick=args.quick,
+    )
+    print(json.dumps(result, indent=2))
+    return 0 if result["failed"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

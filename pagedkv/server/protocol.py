@@ -1,0 +1,319 @@
+"""OpenAI-compatible request models, the API error type, and response/chunk builders.
+
+Requests are validated strictly (a string where a number belongs is a 400, not silently
+coerced) because that is what OpenAI clients expect; unknown fields are ignored so newer
+clients that send extra options keep working.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pagedkv.server.async_engine import Choice, TokenLogprob, Update
+
+M = TypeVar("M", bound=BaseModel)
+
+# --- errors ----------------------------------------------------------------------------------
+
+
+class ApiError(Exception):
+    """An error the server reports to the client as an OpenAI-style JSON body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def parse_request(model: type[M], raw: bytes) -> M:
+    """Validate a raw JSON body; every problem becomes a 400 naming the offending field."""
+    try:
+        return model.model_validate_json(raw or b"{}")
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        if err["type"] == "json_invalid":
+            raise ApiError(400, f"Malformed JSON body: {err['msg']}") from None
+        loc = [str(p) for p in err["loc"]]
+        param = loc[0] if loc else None
+        where = ".".join(loc) or "body"
+        raise ApiError(400, f"Invalid value for '{where}': {err['msg']}", param=param) from None
+
+
+# --- requests --------------------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool | None = False
+
+
+class _GenerationRequest(BaseModel):
+    """Sampling fields shared by /v1/completions and /v1/chat/completions."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)  # extension (vLLM-style); 0/-1 = off
+    seed: int | None = None
+    stop: str | list[str] | None = Field(default=None)
+    stop_token_ids: list[int] | None = None  # extension
+    ignore_eos: bool = False  # extension
+    n: int = Field(default=1, ge=1, le=64)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        if len(stops) > 16 or any(not s for s in stops):
+            raise ApiError(400, "'stop' takes at most 16 non-empty strings", param="stop")
+        return stops
+
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def logprobs_count(self) -> int | None:
+        return None
+
+    def sampling_kwargs(self, max_tokens: int) -> dict[str, Any]:
+        """Keyword arguments for SamplingParams; None fields keep the engine's defaults."""
+        kwargs: dict[str, Any] = {
+            "max_tokens": max_tokens,
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "top_k": -1 if self.top_k is None else self.top_k,
+            "seed": self.seed,
+            "stop": self.stop_list() or None,
+            "stop_token_ids": self.stop_token_ids,
+            "ignore_eos": self.ignore_eos,
+            "n": self.n,
+        }
+        if self.logprobs_count() is not None:
+            kwargs["logprobs"] = self.logprobs_count()
+        return kwargs
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    echo: bool = False
+
+    def engine_prompt(self) -> str | list[int]:
+        """The single prompt; batches are refused rather than half-supported."""
+        if self.echo:
+            raise ApiError(400, "'echo' is not supported", param="echo")
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return prompt
+        if prompt and isinstance(prompt[0], str | list):
+            if len(prompt) != 1:
+                raise ApiError(
+                    400, "Batched prompts are not supported; send one prompt per request",
+                    param="prompt",
+                )
+            prompt = prompt[0]
+            return prompt if isinstance(prompt, str) else list(prompt)
+        if not prompt:
+            raise ApiError(400, "'prompt' must not be empty", param="prompt")
+        return list(prompt)  # type: ignore[arg-type]
+
+    def logprobs_count(self) -> int | None:
+        return self.logprobs
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    def engine_prompt(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+    def requested_max_tokens(self) -> int | None:
+        # max_completion_tokens is the newer name; it wins when both are given.
+        return self.max_completion_tokens or self.max_tokens
+
+    def logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+# --- responses -------------------------------------------------------------------------------
+
+
+def usage(update: Update) -> dict[str, Any]:
+    completion = sum(len(c.token_ids) for c in update.choices)
+    out: dict[str, Any] = {
+        "prompt_tokens": update.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": update.prompt_tokens + completion,
+    }
+    if update.cached_tokens:
+        out["prompt_tokens_details"] = {"cached_tokens": update.cached_tokens}
+    return out
+
+
+class ResponseFormat:
+    """Builds the JSON objects of one endpoint (completions or chat) for one request."""
+
+    object_full = "text_completion"
+    object_chunk = "text_completion"
+
+    def __init__(self, request_id: str, model: str, top_logprobs: int = 0) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.top_logprobs = top_logprobs
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.request_id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def full(self, update: Update) -> dict[str, Any]:
+        body = self._envelope(self.object_full, [self.full_choice(c) for c in update.choices])
+        body["usage"] = usage(update)
+        return body
+
+    def usage_chunk(self, update: Update) -> dict[str, Any]:
+        body = self._envelope(self.object_chunk, [])
+        body["usage"] = usage(update)
+        return body
+
+    def full_choice(self, choice: Choice) -> dict[str, Any]:
+        return {
+            "index": choice.index,
+            "text": choice.text,
+            "logprobs": self.logprobs(choice.logprobs),
+            "finish_reason": choice.finish_reason,
+        }
+
+    def logprobs(
+        self, entries: Sequence[TokenLogprob] | None, text_offset: int = 0
+    ) -> dict[str, Any] | None:
+        """The legacy completions shape: parallel lists, top alternatives as dicts."""
+        if entries is None:
+            return None
+        offsets = list(itertools.accumulate((len(e.token) for e in entries[:-1]),
+                                            initial=text_offset))
+        return {
+            "tokens": [e.token for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [dict(e.top[: self.top_logprobs]) for e in entries],
+            "text_offset": offsets[: len(entries)],
+        }
+
+    def start_chunks(self, index: int) -> list[dict[str, Any]]:
+        return []
+
+    def delta_chunk(
+        self, index: int, text: str, finish_reason: str | None,
+        logprobs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        choice = {"index": index, "text": text, "logprobs": logprobs,
+                  "finish_reason": finish_reason}
+        return self._envelope(self.object_chunk, [choice])
+
+
+class ChatResponseFormat(ResponseFormat):
+    object_full = "chat.completion"
+    object_chunk = "chat.completion.chunk"
+
+    def full_choice(self, choice: Choice) -> dict[str, Any]:
+        return {
+            "index": choice.index,
+            "message": {"role": "assistant", "content": choice.text},
+            "logprobs": self.logprobs(choice.logprobs),
+            "finish_reason": choice.finish_reason,
+        }
+
+    def logprobs(
+        self, entries: Sequence[TokenLogprob] | None, text_offset: int = 0
+    ) -> dict[str, Any] | None:
+        if entries is None:
+            return None
+
+        def item(token: str, logprob: float) -> dict[str, Any]:
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+        return {"content": [
+            {**item(e.token, e.logprob),
+             "top_logprobs": [item(t, lp) for t, lp in e.top[: self.top_logprobs]]}
+            for e in entries
+        ]}
+
+    def start_chunks(self, index: int) -> list[dict[str, Any]]:
+        # OpenAI sends the role alone in the first delta of every choice.
+        choice = {
+            "index": index,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        return [self._envelope(self.object_chunk, [choice])]
+
+    def delta_chunk(
+        self, index: int, text: str, finish_reason: str | None,
+        logprobs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        delta = {"content": text} if text else {}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs,
+                  "finish_reason": finish_reason}
+        return self._envelope(self.object_chunk, [choice])
