@@ -22,5 +22,5 @@ def run_benchmark(which: str, args: argparse.Namespace) -> dict:
     if which == "serve":
         from benchmarks.bench_serve import run_serve_bench
 
-        return run_serve_bench(getattr(args, "base_url", None))
+        return run_serve_bench(getattr(args, "base_url", None), quick=quick)
     raise ValueError(f"unknown benchmark {which!r}")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import numpy as np
 import torch
@@ -74,6 +75,9 @@ class CacheStats:
     prefix_hit_rate: float
     memory_used_bytes: int
     memory_total_bytes: int
+
+
+_token_ids_of = attrgetter("token_ids")
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -134,6 +138,15 @@ class PagedKVCache:
             return self.seqs[seq_id]
         except (KeyError, TypeError):
             raise UnknownSequenceError(f"unknown sequence {seq_id!r}") from None
+
+    def _seqs_of(self, seq_ids: Sequence[SeqId]) -> list[SeqState]:
+        """States of a batch of sequences (UnknownSequenceError for the first unknown id)."""
+        try:
+            return [self.seqs[i] for i in seq_ids]
+        except (KeyError, TypeError):
+            for i in seq_ids:
+                self.seq(i)  # raises the typed error
+            raise
 
     def __contains__(self, seq_id: SeqId) -> bool:
         return seq_id in self.seqs
@@ -228,6 +241,8 @@ class PagedKVCache:
             raise OutOfBlocksError(grow + cow, self.pool.num_free, f"append to {seq_id!r}")
         if cow:
             self._copy_on_write(s)
+        else:
+            self._drop_stale_tail_hash(s)
         if grow:
             first = len(s.blocks)
             s.blocks.extend(self.pool.allocate(grow))
@@ -239,10 +254,21 @@ class PagedKVCache:
             self.mark_computed(seq_id, s.num_tokens)
 
     def append_one_each(self, seq_ids: Sequence[SeqId], token_ids: Sequence[int]) -> None:
-        """Decode fast path: append one known token to each sequence (all-or-nothing)."""
+        """Decode fast path: append one known token to each sequence (all-or-nothing).
+
+        Every argument is checked before anything changes: each id known and listed once, one
+        token per sequence, and only sequences that track their token ids.
+        """
         bs = self.block_size
-        seqs = [self.seq(i) for i in seq_ids]
-        need = sum(1 for s in seqs if s.num_tokens % bs == 0 or self._needs_cow(s))
+        seqs = self._seqs_of(seq_ids)
+        if len(token_ids) != len(seqs):
+            raise CacheConfigError(f"{len(token_ids)} tokens for {len(seqs)} sequences")
+        if len(set(seq_ids)) != len(seqs):
+            raise CacheConfigError("a sequence is listed twice in one decode step")
+        if None in map(_token_ids_of, seqs):
+            raise CacheConfigError("append_one_each needs sequences with known token ids")
+        # a new block at a block boundary, else a copy if the partial last block is shared
+        need = sum(1 for s in seqs if s.num_tokens % bs == 0 or s.blocks[-1].ref_cnt > 1)
         if need > self.pool.num_free:
             raise OutOfBlocksError(need, self.pool.num_free, "decode step")
         for s, t in zip(seqs, token_ids, strict=True):
@@ -251,6 +277,8 @@ class PagedKVCache:
                 self._write_row(s, len(s.blocks) - 1)
             elif s.blocks[-1].ref_cnt > 1:
                 self._copy_on_write(s)
+            elif s.blocks[-1].hash is not None:
+                self.pool.drop_hash(s.blocks[-1])  # see _drop_stale_tail_hash
             s.token_ids.append(t)  # type: ignore[union-attr]
             s.num_tokens += 1
             if s.num_tokens % bs == 0:
@@ -347,7 +375,7 @@ class PagedKVCache:
         self, seq_ids: Sequence[SeqId], num_new: Sequence[int] | int = 1
     ) -> torch.Tensor:
         """int64 [sum(num_new)]: slots of each sequence's last num_new tokens, in order."""
-        seqs = [self.seq(i) for i in seq_ids]
+        seqs = self._seqs_of(seq_ids)
         if isinstance(num_new, int):
             num_new = [num_new] * len(seqs)
         for s, k in zip(seqs, num_new, strict=True):
@@ -379,7 +407,7 @@ class PagedKVCache:
 
     def block_tables(self, seq_ids: Sequence[SeqId]) -> tuple[torch.Tensor, torch.Tensor]:
         """(int32 [B, max_blocks] block tables padded with 0, int32 [B] context lengths)."""
-        seqs = [self.seq(i) for i in seq_ids]
+        seqs = self._seqs_of(seq_ids)
         rows = np.fromiter((s.row for s in seqs), np.int64, len(seqs))
         lens = np.fromiter((s.num_tokens for s in seqs), np.int32, len(seqs))
         return self._tables_of(rows, lens), torch.from_numpy(lens)
@@ -393,9 +421,11 @@ class PagedKVCache:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One decode step's (slot_mapping int64 [B], block_tables int32 [B, W], seq_lens int32 [B])
         for sequences whose newest token is the one being computed; built in one pass."""
-        seqs = [self.seq(i) for i in seq_ids]
+        seqs = self._seqs_of(seq_ids)
         rows = np.fromiter((s.row for s in seqs), np.int64, len(seqs))
         lens = np.fromiter((s.num_tokens for s in seqs), np.int64, len(seqs))
+        if lens.size and lens.min() < 1:
+            raise PositionError("decode_tensors needs sequences holding at least one token")
         slots = self._slots(rows, lens, np.ones(len(seqs), np.int64))
         lens32 = lens.astype(np.int32)
         return torch.from_numpy(slots), self._tables_of(rows, lens32), torch.from_numpy(lens32)
@@ -420,6 +450,16 @@ class PagedKVCache:
         row = self._np[s.row]
         for i in range(first, n):
             row[i] = s.blocks[i].block_id
+
+    def _drop_stale_tail_hash(self, s: SeqState) -> None:
+        """Before an in-place write into s's partial, unshared last block, forget its hash.
+
+        Such a block can still hold a hash: it was full and shared when `truncate` cut into it,
+        and the other holders have freed it since. Its hash names contents about to be
+        overwritten, so it must not serve a prefix hit any more.
+        """
+        if s.num_tokens % self.block_size and s.blocks[-1].hash is not None:
+            self.pool.drop_hash(s.blocks[-1])
 
     def _copy_on_write(self, s: SeqState) -> None:
         old = s.blocks[-1]

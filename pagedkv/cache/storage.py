@@ -150,6 +150,12 @@ class KVStorage:
             )
         if slot_mapping.dtype not in (torch.int64, torch.int32):
             raise StorageMismatchError(f"slot_mapping must be int64, got {slot_mapping.dtype}")
+        if slot_mapping.device != self.device:
+            raise StorageMismatchError(f"slot_mapping on {slot_mapping.device}, cache on {self.device}")
+        if slot_mapping.numel() and (
+            int(slot_mapping.min()) < -1 or int(slot_mapping.max()) >= self.num_slots
+        ):
+            raise InvalidBlockError(f"slots must lie in [0, {self.num_slots}) or be -1 (padding)")
         write_kv(self.k_cache(layer), self.v_cache(layer), slot_mapping, k, v)
 
     def read(self, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:

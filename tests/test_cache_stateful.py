@@ -1,0 +1,354 @@
+"""Stateful property test: random cache operations against a shadow model, with real K/V data.
+
+The shadow holds, for each live sequence, its token ids, its extra key and the value it wrote at
+each position. Values are a deterministic function of (extra key, token prefix), so a prefix hit
+(which the cache grants only when the whole prefix matches) must read back exactly what the
+original writer wrote. After every step: `check_invariants()` holds, and every live sequence
+reads back its own K/V at every position, through `slot()` + `storage.read()` and through
+`storage.gather()`; a failed operation leaves the whole state (pool, tables, hashes, free queue,
+storage) exactly as before.
+"""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from pagedkv.cache import KVStorage, PagedKVCache
+from pagedkv.cache.hashing import chain_hashes
+from pagedkv.errors import OutOfBlocksError
+
+LAYERS, HEADS, DIM = 2, 1, 2
+VOCAB = 4  # tiny, so prompts share prefixes often
+MAX_LIVE = 8
+SEEDS = {None: 17, "tenant-a": 91}
+MASK = (1 << 20) - 1
+
+# K of (layer l, element d) at a position with value h: h + 0.5*l + 0.25*d; V = -K (exact in fp32)
+_OFFSETS = (0.5 * torch.arange(LAYERS).view(LAYERS, 1, 1)
+            + 0.25 * torch.arange(DIM).view(1, 1, DIM)).expand(LAYERS, HEADS, DIM)
+
+
+def prefix_values(tokens: list[int], extra: object, start: int = 0) -> list[int]:
+    """Value of each position in [start, len): a rolling function of the salted token prefix."""
+    h = SEEDS[extra]
+    out = []
+    for p, t in enumerate(tokens):
+        h = ((h * 1_000_003) ^ (t + 1)) & MASK
+        if p >= start:
+            out.append(h + 1)  # never 0: unwritten storage reads 0
+    return out
+
+
+def kv_of(values: list[int]) -> torch.Tensor:
+    """[T, L, H, D] keys for the given values."""
+    base = torch.tensor(values, dtype=torch.float32).view(-1, 1, 1, 1)
+    return base + _OFFSETS
+
+
+def snapshot(cache: PagedKVCache) -> tuple:
+    """Everything an operation could change: pool, free queue, hash index, tables, storage."""
+    pool = cache.pool
+    seqs = {
+        sid: (s.row, [b.block_id for b in s.blocks],
+              None if s.token_ids is None else list(s.token_ids), s.num_tokens, s.num_computed,
+              list(s.block_hashes), s.extra_key)
+        for sid, s in cache.seqs.items()
+    }
+    return (
+        [(b.block_id, b.ref_cnt, b.hash, b.in_free_queue) for b in pool.blocks],
+        [b.block_id for b in pool.free_queue],
+        {h: b.block_id for h, b in pool.hash_to_block.items()},
+        (pool.num_cached_free, pool.allocations, pool.frees, pool.evictions),
+        seqs,
+        cache._tables.tolist(),
+        list(cache._free_rows),
+        (cache.cow_copies, cache.prefix_queries, cache.prefix_hits),
+        None if cache.storage is None else cache.storage.kv.clone(),
+    )
+
+
+def same_state(a: tuple, b: tuple) -> bool:
+    return a[:-1] == b[:-1] and (a[-1] is None or torch.equal(a[-1], b[-1]))
+
+
+class CacheMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cache: PagedKVCache | None = None
+        self.tokens: dict[int, list[int]] = {}
+        self.extra: dict[int, object] = {}
+        self.written: dict[int, list[int]] = {}  # what each live sequence wrote, per position
+        self.history: list[tuple[list[int], object]] = []  # prompts seen (live or freed)
+        self.block_content: dict[bytes, list[int]] = {}  # chained hash -> its block's values
+        self.next_id = 0
+
+    # --- helpers ------------------------------------------------------------------------------
+
+    def _live(self) -> list[int]:
+        return sorted(self.tokens)
+
+    def _pick(self, idx: int) -> int:
+        live = self._live()
+        return live[idx % len(live)]
+
+    def _write(self, sid: int, start: int, slots: torch.Tensor) -> None:
+        """Write positions [start, len) of `sid` at `slots` in every layer, record the values."""
+        vals = prefix_values(self.tokens[sid], self.extra[sid], start)
+        assert slots.tolist() == [self.cache.slot(sid, p) for p in range(start, len(self.tokens[sid]))]
+        self._store(slots, vals)
+        del self.written[sid][start:]
+        self.written[sid].extend(vals)
+        self._remember_blocks(sid)
+
+    def _remember_blocks(self, sid: int) -> None:
+        """Record what each full block of `sid` must hold, under its chained hash."""
+        bs, tokens = self.cache.block_size, self.tokens[sid]
+        for i, h in enumerate(chain_hashes(tokens, bs, self.extra[sid])):
+            self.block_content[h] = self.written[sid][i * bs : (i + 1) * bs]
+
+    def _store(self, slots: torch.Tensor, vals: list[int]) -> None:
+        if not vals:
+            return
+        k = kv_of(vals)
+        for layer in range(LAYERS):
+            self.storage.write(layer, slots, k[:, layer].contiguous(), (-k[:, layer]).contiguous())
+
+    def _new_id(self) -> int:
+        self.next_id += 1
+        return self.next_id
+
+    def _try(self, fn):
+        """Run fn; on OutOfBlocksError check that nothing changed and return the error."""
+        before = snapshot(self.cache)
+        try:
+            fn()
+        except OutOfBlocksError as e:
+            assert e.needed > e.available >= 0
+            assert same_state(before, snapshot(self.cache)), "a failed operation changed state"
+            return e
+        return None
+
+    # --- setup --------------------------------------------------------------------------------
+
+    @initialize(
+        num_blocks=st.integers(2, 14),
+        block_size=st.sampled_from([1, 2, 4]),
+        caching=st.sampled_from([True, True, True, False]),
+    )
+    def setup(self, num_blocks: int, block_size: int, caching: bool) -> None:
+        self.storage = KVStorage(LAYERS, num_blocks, block_size, HEADS, DIM, torch.float32)
+        self.cache = PagedKVCache(num_blocks, block_size, storage=self.storage,
+                                  enable_prefix_caching=caching)
+
+    # --- rules --------------------------------------------------------------------------------
+
+    def _create(self, prompt: list[int], extra: object) -> None:
+        sid = self._new_id()
+        expected_hit = self.cache.lookup(prompt, extra)
+        assert expected_hit % self.cache.block_size == 0
+        assert expected_hit <= max(0, len(prompt) - 1)
+        out: list[int] = []
+        if self._try(lambda: out.append(self.cache.create(sid, prompt, extra_key=extra))):
+            return
+        (cached,) = out
+        assert cached == expected_hit
+        self.tokens[sid], self.extra[sid] = list(prompt), extra
+        self.written[sid] = prefix_values(prompt, extra)[:cached]  # served by the cache
+        self.history.append((list(prompt), extra))
+        self._write(sid, cached, self.cache.slot_mapping([sid], len(prompt) - cached))
+
+    @precondition(lambda self: len(self.tokens) < MAX_LIVE)
+    @rule(prompt=st.lists(st.integers(0, VOCAB - 1), max_size=20),
+          extra=st.sampled_from([None, None, "tenant-a"]))
+    def create(self, prompt: list[int], extra: object) -> None:
+        self._create(prompt, extra)
+
+    @precondition(lambda self: len(self.tokens) < MAX_LIVE and self.history)
+    @rule(which=st.integers(0, 63), cut=st.none() | st.integers(0, 24),
+          tail=st.lists(st.integers(0, VOCAB - 1), max_size=6),
+          same_extra=st.sampled_from([True, True, True, False]))
+    def create_sharing_prefix(
+        self, which: int, cut: int | None, tail: list[int], same_extra: bool
+    ) -> None:
+        """A prompt that repeats a (live or freed) sequence's prefix: a prefix-cache candidate."""
+        tokens, extra = self.history[-1 - which % len(self.history)]
+        if not same_extra:
+            extra = "tenant-a" if extra is None else None
+        self._create(tokens[:cut] + tail, extra)
+
+    @precondition(lambda self: self.tokens)
+    @rule(idx=st.integers(0, 63), new=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=9))
+    def append(self, idx: int, new: list[int]) -> None:
+        sid = self._pick(idx)
+        need = self.cache.blocks_needed(len(new), sid)
+        free = self.cache.num_free_blocks
+        err = self._try(lambda: self.cache.append(sid, new))
+        assert (err is not None) == (need > free)
+        if err is not None:
+            return
+        start = len(self.tokens[sid])
+        self.tokens[sid].extend(new)
+        self.history.append((list(self.tokens[sid]), self.extra[sid]))
+        self._write(sid, start, self.cache.slot_mapping([sid], len(new)))
+
+    @precondition(lambda self: self.tokens)
+    @rule(idxs=st.lists(st.integers(0, 63), min_size=1, max_size=6),
+          toks=st.lists(st.integers(0, VOCAB - 1), min_size=6, max_size=6))
+    def decode_step(self, idxs: list[int], toks: list[int]) -> None:
+        """The decode fast path: one token each, then the step's tensors, then the write."""
+        sids = list(dict.fromkeys(self._pick(i) for i in idxs))
+        toks = toks[: len(sids)]
+        need = sum(self.cache.blocks_needed(1, s) for s in sids)
+        free = self.cache.num_free_blocks
+        err = self._try(lambda: self.cache.append_one_each(sids, toks))
+        assert (err is not None) == (need > free)
+        if err is not None:
+            return
+        for s, t in zip(sids, toks, strict=True):
+            self.tokens[s].append(t)
+        slots, tables, lens = self.cache.decode_tensors(sids)
+        assert lens.tolist() == [len(self.tokens[s]) for s in sids]
+        for i, s in enumerate(sids):
+            ids = self.cache.block_ids(s)
+            assert tables[i, : len(ids)].tolist() == ids
+            assert tables.shape[1] == max(len(self.cache.block_ids(x)) for x in sids)
+        assert torch.equal(slots, self.cache.slot_mapping(sids, 1))
+        vals = []
+        for s in sids:
+            vals += prefix_values(self.tokens[s], self.extra[s], len(self.tokens[s]) - 1)
+            self.written[s].append(vals[-1])
+        self._store(slots, vals)
+        for s in sids:
+            self._remember_blocks(s)
+
+    @precondition(lambda self: self.tokens and len(self.tokens) < MAX_LIVE)
+    @rule(idx=st.integers(0, 63))
+    def fork(self, idx: int) -> None:
+        src, dst = self._pick(idx), self._new_id()
+        shared = self.cache.block_ids(src)
+        refs = [self.cache.pool.blocks[b].ref_cnt for b in shared]
+        self.cache.fork(src, dst)
+        assert self.cache.block_ids(dst) == shared
+        assert [self.cache.pool.blocks[b].ref_cnt for b in shared] == [r + 1 for r in refs]
+        self.tokens[dst] = list(self.tokens[src])
+        self.extra[dst] = self.extra[src]
+        self.written[dst] = list(self.written[src])
+
+    @precondition(lambda self: self.tokens and len(self.tokens) < MAX_LIVE)
+    @rule(idx=st.integers(0, 63), drop=st.integers(1, 5), drop_parent=st.booleans())
+    def fork_and_roll_back(self, idx: int, drop: int, drop_parent: bool) -> None:
+        """Speculation: a branch drops its last tokens (often inside a shared block)."""
+        src = self._pick(idx)
+        self.fork(self._live().index(src))
+        dst = self.next_id
+        self.truncate(self._live().index(dst), drop, True)
+        if drop_parent:
+            self.free(self._live().index(src))
+
+    @precondition(lambda self: self.tokens)
+    @rule(idx=st.integers(0, 63), keep=st.integers(0, 30), from_end=st.booleans())
+    def truncate(self, idx: int, keep: int, from_end: bool) -> None:
+        """Trim to `keep` tokens, or drop `keep % 7` from the end."""
+        sid = self._pick(idx)
+        n = len(self.tokens[sid])
+        n = max(0, n - keep % 7) if from_end else min(keep, n)
+        self.cache.truncate(sid, n)
+        del self.tokens[sid][n:]
+        del self.written[sid][n:]
+
+    @precondition(lambda self: self.tokens)
+    @rule(idx=st.integers(0, 63))
+    def free(self, idx: int) -> None:
+        sid = self._pick(idx)
+        self.cache.free(sid)
+        del self.tokens[sid], self.extra[sid], self.written[sid]
+
+    @rule(n=st.none() | st.integers(0, 4))
+    def evict(self, n: int | None) -> None:
+        cached = self.cache.pool.num_cached_free
+        got = self.cache.evict(n)
+        assert got == (cached if n is None else min(n, cached))
+        assert self.cache.pool.num_cached_free == cached - got
+
+    @rule()
+    def reset_prefix_cache(self) -> None:
+        self.cache.reset_prefix_cache()
+        assert not self.cache.pool.hash_to_block
+        for tokens, extra in self.history:
+            assert self.cache.lookup(tokens, extra) == 0
+
+    @rule()
+    def defragment(self) -> None:
+        self.cache.defragment()
+        st_ = self.cache.stats()
+        assert st_.holes == 0
+        assert st_.largest_free_run == st_.free_blocks
+
+    @precondition(lambda self: self.history)
+    @rule(which=st.integers(0, 63))
+    def lookup_changes_nothing(self, which: int) -> None:
+        tokens, extra = self.history[which % len(self.history)]
+        before = snapshot(self.cache)
+        self.cache.lookup(tokens, extra)
+        assert same_state(before, snapshot(self.cache))
+
+    # --- invariants ---------------------------------------------------------------------------
+
+    @invariant()
+    def consistent(self) -> None:
+        if self.cache is None:
+            return
+        self.cache.check_invariants()
+        st_ = self.cache.stats()
+        assert st_.active_sequences == len(self.tokens)
+        assert st_.used_blocks + st_.free_blocks == self.cache.num_blocks
+
+    @invariant()
+    def every_hashed_block_holds_its_prefix(self) -> None:
+        """A block in the prefix index (used or cached) holds exactly the K/V its hash names."""
+        if self.cache is None:
+            return
+        bs = self.cache.block_size
+        for h, b in self.cache.pool.hash_to_block.items():
+            assert h in self.block_content, f"block {b.block_id} hashed for unknown contents"
+            k = kv_of(self.block_content[h])
+            for layer in range(LAYERS):
+                gk, gv = self.storage.gather(layer, [b.block_id], bs)
+                assert torch.equal(gk, k[:, layer]) and torch.equal(gv, -k[:, layer]), (
+                    f"cached block {b.block_id} was overwritten"
+                )
+
+    @invariant()
+    def every_sequence_reads_its_own_kv(self) -> None:
+        if self.cache is None:
+            return
+        for sid in self._live():
+            tokens = self.tokens[sid]
+            n = len(tokens)
+            assert self.cache.num_tokens(sid) == n
+            assert self.written[sid] == prefix_values(tokens, self.extra[sid])
+            if n == 0:
+                continue
+            k = kv_of(self.written[sid])  # [n, L, H, D]
+            for p in range(n):
+                slot = self.cache.slot(sid, p)
+                for layer in range(LAYERS):
+                    got_k, got_v = self.storage.read(layer, slot)
+                    assert torch.equal(got_k, k[p, layer]), f"seq {sid} pos {p} layer {layer}: K"
+                    assert torch.equal(got_v, -k[p, layer]), f"seq {sid} pos {p} layer {layer}: V"
+            ids = self.cache.block_ids(sid)
+            for layer in range(LAYERS):
+                gk, gv = self.storage.gather(layer, ids, n)
+                assert torch.equal(gk, k[:, layer]) and torch.equal(gv, -k[:, layer])
+
+
+CacheMachine.TestCase.settings = settings(
+    max_examples=200,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestCacheMachine = CacheMachine.TestCase
