@@ -1,0 +1,289 @@
+"""Attention over the paged KV cache: write the step's new K/V, then prefill + decode attention.
+
+Shapes (T new tokens this step, prefills first, then one token per decode sequence):
+    q [T, Hq, D], k/v [T, Hkv, D], k_cache/v_cache [num_blocks, block_size, Hkv, D]
+Hq is a multiple of Hkv; query head h reads kv head h // (Hq // Hkv) (GQA/MQA).
+
+Prefill uses torch's scaled_dot_product_attention per sequence (a few per step). Decode, the hot
+path (every layer, every step), uses the compiled CPU kernel in paged_decode.cpp, which reads the
+cache block by block; on other devices, or when the kernel cannot be built, a pure-torch
+fallback runs instead. Softmax is computed in float32 for every input dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from pagedkv.attention import kernel as _kernel
+from pagedkv.attention.metadata import AttentionMetadata
+from pagedkv.cache.storage import write_kv
+from pagedkv.errors import StorageMismatchError
+
+__all__ = [
+    "paged_attention",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "decode_backend",
+]
+
+# enable_gqa arrived in torch 2.5; before that the kv heads are expanded explicitly.
+_SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+
+# Tokens per step of the pure-torch decode fallback: bounds the per-chunk gather to
+# B * CHUNK * Hkv * D elements while keeping the number of python-level steps small.
+_FALLBACK_CHUNK_TOKENS = 512
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Write k/v at meta.slot_mapping, then attend; returns [T, Hq, D] in q's dtype.
+
+    q [T, Hq, D]; k, v [T, Hkv, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D].
+    """
+    num_tokens = q.shape[0]
+    num_prefill = meta.num_prefill_tokens
+    if num_prefill + meta.num_decodes != num_tokens or k.shape[0] != num_tokens:
+        raise StorageMismatchError(
+            f"metadata describes {num_prefill} prefill + {meta.num_decodes} decode tokens, "
+            f"but q has {num_tokens} and k {k.shape[0]}"
+        )
+    if num_tokens:
+        write_kv(k_cache, v_cache, meta.slot_mapping, k, v)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, D], contiguous
+    if meta.num_prefills:
+        paged_prefill_attention(
+            q[:num_prefill],
+            k[:num_prefill],
+            v[:num_prefill],
+            k_cache,
+            v_cache,
+            meta.prefill_query_lens,
+            meta.prefill_context_lens,
+            meta.prefill_block_tables,
+            scale,
+            out=out[:num_prefill],
+        )
+    if meta.num_decodes:
+        paged_decode_attention(
+            q[num_prefill:],
+            k_cache,
+            v_cache,
+            meta.decode_block_tables,
+            meta.decode_seq_lens,
+            scale,
+            max_seq_len=meta.max_decode_seq_len or None,
+            out=out[num_prefill:],
+        )
+    return out
+
+
+# --- prefill ----------------------------------------------------------------------------------
+
+
+def _sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    *,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+) -> torch.Tensor:
+    """SDPA on [n, Hq, D] / [L, Hkv, D] token-major tensors; returns [n, Hq, D] float32-softmaxed."""
+    out_dtype = q.dtype
+    if q.device.type == "cpu" and q.dtype != torch.float32:
+        # CPU kernels do not all keep the softmax in float32 for half types; upcasting the
+        # prefill operands is O(L * D), small next to the O(n * L * D) attention.
+        q, k, v = q.float(), k.float(), v.float()
+    hq, hkv = q.shape[1], k.shape[1]
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # head-major views
+    kwargs: dict[str, object] = {}
+    if hq != hkv:
+        if _SDPA_HAS_GQA:
+            kwargs["enable_gqa"] = True
+        else:
+            kh = kh.repeat_interleave(hq // hkv, dim=0)
+            vh = vh.repeat_interleave(hq // hkv, dim=0)
+    o = F.scaled_dot_product_attention(
+        qh.unsqueeze(0),
+        kh.unsqueeze(0),
+        vh.unsqueeze(0),
+        attn_mask=mask,
+        is_causal=causal,
+        scale=scale,
+        **kwargs,
+    )  # [1, Hq, n, D]
+    return o[0].transpose(0, 1).to(out_dtype)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_lens: Sequence[int],
+    context_lens: Sequence[int],
+    block_tables: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention for prefill sequences whose new tokens are concatenated in q/k/v.
+
+    q [P, Hq, D], k/v [P, Hkv, D] with P = sum(query_lens); block_tables [S, max_blocks] int32.
+    New token j of sequence i sees the sequence's context_lens[i] cached tokens (read from
+    k_cache/v_cache [N, bs, Hkv, D] through block_tables[i]) and new tokens 0..j. The new tokens'
+    K/V are taken from k/v, not from the cache, so this does not depend on them being written.
+    Returns [P, Hq, D] (written into `out` when given).
+    """
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    bs = k_cache.shape[1]
+    start = 0
+    for i, (n, ctx) in enumerate(zip(query_lens, context_lens, strict=True)):
+        n, ctx = int(n), int(ctx)
+        if n == 0:
+            continue
+        qi, ki, vi = q[start : start + n], k[start : start + n], v[start : start + n]
+        if ctx == 0:
+            # fresh prompt: its K/V are exactly the new contiguous slices
+            out[start : start + n] = _sdpa(qi, ki, vi, scale, causal=True)
+        else:
+            # prefix-cache hit or a later chunk: gather the cached context by whole blocks
+            nb = -(-ctx // bs)
+            ids = block_tables[i, :nb].to(device=k_cache.device, dtype=torch.int64)
+            kc = k_cache.index_select(0, ids).flatten(0, 1)[:ctx]  # [ctx, Hkv, D]
+            vc = v_cache.index_select(0, ids).flatten(0, 1)[:ctx]
+            kk = torch.cat([kc, ki.to(kc.dtype)])  # [ctx + n, Hkv, D]
+            vv = torch.cat([vc, vi.to(vc.dtype)])
+            # offset-causal: query j sits at absolute position ctx + j
+            qpos = torch.arange(n, device=q.device).unsqueeze(1) + ctx
+            kpos = torch.arange(ctx + n, device=q.device).unsqueeze(0)
+            out[start : start + n] = _sdpa(qi, kk, vv, scale, mask=kpos <= qpos)
+        start += n
+    return out
+
+
+# --- decode -----------------------------------------------------------------------------------
+
+
+def decode_backend(device: torch.device | str = "cpu") -> str:
+    """Which decode implementation a call on `device` uses now: "kernel" or "torch"."""
+    if torch.device(device).type != "cpu" or _kernel.kernel_disabled():
+        return "torch"
+    return "kernel" if _kernel.load_kernel() else "torch"
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_seq_len: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One query token per sequence over its paged K/V; returns [B, Hq, D] in q's dtype.
+
+    q [B, Hq, D]; k_cache/v_cache [N, bs, Hkv, D]; block_tables [B, max_blocks] int32;
+    seq_lens [B] int32 (tokens to attend, the new one included, already written).
+    `max_seq_len` (optional, >= max(seq_lens)) spares the fallback a device sync.
+
+    On CPU this runs the compiled kernel, which reads K/V in place through the block table.
+    The pure-torch fallback (other devices, PAGEDKV_NO_KERNEL=1, or no compiler) gathers the
+    blocks of a chunk of ~512 positions for the whole batch at a time and merges chunks with an
+    online softmax, so it never materializes a full sequence either.
+    """
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if q.shape[0] == 0:
+        return out
+    if _use_kernel(q, k_cache, v_cache, out):
+        if block_tables.dtype != torch.int32 or not block_tables.is_contiguous():
+            block_tables = block_tables.to(torch.int32).contiguous()
+        if seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous():
+            seq_lens = seq_lens.to(torch.int32).contiguous()
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        _kernel.decode_op()(q, k_cache, v_cache, block_tables, seq_lens, float(scale), out)
+        return out
+    out.copy_(_decode_torch(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len))
+    return out
+
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _use_kernel(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor
+) -> bool:
+    # Cheapest tests first: this runs for every layer of every decode step.
+    if not (q.is_cpu and k_cache.is_cpu) or _kernel.kernel_disabled():
+        return False
+    return (
+        q.dtype in _KERNEL_DTYPES
+        and k_cache.dtype in _KERNEL_DTYPES
+        and v_cache.dtype == k_cache.dtype
+        # a non-contiguous cache would need a full copy first, defeating the point
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and out.is_contiguous()
+        and _kernel.load_kernel()
+    )
+
+
+def _decode_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seq_len: int | None,
+) -> torch.Tensor:
+    """Pure-torch paged decode: per-chunk block gather + float32 online softmax (any device)."""
+    b, hq, d = q.shape
+    _, bs, hkv, _ = k_cache.shape
+    g = hq // hkv
+    dev = k_cache.device
+    lens = seq_lens.to(device=dev, dtype=torch.int64).view(b, 1)  # [B, 1]
+    max_len = int(lens.max()) if max_seq_len is None else int(max_seq_len)
+    tables = block_tables.to(device=dev, dtype=torch.int64)
+    qf = q.to(device=dev, dtype=torch.float32).reshape(b, hkv, g, d) * scale  # [B, Hkv, G, D]
+    m = torch.full((b, hkv, g, 1), -math.inf, device=dev)  # running max
+    l_sum = torch.zeros((b, hkv, g, 1), device=dev)  # running softmax denominator
+    acc = torch.zeros((b, hkv, g, d), device=dev)  # running un-normalized output
+    step = max(1, _FALLBACK_CHUNK_TOKENS // bs)  # blocks per chunk
+    for j0 in range(0, -(-max_len // bs), step):
+        ids = tables[:, j0 : j0 + step]  # [B, c]
+        c = ids.shape[1]
+        # gather only this chunk's blocks: [B, c, bs, Hkv, D] -> [B, Hkv, c*bs, D]
+        kc = k_cache[ids].reshape(b, c * bs, hkv, d).transpose(1, 2).float()
+        vc = v_cache[ids].reshape(b, c * bs, hkv, d).transpose(1, 2).float()
+        s = torch.matmul(qf, kc.transpose(-1, -2))  # [B, Hkv, G, c*bs]
+        pos = torch.arange(j0 * bs, (j0 + c) * bs, device=dev)
+        s = s.masked_fill((pos.unsqueeze(0) >= lens)[:, None, None, :], -math.inf)
+        m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
+        # rows with nothing visible yet keep m = -inf; subtract 0 there to avoid inf - inf
+        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        alpha = torch.exp(m - m_safe)
+        p = torch.exp(s - m_safe)
+        l_sum = l_sum * alpha + p.sum(dim=-1, keepdim=True)
+        acc = acc * alpha + torch.matmul(p, vc)
+        m = m_new
+    out = torch.where(l_sum > 0, acc / l_sum.clamp_min(1e-30), torch.zeros_like(acc))
+    return out.reshape(b, hq, d).to(device=q.device, dtype=q.dtype)
