@@ -88,8 +88,8 @@ class LLMEngine:
                                                block_size, cfg.num_kv_heads, cfg.head_dim, wdtype)
         self.storage = KVStorage(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads,
                                  cfg.head_dim, wdtype)
-        self.max_model_len = min(max_model_len or cfg.max_position_embeddings,
-                                 num_blocks * block_size)
+        # not capped by the cache: a request that could never fit it is rejected instead
+        self.max_model_len = max_model_len or cfg.max_position_embeddings
         self.cache = PagedKVCache(num_blocks, block_size, storage=self.storage,
                                   enable_prefix_caching=enable_prefix_caching,
                                   max_seq_len=self.max_model_len)
