@@ -1,0 +1,186 @@
+"""ModelConfig: the few numbers a Llama-family decoder needs, from HF configs or GGUF metadata."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from pagedkv.errors import ModelLoadError, UnsupportedModelError
+
+# HF model_type / GGUF general.architecture -> our name. All share one decoder layout.
+SUPPORTED_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+_HF_CLASS_TO_TYPE = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    architecture: str  # "llama" | "mistral" | "qwen2"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    # None (plain RoPE) or {"rope_type": "llama3", factor, low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings}
+    rope_scaling: dict[str, Any] | None = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v projections (Qwen2)
+    max_position_embeddings: int = 2048
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    # Mistral/Qwen2 sliding window: attention here is full, so an engine must cap context at it
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        self.rope_scaling = normalize_rope_scaling(self.rope_scaling)
+        self.validate()
+
+    def validate(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES.values():
+            raise UnsupportedModelError(f"unsupported architecture {self.architecture!r}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ModelLoadError(f"config: {name} must be a positive int, got {v!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ModelLoadError(
+                f"config: num_heads {self.num_heads} is not a multiple of num_kv_heads "
+                f"{self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ModelLoadError(f"config: RoPE needs an even head_dim, got {self.head_dim}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    # --- constructors ---------------------------------------------------------------------------
+
+    @classmethod
+    def from_hf(cls, hf_config: Any) -> ModelConfig:
+        """From a transformers PretrainedConfig or a config.json dict."""
+        d = hf_config if isinstance(hf_config, Mapping) else hf_config.to_dict()
+        arch = _hf_architecture(d)
+        if d.get("hidden_act", "silu") != "silu" or d.get("mlp_bias", False):
+            raise UnsupportedModelError(
+                f"{arch}: only a bias-free SwiGLU (silu) MLP is supported, got "
+                f"hidden_act={d.get('hidden_act')!r} mlp_bias={d.get('mlp_bias')!r}"
+            )
+        heads = d["num_attention_heads"]
+        rope = dict(d.get("rope_parameters") or {})  # transformers 5: theta lives in here
+        theta = rope.pop("rope_theta", None) or d.get("rope_theta") or 10000.0
+        scaling = d.get("rope_scaling") or rope or None
+        window = d.get("sliding_window")
+        if arch == "qwen2" and not d.get("use_sliding_window", False):
+            window = None
+        return cls(
+            architecture=arch,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_layers=d["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=arch == "qwen2" or bool(d.get("attention_bias", False)),
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=_as_id_list(d.get("eos_token_id")),
+            sliding_window=window,
+        )
+
+    @classmethod
+    def from_gguf(cls, metadata: Mapping[str, Any], tensor_names: Iterable[str]) -> ModelConfig:
+        """From GGUF key/values (`general.architecture`, `<arch>.block_count`, ...)."""
+        gguf_arch = metadata.get("general.architecture")
+        if gguf_arch not in ("llama", "qwen2"):  # llama.cpp files Mistral under "llama"
+            raise UnsupportedModelError(f"unsupported GGUF architecture {gguf_arch!r}")
+        names = set(tensor_names)
+        if "rope_freqs.weight" in names:
+            raise UnsupportedModelError(
+                "GGUF rope_freqs (Llama 3.1 style rope scaling) is not supported; load the "
+                "Hugging Face directory instead"
+            )
+        scaling_type = metadata.get(f"{gguf_arch}.rope.scaling.type", "none")
+        if scaling_type != "none":
+            raise UnsupportedModelError(f"GGUF rope scaling {scaling_type!r} is not supported")
+
+        def get(key: str, default: Any = None) -> Any:
+            v = metadata.get(f"{gguf_arch}.{key}", default)
+            if v is None:
+                raise ModelLoadError(f"GGUF metadata lacks {gguf_arch}.{key}")
+            return v
+
+        hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+        vocab = metadata.get(f"{gguf_arch}.vocab_size") or len(metadata.get("tokenizer.ggml.tokens", []))
+        name = str(metadata.get("general.name", "")).lower()
+        eos = [metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+        return cls(
+            architecture="mistral" if gguf_arch == "llama" and "mistral" in name else gguf_arch,
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(get("feed_forward_length")),
+            num_layers=int(get("block_count")),
+            num_heads=heads,
+            num_kv_heads=int(get("attention.head_count_kv", heads)),
+            head_dim=int(get("attention.key_length", hidden // heads)),
+            rope_theta=float(get("rope.freq_base", 10000.0)),
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+            tie_word_embeddings="output.weight" not in names,
+            attention_bias="blk.0.attn_q.bias" in names,
+            max_position_embeddings=int(get("context_length", 2048)),
+            bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=_as_id_list([e for e in eos if e is not None]),
+        )
+
+
+def normalize_rope_scaling(scaling: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """None for plain RoPE, a checked "llama3" dict, or UnsupportedModelError."""
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return None
+    if kind != "llama3":
+        raise UnsupportedModelError(f"rope scaling {kind!r} is not supported (only 'llama3')")
+    missing = [k for k in _LLAMA3_KEYS if k not in scaling]
+    if missing:
+        raise ModelLoadError(f"llama3 rope scaling lacks {missing}")
+    out: dict[str, Any] = {"rope_type": "llama3"}
+    out.update({k: float(scaling[k]) for k in _LLAMA3_KEYS})
+    return out
+
+
+def _hf_architecture(d: Mapping[str, Any]) -> str:
+    model_type = d.get("model_type")
+    if model_type in SUPPORTED_ARCHITECTURES:
+        return SUPPORTED_ARCHITECTURES[model_type]
+    for cls_name in d.get("architectures") or []:
+        if cls_name in _HF_CLASS_TO_TYPE:
+            return _HF_CLASS_TO_TYPE[cls_name]
+    raise UnsupportedModelError(
+        f"unsupported architecture {model_type or d.get('architectures')!r}; "
+        f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def _as_id_list(v: Any) -> list[int]:
+    if v is None:
+        return []
+    if isinstance(v, int):
+        return [v]
+    return list(dict.fromkeys(int(x) for x in v))  # dedupe, keep order
