@@ -85,6 +85,9 @@ def test_parallel_sampling_seeded_and_shared(smollm2) -> None:  # noqa: ANN001
     assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
     assert len({tuple(o.token_ids) for o in a.outputs}) > 1  # samples differ
     assert llm.engine.cache.cow_copies > 0  # forks shared the prompt, then copied on write
+    st = llm.engine.stats()
+    assert st.fork_shared_blocks >= 3  # three children, each sharing the prompt's blocks
+    assert st.fork_saved_bytes == st.fork_shared_blocks * llm.engine.storage.bytes_per_block
     llm.engine.cache.check_invariants()
     assert llm.engine.stats().blocks_used == 0
 

@@ -45,6 +45,8 @@ class EngineStats:
     prompt_tokens_total: int
     generation_tokens_total: int
     cow_copies: int
+    fork_shared_blocks: int  # blocks n > 1 samples shared instead of copying the prompt's
+    fork_saved_bytes: int  # the KV memory that sharing saved
     gen_tokens_per_s: float  # generated tokens / busy seconds, over the engine's life
 
 
@@ -90,6 +92,8 @@ class LLMEngine:
                                  cfg.head_dim, wdtype)
         # not capped by the cache: a request that could never fit it is rejected instead
         self.max_model_len = max_model_len or cfg.max_position_embeddings
+        if cfg.sliding_window:  # no windowed attention: stay where full attention is exact
+            self.max_model_len = min(self.max_model_len, cfg.sliding_window)
         self.cache = PagedKVCache(num_blocks, block_size, storage=self.storage,
                                   enable_prefix_caching=enable_prefix_caching,
                                   max_seq_len=self.max_model_len)
@@ -104,6 +108,7 @@ class LLMEngine:
         self._prompt_tokens = 0
         self._gen_tokens = 0
         self._busy_s = 0.0
+        self._fork_shared = 0
 
     # --- requests -----------------------------------------------------------------------------
 
@@ -218,6 +223,7 @@ class LLMEngine:
             child = self._new_seq(req, i, list(parent.token_ids))
             child.num_computed = parent.num_computed
             self.cache.fork(parent.seq_id, child.seq_id)
+            self._fork_shared += len(self.cache.seq(child.seq_id).blocks)
             self.scheduler.add_running(child)
             req.seqs.append(child)
             tok = sample(row[None], [req.params], [child.generator])[0]
@@ -280,6 +286,8 @@ class LLMEngine:
             prompt_tokens_total=self._prompt_tokens,
             generation_tokens_total=self._gen_tokens,
             cow_copies=c.cow_copies,
+            fork_shared_blocks=self._fork_shared,
+            fork_saved_bytes=self._fork_shared * self.storage.bytes_per_block,
             gen_tokens_per_s=self._gen_tokens / self._busy_s if self._busy_s else 0.0,
         )
 

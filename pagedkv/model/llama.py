@@ -24,6 +24,8 @@ from pagedkv.attention.paged import paged_attention
 from pagedkv.cache.storage import KVStorage
 from pagedkv.errors import ModelLoadError
 from pagedkv.model.config import ModelConfig
+from pagedkv.model.packed import linear as packed_linear
+from pagedkv.model.packed import pack
 
 # HF checkpoint entries that carry no weights we need
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -39,9 +41,10 @@ class Linear(nn.Module):
         self.bias = (
             nn.Parameter(torch.empty(n_out, dtype=dtype), requires_grad=False) if bias else None
         )
+        self.packed: torch.Tensor | None = None  # see packed.py; set by LlamaModel.pack_weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return packed_linear(x, self.weight, self.packed, self.bias)
 
 
 def _rms_weight(n: int, dtype: torch.dtype) -> nn.Parameter:
@@ -148,18 +151,18 @@ class DecoderLayer(nn.Module):
         t = x.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         h = F.rms_norm(x, x.shape[-1:], self.input_norm, self.eps)
-        qkv = F.linear(h, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, (Hq + 2 Hkv) D]
+        qkv = self.qkv_proj(h)  # [T, (Hq + 2 Hkv) D]
         # q and k are rotated together: one set of RoPE ops instead of two
         qk = RotaryEmbedding.rotate(qkv[:, : self.q_size + self.kv_size].view(t, hq + hkv, d), cos, sin)
         q, k = qk[:, :hq], qk[:, hq:]  # [T, Hq, D], [T, Hkv, D]
         v = qkv[:, self.q_size + self.kv_size :].view(t, hkv, d)  # [T, Hkv, D]
         o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
-        return F.linear(o.reshape(t, self.q_size), self.o_proj.weight)
+        return self.o_proj(o.reshape(t, self.q_size))
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         h = F.rms_norm(x, x.shape[-1:], self.post_attention_norm, self.eps)
-        gate, up = F.linear(h, self.gate_up_proj.weight).chunk(2, dim=-1)  # [T, I] each
-        return F.linear(F.silu(gate).mul_(up), self.down_proj.weight)  # SwiGLU
+        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)  # [T, I] each
+        return self.down_proj(F.silu(gate).mul_(up))  # SwiGLU
 
 
 class LlamaModel(nn.Module):
@@ -181,6 +184,22 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
         self.norm = _rms_weight(h, dtype)
         self.rope = RotaryEmbedding(cfg, dtype)
+        self._lm_head_packed: torch.Tensor | None = None
+
+    def pack_weights(self) -> bool:
+        """Pre-pack every matmul weight for the CPU (packed.py); True if packing applies.
+        Costs a second copy of the weights; call again after changing them."""
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.packed = pack(m.weight)
+        self._lm_head_packed = pack(self.lm_head_t.t())
+        return self._lm_head_packed is not None
+
+    def unpack_weights(self) -> None:
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.packed = None
+        self._lm_head_packed = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -207,6 +226,8 @@ class LlamaModel(nn.Module):
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)  # [B, H]: norm + LM head only where needed
         x = F.rms_norm(x, x.shape[-1:], self.norm, self.config.rms_norm_eps)
+        if self._lm_head_packed is not None:
+            return packed_linear(x, self.lm_head_t.t(), self._lm_head_packed).float()  # [B, V]
         return torch.mm(x, self.lm_head_t).float()  # [B, vocab]
 
     def make_kv_storage(self, num_blocks: int, block_size: int) -> KVStorage:
@@ -222,6 +243,7 @@ class LlamaModel(nn.Module):
 
         Raises ModelLoadError on a missing tensor, a shape mismatch, or an unknown name.
         """
+        self.unpack_weights()  # packed copies would go stale
         targets = self._weight_targets()
         seen: set[str] = set()
         for name, tensor in weights:

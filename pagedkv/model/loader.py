@@ -106,6 +106,7 @@ def load_model(
     else:
         raise ModelLoadError(f"cannot load a model from {type(source).__name__}")
     out.model.eval()
+    out.model.pack_weights()
     out.load_seconds = time.perf_counter() - t0
     logger.info("loaded %s (%s) in %.2f s", out.name, dt, out.load_seconds)
     return out
