@@ -740,3 +740,15 @@ def test_table_buffer_grows_with_many_sequences_and_long_ones():
     tables, lens = c.block_tables([0, 39])
     assert tables.shape == (2, 152) and lens.tolist() == [303, 3]
     c.check_invariants()
+
+
+def test_create_reserve_keeps_headroom_or_changes_nothing() -> None:
+    cache = PagedKVCache(4, 4)
+    cache.create("a", list(range(4)))
+    with pytest.raises(OutOfBlocksError) as e:
+        cache.create("b", list(range(100, 108)), reserve=2)  # 2 blocks + 2 reserved > 3 free
+    assert e.value.needed == 2 and e.value.available == 1
+    assert "b" not in cache and cache.num_free_blocks == 3
+    cache.create("b", list(range(100, 108)), reserve=1)
+    assert cache.num_free_blocks == 1
+    cache.check_invariants()

@@ -198,7 +198,8 @@ class FakeEngine:
             blocks_free=self.num_blocks - self.blocks_used, prefix_cache_queries=0,
             prefix_cache_hits=0, prefix_hit_rate=0.0, num_preemptions=0,
             num_requests_finished=self.finished, prompt_tokens_total=self.prompt_tokens,
-            generation_tokens_total=self.gen_tokens, cow_copies=0, gen_tokens_per_s=0.0,
+            generation_tokens_total=self.gen_tokens, cow_copies=0, fork_shared_blocks=0,
+            fork_saved_bytes=0, gen_tokens_per_s=0.0,
         )
 
 

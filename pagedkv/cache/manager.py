@@ -191,8 +191,12 @@ class PagedKVCache:
         *,
         extra_key: object = None,
         computed: bool = True,
+        reserve: int = 0,
     ) -> int:
         """Add a sequence holding `token_ids` (or a count of unknown tokens).
+
+        `reserve`: fail unless this many free blocks remain afterwards (a scheduler's headroom
+        for the sequences already running).
 
         Reuses cached blocks of the longest cached prefix (capped at len - 1 tokens, so the last
         token is always computed for its logits) and allocates the rest. Returns the number of
@@ -205,7 +209,7 @@ class PagedKVCache:
         hits, hashes = self._find_cached(ids, n, extra_key)
         needed = _cdiv(n, self.block_size) - len(hits)
         revived = sum(1 for b in hits if b.ref_cnt == 0)  # touching them takes them off the queue
-        available = self.pool.num_free - revived
+        available = self.pool.num_free - revived - reserve
         if needed > available:
             raise OutOfBlocksError(needed, available, f"sequence {seq_id!r}")
         for b in hits:

@@ -100,9 +100,8 @@ class Scheduler:
     def _admit(self, s: Sequence) -> bool:
         """Allocate the blocks of a waiting sequence's tokens; False (nothing changed) if short."""
         try:
-            cached = self.cache.create(
-                s.seq_id, s.token_ids, extra_key=s.request.cache_salt, computed=False
-            )
+            cached = self.cache.create(s.seq_id, s.token_ids, extra_key=s.request.cache_salt,
+                                       computed=False, reserve=self._headroom())
         except OutOfBlocksError:
             return False
         if s.request.first_token_time is None and s.index == 0:
@@ -113,6 +112,14 @@ class Scheduler:
         s.admitted = self._admissions
         self.running.append(s)
         return True
+
+    def _headroom(self) -> int:
+        """Blocks to keep free when admitting: about one step of growth for the running
+        decodes, so a new prompt does not take the blocks they need next (and get preempted
+        straight away, its prefill wasted)."""
+        if not self.running:
+            return 0
+        return min(len(self.running) // self.cache.block_size + 1, self.cache.num_blocks // 100 + 1)
 
     def preempt(self, s: Sequence) -> None:
         """Recompute preemption: free the blocks, requeue at the front."""
