@@ -203,14 +203,12 @@ class LLMEngine:
                 self._fork_samples(s, logits[row])
             self._accept(s, tok, logits[row])
             touched[req.request_id] = req
-        outs = [self._output(r) for r in touched.values()]
         for r in touched.values():
             if r.finished:
                 r.finish_time = time.monotonic()
                 self.requests.pop(r.request_id, None)
                 self._finished += 1
-                outs_r = next(o for o in outs if o.request_id == r.request_id)
-                outs_r.finished, outs_r.finish_time = True, r.finish_time
+        outs = [self._output(r) for r in touched.values()]
         self._busy_s += time.perf_counter() - t0
         return outs
 
@@ -263,8 +261,9 @@ class LLMEngine:
         outs = [CompletionOutput(s.index, s.text, list(s.output_ids), s.finish_reason,
                                  None if s.logprobs is None else list(s.logprobs))
                 for s in r.seqs]
-        return RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, outs, False,
-                             r.num_cached_tokens, r.arrival_time, r.first_token_time, None)
+        return RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, outs,
+                             r.finish_time is not None, r.num_cached_tokens, r.arrival_time,
+                             r.first_token_time, r.finish_time)
 
     # --- stats --------------------------------------------------------------------------------
 

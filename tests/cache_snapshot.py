@@ -1,0 +1,33 @@
+"""Full-state snapshots of a PagedKVCache, to assert that a failed operation changed nothing."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedkv.cache import PagedKVCache
+
+
+def snapshot(cache: PagedKVCache) -> tuple:
+    """Everything an operation could change: pool, free queue, hash index, tables, storage."""
+    pool = cache.pool
+    seqs = {
+        sid: (s.row, [b.block_id for b in s.blocks],
+              None if s.token_ids is None else list(s.token_ids), s.num_tokens, s.num_computed,
+              list(s.block_hashes), s.extra_key)
+        for sid, s in cache.seqs.items()
+    }
+    return (
+        [(b.block_id, b.ref_cnt, b.hash, b.in_free_queue) for b in pool.blocks],
+        [b.block_id for b in pool.free_queue],
+        {h: b.block_id for h, b in pool.hash_to_block.items()},
+        (pool.num_cached_free, pool.allocations, pool.frees, pool.evictions),
+        seqs,
+        cache._tables.tolist(),
+        list(cache._free_rows),
+        (cache.cow_copies, cache.prefix_queries, cache.prefix_hits),
+        None if cache.storage is None else cache.storage.kv.clone(),
+    )
+
+
+def same_state(a: tuple, b: tuple) -> bool:
+    return a[:-1] == b[:-1] and (a[-1] is None or torch.equal(a[-1], b[-1]))
