@@ -87,6 +87,15 @@ def _build_name(source: str, flags: list[str]) -> str:
     return f"pagedkv_decode_{isa.replace('-', '_')}_{digest}"
 
 
+def _ninja_on_path() -> None:
+    """pip installs `ninja` next to the interpreter (.venv/bin), which is not on PATH unless
+    the venv is activated; cpp_extension looks for it on PATH."""
+    bindir = os.path.dirname(sys.executable)
+    path = os.environ.get("PATH", "")
+    if bindir not in path.split(os.pathsep):
+        os.environ["PATH"] = bindir + os.pathsep + path
+
+
 def _load() -> None:
     from torch.utils import cpp_extension
 
@@ -103,6 +112,7 @@ def _load() -> None:
             return
         except Exception:  # half-written or foreign file: rebuild below
             logger.debug("cached kernel %s did not load; rebuilding", lib, exc_info=True)
+    _ninja_on_path()
     cpp_extension.load_inline(
         name=name,
         cpp_sources=[source],
