@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagedkv.cache.storage import DTYPES as _DTYPES  # one table of dtype names
 from pagedkv.errors import ModelLoadError
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.gguf_file import GGUFFile
@@ -31,14 +32,6 @@ from pagedkv.model.llama import LlamaModel
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2"
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 # llama.cpp tensor names -> transformers names
