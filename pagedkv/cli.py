@@ -94,13 +94,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from benchmarks import run_benchmark
+    from pagedkv.bench import parser_for
 
-    result = run_benchmark(args.which, args)
+    bench_args = parser_for(args.which).parse_args(args.rest)
+    result = bench_args._run(bench_args)
     text = json.dumps(result, indent=2)
     print(text)
-    if args.output:
-        with open(args.output, "w") as f:
+    if bench_args.output:
+        with open(bench_args.output, "w") as f:
             f.write(text + "\n")
     return 0
 
@@ -135,11 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     s.set_defaults(func=cmd_serve)
 
-    b = sub.add_parser("bench", help="benchmarks; each prints one JSON object")
-    b.add_argument("which", choices=["cache", "attention", "throughput", "serve"])
-    b.add_argument("--output", "-o", default=None, help="also write the JSON here")
-    b.add_argument("--quick", action="store_true", help="fewer repeats / requests")
-    b.add_argument("--base-url", default=None, help="serve: an already running server")
+    from pagedkv.bench import names as bench_names
+
+    b = sub.add_parser("bench", help="benchmarks; each prints one JSON object",
+                       description="`pagedkv bench NAME --help` lists NAME's own options.")
+    b.add_argument("which", choices=bench_names())
+    b.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options")
     b.set_defaults(func=cmd_bench)
     return ap
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from benchmarks.bench_cache import run_cache_bench
+from pagedkv.bench.bench_cache import run_cache_bench
 from pagedkv.demo import run_cache_demo
 
 

@@ -593,7 +593,7 @@ def _healthy(url: str) -> bool:
 
 
 def test_bench_serve_against_fake(serve_fake: Any) -> None:
-    from benchmarks.bench_serve import run_serve_bench
+    from pagedkv.bench.bench_serve import run_serve_bench
 
     server = serve_fake(FakeEngine(step_delay=0.005, max_model_len=1024))
     result = run_serve_bench(server.url, num_requests=12, concurrency=4, max_tokens=6)

@@ -1,7 +1,7 @@
 """`pagedkv bench throughput`: pagedkv against transformers on one chat workload, greedy.
 
 Three workloads, one run, SmolLM2 in float32:
-1. 64 chat requests of varied length (benchmarks/data/chat_prompts.json), max_tokens 128:
+1. 64 chat requests of varied length (pagedkv/bench/data/chat_prompts.json), max_tokens 128:
    pagedkv, transformers static left-padded `generate`, transformers `generate_batch`; how many
    outputs match the unbatched reference (pagedkv one request at a time).
 2. 32 requests sharing a ~500-token system prompt: prefix caching on against off.
@@ -64,7 +64,7 @@ def _diverge(a: list[int], b: list[int]) -> int:
 
 
 def run_throughput_bench(quick: bool = False, max_tokens: int = 128) -> dict:
-    from benchmarks.peers import hf_continuous, hf_static, load_hf
+    from pagedkv.bench.peers import hf_continuous, hf_static, load_hf
     from pagedkv.model.loader import load_model
 
     torch.set_num_threads(os.cpu_count() or 1)
@@ -148,5 +148,5 @@ def _common_prefix(seqs: list[list[int]]) -> int:
     return n
 
 
-if __name__ == "__main__":
-    print(json.dumps(run_throughput_bench(quick="--quick" in sys.argv), indent=2))
+def run(args) -> dict:
+    return run_throughput_bench(quick=args.quick)

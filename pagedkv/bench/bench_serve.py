@@ -5,8 +5,8 @@ p99 of TTFT (time to first token), TPOT (time per output token after the first:
 (latency - ttft) / (output_tokens - 1)), ITL (gap between successive streamed chunks) and
 E2EL (end-to-end latency), in milliseconds.
 
-    python -m benchmarks.bench_serve --base-url http://127.0.0.1:8000   # a running server
-    python -m benchmarks.bench_serve                                     # starts its own
+    pagedkv bench serve --base-url http://127.0.0.1:8000   # a running server
+    pagedkv bench serve                                     # starts its own
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import asyncio
 import json
 import os
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -207,9 +206,7 @@ def run_serve_bench(
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--base-url", default=None, help="a running server (default: start one)")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=16)
@@ -218,21 +215,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="name to request (default: the server's first model); with no "
                          "--base-url, the model source for the in-process engine")
     ap.add_argument("--api-key", default=None)
-    ap.add_argument("--quick", action="store_true", help="16 requests of 16 tokens")
     ap.add_argument("--prompt", action="append", default=None,
                     help="raw completion prompt (repeatable; default: the chat workload)")
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # as the CLI: weights from local files only
     in_process = args.base_url is None
-    result = run_serve_bench(
+    return run_serve_bench(
         args.base_url, num_requests=args.num_requests, concurrency=args.concurrency,
         max_tokens=args.max_tokens, prompts=args.prompt,
         model=None if in_process else args.model, api_key=args.api_key,
         engine_kwargs={"model": args.model} if in_process else None, quick=args.quick,
     )
-    print(json.dumps(result, indent=2))
-    return 0 if result["failed"] == 0 else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -9,12 +9,11 @@ The contiguous baseline is torch SDPA with q [B, Hq, 1, D] and K/V [B, Hkv, L, D
 (enable_gqa) or [B, Hq, L, D] (heads pre-expanded), is_causal=False; the faster of the two is
 the reference, so the ratio is against the best contiguous SDPA has to offer.
 
-Run: python -m benchmarks.bench_attention   (prints one JSON object)
+Run: pagedkv bench attention   (prints one JSON object)
 """
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 import time
@@ -145,7 +144,7 @@ def run_single_stream(repeats: int = 3, max_tokens: int = 128) -> dict:
     """One-sequence generation tokens/s: pagedkv against transformers' `generate` (sdpa), the
     same GGUF weights, the same chat prompt, exactly `max_tokens` greedy tokens each (EOS
     ignored so both do the same work), runs interleaved, medians over `repeats`."""
-    from benchmarks.peers import load_hf
+    from pagedkv.bench.peers import load_hf
     from pagedkv.engine import LLM, SamplingParams
 
     llm = LLM(None, kv_cache_memory="256MiB")
@@ -180,9 +179,5 @@ def run_single_stream(repeats: int = 3, max_tokens: int = 128) -> dict:
             "ratio": round(pa / pb, 2), "target": 1.0}
 
 
-def main() -> None:
-    print(json.dumps(run_attention_bench(), indent=2))
-
-
-if __name__ == "__main__":
-    main()
+def run(args) -> dict:
+    return run_attention_bench(quick=args.quick)

@@ -11,13 +11,12 @@ block_size 16. Measured in one run:
   padded tensor with `torch.tensor` every step (the nano-vllm way), and `speedup_vs_rebuild`.
 - `alloc_free_ops_per_s`: single-block BlockPool allocate + free operations per second.
 
-`python -m benchmarks.bench_cache` prints one JSON object.
+`pagedkv bench cache` prints one JSON object.
 """
 
 from __future__ import annotations
 
 import gc
-import json
 import statistics
 import time
 from collections import deque
@@ -216,9 +215,5 @@ def run_cache_bench(seed: int = 0, repeats: int = 5) -> dict:
     }
 
 
-def main() -> None:
-    print(json.dumps(run_cache_bench()))
-
-
-if __name__ == "__main__":
-    main()
+def run(args) -> dict:
+    return run_cache_bench(repeats=1 if args.quick else 5)
