@@ -36,20 +36,17 @@ HAS_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
 
 @contextlib.contextmanager
 def backend(name: str):
-    """Select the decode backend through PAGEDKV_NO_KERNEL (hypothesis-friendly, no fixture)."""
+    """Select the decode backend (hypothesis-friendly, no fixture)."""
     if name == "kernel" and not HAS_COMPILER:
         pytest.skip("no C++ compiler: the compiled kernel cannot be built here")
-    old = os.environ.get("PAGEDKV_NO_KERNEL")
-    os.environ["PAGEDKV_NO_KERNEL"] = "1" if name == "torch" else "0"
+    old = attn_kernel.CONFIG.use_kernel
+    attn_kernel.set_use_kernel(name == "kernel")
     try:
         # a machine with a compiler must build the kernel: a silent fallback would hide bugs
         assert decode_backend("cpu") == name, attn_kernel.kernel_info()
         yield
     finally:
-        if old is None:
-            del os.environ["PAGEDKV_NO_KERNEL"]
-        else:
-            os.environ["PAGEDKV_NO_KERNEL"] = old
+        attn_kernel.set_use_kernel(old)
 
 
 # --- case construction ------------------------------------------------------------------------
@@ -374,14 +371,13 @@ def test_metadata_mismatch_raises() -> None:
 
 
 def test_build_failure_falls_back_and_warns_once(monkeypatch, caplog) -> None:
-    fresh = {"tried": False, "ok": False, "error": None, "load_s": None, "op": None}
-    monkeypatch.setattr(attn_kernel, "_state", fresh)
+    monkeypatch.setattr(attn_kernel.DECODE, "state", attn_kernel.KernelState())
 
-    def broken() -> None:
+    def broken(op) -> None:
         raise RuntimeError("no compiler here")
 
-    monkeypatch.setattr(attn_kernel, "_load", broken)
-    monkeypatch.delenv("PAGEDKV_NO_KERNEL", raising=False)
+    monkeypatch.setattr(attn_kernel, "_load_op", broken)
+    monkeypatch.setattr(attn_kernel.CONFIG, "use_kernel", True)
     q, kc, vc, tables, lens, ref = _decode_problem(2, [30, 3])
     with caplog.at_level(logging.WARNING, logger=attn_kernel.__name__):
         out1 = paged_decode_attention(q, kc, vc, tables, lens, 0.2)
@@ -392,11 +388,26 @@ def test_build_failure_falls_back_and_warns_once(monkeypatch, caplog) -> None:
     assert torch.equal(out1, out2)
 
 
-def test_env_var_forces_fallback(monkeypatch) -> None:
+def test_env_var_is_read_once_and_forces_fallback(monkeypatch) -> None:
     monkeypatch.setenv("PAGEDKV_NO_KERNEL", "1")
-    assert decode_backend("cpu") == "torch"
+    assert attn_kernel.AttentionConfig.from_env().use_kernel is False
     monkeypatch.setenv("PAGEDKV_NO_KERNEL", "0")
+    assert attn_kernel.AttentionConfig.from_env().use_kernel is True
+    monkeypatch.setattr(attn_kernel.CONFIG, "use_kernel", False)
+    monkeypatch.setenv("PAGEDKV_NO_KERNEL", "0")  # changing the env later changes nothing
+    assert decode_backend("cpu") == "torch"
+    monkeypatch.setattr(attn_kernel.CONFIG, "use_kernel", True)
     assert decode_backend("meta") == "torch"  # other devices always use the fallback
+
+
+def test_env_var_read_at_start_in_a_fresh_process() -> None:
+    import subprocess
+    import sys
+
+    code = "from pagedkv.attention import decode_backend; print(decode_backend('cpu'))"
+    env = {**os.environ, "PAGEDKV_NO_KERNEL": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == "torch", out.stderr
 
 
 def test_build_name_depends_on_flags() -> None:

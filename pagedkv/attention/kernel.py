@@ -1,14 +1,17 @@
-"""Lazy build and load of the compiled CPU decode kernel (paged_decode.cpp).
+"""Lazy build and load of compiled CPU kernels; the decode kernel (paged_decode.cpp) is one.
 
-The kernel is compiled on first use with torch.utils.cpp_extension.load_inline and registered as
-`torch.ops.pagedkv_attn.paged_decode`. The build goes to
-`$PAGEDKV_CACHE_DIR` (default `$XDG_CACHE_HOME/pagedkv` or `~/.cache/pagedkv`) under
-`kernels/<name>`, where the name encodes the instruction-set flags and a hash of the source,
-flags, torch and Python versions, so a cache shared between machines of different CPU kinds, or
-after an upgrade, never loads a stale or illegal-instruction build.
+`CompiledOp` is the generic piece: a C++ source file registering ops with TORCH_LIBRARY is
+compiled on first use with torch.utils.cpp_extension.load_inline (light headers, no pybind11)
+and loaded into `torch.ops.<namespace>`. The build goes to `$PAGEDKV_CACHE_DIR` (default
+`$XDG_CACHE_HOME/pagedkv` or `~/.cache/pagedkv`) under `kernels/<name>`, where the name encodes
+the instruction-set flags and a hash of the source, flags, torch and Python versions, so a cache
+shared between machines of different CPU kinds, or after an upgrade, never loads a stale or
+illegal-instruction build.
 
 Any failure (no compiler, no ninja, read-only cache dir...) is logged once as a warning and the
-callers use the pure-torch fallback. `PAGEDKV_NO_KERNEL=1` forces the fallback.
+callers use their pure-torch fallback. Configuration is read once, at import:
+`PAGEDKV_NO_KERNEL=1` forces the fallback for the whole process (`CONFIG.use_kernel`);
+`set_use_kernel` changes it afterwards (tests, benchmarks).
 """
 
 from __future__ import annotations
@@ -19,29 +22,49 @@ import os
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("paged_decode.cpp")
-_OP_NAMESPACE = "pagedkv_attn"
+_DECODE_SOURCE = Path(__file__).with_name("paged_decode.cpp")
 
-_lock = threading.Lock()
-_state: dict[str, object] = {
-    "tried": False,
-    "ok": False,
-    "error": None,
-    "load_s": None,
-    "op": None,
-}
+
+# --- configuration (read once) ----------------------------------------------------------------
+
+
+def _env_flag(name: str) -> bool:
+    value = os.environ.get(name)
+    return bool(value) and value.strip().lower() not in ("", "0", "false", "no")
+
+
+@dataclass(slots=True)
+class AttentionConfig:
+    """Process-wide attention settings, read from the environment once at import."""
+
+    use_kernel: bool = True  # False: always the pure-torch fallback (PAGEDKV_NO_KERNEL=1)
+
+    @classmethod
+    def from_env(cls) -> AttentionConfig:
+        return cls(use_kernel=not _env_flag("PAGEDKV_NO_KERNEL"))
+
+
+CONFIG = AttentionConfig.from_env()
+
+
+def set_use_kernel(enabled: bool) -> None:
+    """Switch between the compiled kernel and the fallback for this process."""
+    CONFIG.use_kernel = bool(enabled)
 
 
 def kernel_disabled() -> bool:
-    """True when PAGEDKV_NO_KERNEL asks for the pure-torch fallback (read on every call)."""
-    value = os.environ.get("PAGEDKV_NO_KERNEL")
-    return bool(value) and value.strip().lower() not in ("", "0", "false", "no")
+    """True when the pure-torch fallback is forced (PAGEDKV_NO_KERNEL at start, or set_use_kernel)."""
+    return not CONFIG.use_kernel
+
+
+# --- build helpers (shared by every compiled kernel) ------------------------------------------
 
 
 def _cpu_flags() -> set[str]:
@@ -60,7 +83,7 @@ def build_flags() -> list[str]:
 
     Not -march=native: the build cache may be reused by another machine of the same family whose
     CPU differs in some extension, so only AVX2/FMA/F16C are enabled, each only if this CPU has
-    it at runtime (the kernel has a scalar path for the rest).
+    it at runtime (kernels keep a scalar path for the rest).
     """
     flags = ["-O3", "-fopenmp"]
     cpu = _cpu_flags()
@@ -79,12 +102,12 @@ def cache_root() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "pagedkv"
 
 
-def _build_name(source: str, flags: list[str]) -> str:
+def _build_name(source: str, flags: list[str], prefix: str = "pagedkv_decode") -> str:
     isa = "-".join(f[2:] for f in flags if f.startswith("-m")) or "generic"
     key = "\n".join([source, " ".join(flags), torch.__version__, sys.version, sys.platform])
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     # the name is also the shared-library name, so it must be a valid identifier
-    return f"pagedkv_decode_{isa.replace('-', '_')}_{digest}"
+    return f"{prefix}_{isa.replace('-', '_')}_{digest}"
 
 
 def _ninja_on_path() -> None:
@@ -96,12 +119,16 @@ def _ninja_on_path() -> None:
         os.environ["PATH"] = bindir + os.pathsep + path
 
 
-def _load() -> None:
+def build_and_load(source_path: Path, prefix: str) -> None:
+    """Compile `source_path` (cached by content, flags and versions) and load it into torch.ops.
+
+    The source must register its ops with TORCH_LIBRARY; raises on any build or load failure.
+    """
     from torch.utils import cpp_extension
 
-    source = _SOURCE.read_text()
+    source = Path(source_path).read_text()
     flags = build_flags()
-    name = _build_name(source, flags)
+    name = _build_name(source, flags, prefix)
     build_dir = cache_root() / "kernels" / name
     build_dir.mkdir(parents=True, exist_ok=True)
     lib = build_dir / f"{name}.so"
@@ -127,47 +154,90 @@ def _load() -> None:
     )
 
 
-def load_kernel() -> bool:
-    """Build (first time) and load the kernel; True when torch.ops.pagedkv_attn is usable.
+@dataclass(slots=True)
+class KernelState:
+    """What happened to one kernel in this process."""
 
-    Thread-safe and attempted once per process: a failure is remembered and warned about once.
+    tried: bool = False
+    ok: bool = False
+    error: str | None = None
+    load_s: float | None = None
+    op: object | None = None  # the op's default overload once loaded
+
+
+@dataclass
+class CompiledOp:
+    """One op of a C++ source, built and loaded lazily, once per process, thread-safely.
+
+    `load()` is True when `torch.ops.<namespace>.<op_name>` is usable (then `op` is its default
+    overload); a failure is remembered and warned about once.
     """
-    if _state["tried"]:
-        return _state["ok"]  # type: ignore[return-value]
-    with _lock:
-        if _state["tried"]:
-            return bool(_state["ok"])
-        t0 = time.perf_counter()
-        try:
-            _load()
-            if not hasattr(getattr(torch.ops, _OP_NAMESPACE), "paged_decode"):
-                raise RuntimeError("the library loaded but did not register paged_decode")
-            _state["op"] = getattr(torch.ops, _OP_NAMESPACE).paged_decode.default
-            _state["ok"] = True
-        except Exception as e:  # any build problem means "use the fallback"
-            _state["error"] = f"{type(e).__name__}: {e}"
-            logger.warning(
-                "pagedkv: compiled decode kernel unavailable (%s); using the pure-torch fallback",
-                _state["error"],
-            )
-        _state["load_s"] = time.perf_counter() - t0
-        _state["tried"] = True
-        return bool(_state["ok"])
+
+    source: Path
+    prefix: str  # build/library name prefix
+    namespace: str
+    op_name: str
+    state: KernelState = field(default_factory=KernelState)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def load(self) -> bool:
+        if self.state.tried:
+            return self.state.ok
+        with self._lock:
+            if self.state.tried:
+                return self.state.ok
+            t0 = time.perf_counter()
+            try:
+                _load_op(self)
+                ns = getattr(torch.ops, self.namespace)
+                if not hasattr(ns, self.op_name):
+                    raise RuntimeError(f"the library loaded but did not register {self.op_name}")
+                self.state.op = getattr(ns, self.op_name).default
+                self.state.ok = True
+            except Exception as e:  # any build problem means "use the fallback"
+                self.state.error = f"{type(e).__name__}: {e}"
+                logger.warning(
+                    "pagedkv: compiled %s kernel unavailable (%s); using the pure-torch fallback",
+                    self.op_name,
+                    self.state.error,
+                )
+            self.state.load_s = time.perf_counter() - t0
+            self.state.tried = True
+            return self.state.ok
+
+    @property
+    def op(self):
+        return self.state.op
+
+    def info(self) -> dict[str, object]:
+        """Loaded?, seconds to build/load, error, compiler flags."""
+        s = self.state
+        return {"loaded": s.ok, "load_s": s.load_s, "error": s.error, "flags": build_flags()}
+
+
+def _load_op(op: CompiledOp) -> None:
+    """Build hook (tests replace it to simulate a broken toolchain)."""
+    build_and_load(op.source, op.prefix)
+
+
+# --- the decode kernel ------------------------------------------------------------------------
+
+DECODE = CompiledOp(_DECODE_SOURCE, "pagedkv_decode", "pagedkv_attn", "paged_decode")
+
+
+def load_kernel() -> bool:
+    """Build (first time) and load the decode kernel; True when it is usable."""
+    return DECODE.load()
 
 
 def kernel_info() -> dict[str, object]:
-    """What happened to the kernel in this process: loaded?, seconds to build/load, error."""
-    return {
-        "loaded": bool(_state["ok"]),
-        "load_s": _state["load_s"],
-        "error": _state["error"],
-        "flags": build_flags(),
-    }
+    """What happened to the decode kernel in this process: loaded?, seconds, error, flags."""
+    return DECODE.info()
 
 
 def decode_op():
-    """The registered op's overload (only valid after load_kernel() returned True).
+    """The registered decode op's overload (only valid after load_kernel() returned True).
 
     Called as op(q, k_cache, v_cache, block_tables, seq_lens, scale, out) -> None.
     """
-    return _state["op"]
+    return DECODE.op

@@ -181,7 +181,7 @@ def paged_prefill_attention(
 
 def decode_backend(device: torch.device | str = "cpu") -> str:
     """Which decode implementation a call on `device` uses now: "kernel" or "torch"."""
-    if torch.device(device).type != "cpu" or _kernel.kernel_disabled():
+    if torch.device(device).type != "cpu" or not _kernel.CONFIG.use_kernel:
         return "torch"
     return "kernel" if _kernel.load_kernel() else "torch"
 
@@ -232,7 +232,7 @@ def _use_kernel(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor
 ) -> bool:
     # Cheapest tests first: this runs for every layer of every decode step.
-    if not (q.is_cpu and k_cache.is_cpu) or _kernel.kernel_disabled():
+    if not (q.is_cpu and k_cache.is_cpu and _kernel.CONFIG.use_kernel):
         return False
     return (
         q.dtype in _KERNEL_DTYPES
