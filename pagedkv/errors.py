@@ -54,6 +54,12 @@ class CacheConfigError(PagedKVError, ValueError):
     """An invalid cache configuration (block size, budget, dtype...)."""
 
 
+class InvalidArgumentError(PagedKVError, TypeError, ValueError):
+    """An argument of the wrong type or shape: an unhashable sequence id, a token id that is not
+    an int64, a list whose length does not match its partner list. Derives from both TypeError
+    and ValueError because callers used to see either."""
+
+
 # --- model -----------------------------------------------------------------------------------
 
 

@@ -13,13 +13,17 @@ dropped before it can be overwritten.
 Block tables live in a persistent int32 buffer [rows, max_blocks] (one row per live sequence),
 updated in place when a block is added, copied or moved; the batched tensors of a step are
 built from it with a few vectorized ops.
+
+Validation: every public method checks its arguments (sequence ids hashable, token ids ints
+within int64, paired lists of equal length) before it changes anything, and reports bad input
+as a PagedKVError (InvalidArgumentError, PositionError, UnknownSequenceError...).
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from operator import attrgetter
+from operator import attrgetter, index
 
 import numpy as np
 import torch
@@ -30,6 +34,7 @@ from pagedkv.cache.storage import KVStorage
 from pagedkv.errors import (
     CacheConfigError,
     DuplicateSequenceError,
+    InvalidArgumentError,
     OutOfBlocksError,
     PositionError,
     StorageMismatchError,
@@ -37,6 +42,7 @@ from pagedkv.errors import (
 )
 
 SeqId = Hashable
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass(slots=True, eq=False)
@@ -78,6 +84,27 @@ class CacheStats:
 
 
 _token_ids_of = attrgetter("token_ids")
+
+
+def _as_list(values: object) -> list:
+    if isinstance(values, str | bytes | dict | set) or not hasattr(values, "__iter__"):
+        raise InvalidArgumentError(f"a list of ints expected, got {values!r:.80}")
+    return list(values)  # type: ignore[call-overload]
+
+
+def _check_ids(ids: list) -> list[int]:
+    """`ids` as plain ints, each within int64 (what the hashes and tensors store)."""
+    if not all(type(t) is int for t in ids):
+        ids = [_as_int(t) for t in ids]
+    if ids and (min(ids) < INT64_MIN or max(ids) > INT64_MAX):
+        raise InvalidArgumentError("token ids must fit in int64")
+    return ids
+
+
+def _as_int(value: object) -> int:
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise InvalidArgumentError(f"an int expected, got {value!r:.80}")
+    return index(value)  # type: ignore[arg-type]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -141,6 +168,8 @@ class PagedKVCache:
 
     def _seqs_of(self, seq_ids: Sequence[SeqId]) -> list[SeqState]:
         """States of a batch of sequences (UnknownSequenceError for the first unknown id)."""
+        if isinstance(seq_ids, str | bytes) or not isinstance(seq_ids, Sequence):
+            raise InvalidArgumentError(f"a list of sequence ids expected, got {seq_ids!r:.80}")
         try:
             return [self.seqs[i] for i in seq_ids]
         except (KeyError, TypeError):
@@ -202,8 +231,7 @@ class PagedKVCache:
         token is always computed for its logits) and allocates the rest. Returns the number of
         tokens served from the prefix cache. All-or-nothing: OutOfBlocksError changes nothing.
         """
-        if seq_id in self.seqs:
-            raise DuplicateSequenceError(f"sequence {seq_id!r} already exists")
+        self._check_new(seq_id)
         ids = self._as_ids(token_ids)
         n = len(ids) if ids is not None else int(token_ids)  # type: ignore[arg-type]
         hits, hashes = self._find_cached(ids, n, extra_key)
@@ -265,6 +293,7 @@ class PagedKVCache:
         """
         bs = self.block_size
         seqs = self._seqs_of(seq_ids)
+        token_ids = _check_ids(_as_list(token_ids))
         if len(token_ids) != len(seqs):
             raise CacheConfigError(f"{len(token_ids)} tokens for {len(seqs)} sequences")
         if len(set(seq_ids)) != len(seqs):
@@ -308,8 +337,7 @@ class PagedKVCache:
     def fork(self, src: SeqId, dst: SeqId) -> None:
         """`dst` shares every block of `src` (ref counts + 1); writes copy on demand."""
         s = self.seq(src)
-        if dst in self.seqs:
-            raise DuplicateSequenceError(f"sequence {dst!r} already exists")
+        self._check_new(dst)
         for b in s.blocks:
             self.pool.touch(b)
         t = SeqState(dst, self._take_row(), list(s.blocks),
@@ -356,7 +384,7 @@ class PagedKVCache:
 
     def lookup(self, token_ids: Sequence[int], extra_key: object = None) -> int:
         """Tokens of `token_ids` a new sequence would get from the cache (no state change)."""
-        ids = list(token_ids)
+        ids = _check_ids(_as_list(token_ids))
         return len(self._find_cached(ids, len(ids), extra_key)[0]) * self.block_size
 
     def _find_cached(
@@ -380,8 +408,11 @@ class PagedKVCache:
     ) -> torch.Tensor:
         """int64 [sum(num_new)]: slots of each sequence's last num_new tokens, in order."""
         seqs = self._seqs_of(seq_ids)
-        if isinstance(num_new, int):
+        if isinstance(num_new, int) and not isinstance(num_new, bool):
             num_new = [num_new] * len(seqs)
+        num_new = _check_ids(_as_list(num_new))
+        if len(num_new) != len(seqs):
+            raise InvalidArgumentError(f"{len(num_new)} counts for {len(seqs)} sequences")
         for s, k in zip(seqs, num_new, strict=True):
             if not 0 <= k <= s.num_tokens:
                 raise PositionError(f"{k} new tokens outside sequence {s.seq_id!r} of {s.num_tokens}")
@@ -475,13 +506,22 @@ class PagedKVCache:
         self._np[s.row, len(s.blocks) - 1] = new.block_id
         self.cow_copies += 1
 
+    def _check_new(self, seq_id: SeqId) -> None:
+        try:
+            hash(seq_id)
+        except TypeError:
+            raise InvalidArgumentError(f"sequence id {seq_id!r:.80} is not hashable") from None
+        if seq_id in self.seqs:
+            raise DuplicateSequenceError(f"sequence {seq_id!r} already exists")
+
     @staticmethod
     def _as_ids(token_ids: Sequence[int] | int) -> list[int] | None:
-        if isinstance(token_ids, int):
+        """Token ids as a list of int64 values, or None for a bare count; validates only."""
+        if isinstance(token_ids, int) and not isinstance(token_ids, bool):
             if token_ids < 0:
                 raise PositionError(f"negative token count {token_ids}")
             return None
-        return list(token_ids)
+        return _check_ids(_as_list(token_ids))
 
     # --- statistics ---------------------------------------------------------------------------
 
