@@ -15,7 +15,7 @@ import torch
 from pagedkv.cache import KVStorage, PagedKVCache
 from pagedkv.cache.storage import num_blocks_for_budget
 from pagedkv.engine.model_runner import ModelRunner
-from pagedkv.engine.sampler import sample, top_logprobs
+from pagedkv.engine.sampler import generator_for, sample, top_logprobs
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.engine.sequence import CompletionOutput, Request, RequestOutput, Sequence, Status
@@ -143,6 +143,7 @@ class LLMEngine:
             raise InvalidParamsError("params must be a SamplingParams")
         if request_id in self.requests:
             raise InvalidParamsError(f"request id {request_id!r} is already in use")
+        params.check_vocab(self.loaded.config.vocab_size)
         ids = self.tokenize(prompt)
         if not ids:
             raise InvalidParamsError("the prompt is empty")
@@ -166,7 +167,7 @@ class LLMEngine:
     def _new_seq(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
         s = Sequence(next(self._seq_ids), req, index, token_ids)
         if req.params.seed is not None:
-            s.generator = torch.Generator().manual_seed(req.params.seed * 1_000_003 + index)
+            s.generator = generator_for(req.params.seed, index)
         if req.params.logprobs is not None:
             s.logprobs = []
         return s

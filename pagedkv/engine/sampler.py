@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from pagedkv.engine.sampling_params import SamplingParams
+
+
+def generator_for(seed: int, index: int) -> torch.Generator:
+    """The generator of sample `index` of a request seeded with `seed` (any int64): its seed is a
+    63-bit hash of both, so every int64 is valid and samples of one request differ."""
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
 
 
 def sample(
@@ -31,6 +40,7 @@ def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | Non
         probs = torch.softmax(sorted_x, dim=-1)
         # drop tokens once the mass before them already reaches top_p (the first always stays)
         drop = (torch.cumsum(probs, dim=-1) - probs) >= p.top_p
+        drop[0] = False
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
         x = torch.empty_like(x).scatter_(0, idx, sorted_x)
     probs = torch.softmax(x, dim=-1)
