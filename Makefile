@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench clean browser
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -18,7 +18,13 @@ demo: $(STAMP)
 lint: $(STAMP)
 	.venv/bin/ruff check .
 
-test: $(STAMP)
+# The dashboard's browser test drives Debian's chromium (Playwright's own browser download
+# cannot work offline); installed once, skipped when present.
+browser:
+	command -v chromium >/dev/null 2>&1 || (apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium)
+
+test: $(STAMP) browser
 	.venv/bin/ruff check .
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
 

@@ -83,7 +83,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from pagedkv.demo import run_demo
 
-    run_demo(model=args.model, max_tokens=args.max_tokens)
+    run_demo(model=args.model, max_tokens=args.max_tokens, plot=args.plot)
     return 0
 
 
@@ -124,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="the cache demonstration, then the model on a few prompts")
     d.add_argument("--model", default=None)
     d.add_argument("--max-tokens", type=int, default=48)
+    d.add_argument("--plot", metavar="DIR", default=None,
+                   help="also write block-map and utilization PNGs into DIR")
     d.set_defaults(func=cmd_demo)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")

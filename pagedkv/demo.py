@@ -7,10 +7,16 @@ copy-on-write on real K/V tensors, and a prefix-cache hit on a shared system pro
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+
 import numpy as np
 import torch
 
 from pagedkv.cache import KVStorage, PagedKVCache, bytes_per_block
+
+# Called at the demo's key moments with (name, cache): `--plot` draws the block map there.
+Moment = Callable[[str, PagedKVCache], None]
 
 # An 8B-class model shape (32 layers, 8 KV heads of 128, fp16) and its max context.
 LAYERS, KV_HEADS, HEAD_DIM, DTYPE, MAX_CONTEXT = 32, 8, 128, "float16", 4096
@@ -27,12 +33,18 @@ def _lengths(rng: np.random.Generator, n: int) -> list[int]:
     return np.clip(lens, 8, MAX_CONTEXT).tolist()
 
 
-def paged_vs_contiguous(num_seqs: int = 64, seed: int = 0) -> list[str]:
-    """Memory and utilization of `num_seqs` live sequences, then churn and compaction."""
+def paged_vs_contiguous(num_seqs: int = 64, seed: int = 0, moment: Moment | None = None,
+                        num_blocks: int | None = None) -> list[str]:
+    """Memory and utilization of `num_seqs` live sequences, forks, churn and compaction.
+
+    `num_blocks`: the pool (default: the contiguous cache's memory, paged); `moment(name,
+    cache)` is called after admission, forks, churn and defragmentation.
+    """
+    moment = moment or (lambda name, cache: None)
     rng = np.random.default_rng(seed)
     per_block = bytes_per_block(LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, DTYPE)
     per_token = per_block // BLOCK_SIZE
-    num_blocks = num_seqs * MAX_CONTEXT // BLOCK_SIZE  # the contiguous cache's memory, paged
+    num_blocks = num_blocks or num_seqs * MAX_CONTEXT // BLOCK_SIZE
     cache = PagedKVCache(num_blocks, BLOCK_SIZE, bytes_per_block=per_block,
                          enable_prefix_caching=False)
     lens = _lengths(rng, num_seqs)
@@ -54,11 +66,16 @@ def paged_vs_contiguous(num_seqs: int = 64, seed: int = 0) -> list[str]:
         f"   -> {contiguous / st.memory_used_bytes:.1f}x less memory; the same memory holds about "
         f"{fit} median-length sequences instead of {num_seqs}",
     ]
+    moment("after admission", cache)
+    out += _forks(cache, rng)
+    moment("after forks", cache)
     # churn: half the sequences finish, shorter ones arrive -> holes; then compact
-    for i in rng.permutation(num_seqs)[: num_seqs // 2].tolist():
-        cache.free(i)
+    live = list(cache.seqs)
+    for i in rng.permutation(len(live))[: len(live) // 2].tolist():
+        cache.free(live[i])
     for j, n in enumerate(_lengths(rng, num_seqs // 4)):
         cache.create(num_seqs + j, n // 2)
+    moment("after churn", cache)
     st = cache.stats()
     out.append(
         f"   after churn: {st.used_blocks} used blocks, {st.holes} free holes below the highest "
@@ -66,6 +83,7 @@ def paged_vs_contiguous(num_seqs: int = 64, seed: int = 0) -> list[str]:
         f"{cache.should_defragment()}"
     )
     moved = cache.defragment()
+    moment("after defragmentation", cache)
     st = cache.stats()
     out.append(
         f"   defragment moved {moved} blocks: {st.holes} holes, largest free run "
@@ -73,6 +91,87 @@ def paged_vs_contiguous(num_seqs: int = 64, seed: int = 0) -> list[str]:
     )
     cache.check_invariants()
     return out
+
+
+def _forks(cache: PagedKVCache, rng: np.random.Generator, n: int = 8, samples: int = 4
+           ) -> list[str]:
+    """n sequences each sample `samples` answers (parallel sampling): the prompt is shared."""
+    before = cache.stats()
+    parents = rng.choice(len(cache.seqs), n, replace=False).tolist()
+    shared = sum(len(cache.block_ids(p)) for p in parents) * (samples - 1)
+    for p in parents:
+        for k in range(1, samples):
+            cache.fork(p, (p, k))
+            cache.append((p, k), 1)  # the sample's first token: copies a partial last block
+        cache.append(p, 1)
+    st = cache.stats()
+    return [
+        f"   forks: {n} sequences sample {samples} answers each; {shared} prompt blocks shared "
+        f"instead of copied, {st.used_blocks - before.used_blocks} new blocks "
+        f"({st.cow_copies - before.cow_copies} copy-on-write copies of partial last blocks)"
+    ]
+
+
+def utilization_over_time(steps: int = 600, max_live: int = 48, seed: int = 0
+                          ) -> dict[str, list[float]]:
+    """Requests arrive, decode one token per step and finish: utilization of the reserved KV
+    memory at every step, paged (blocks) vs contiguous (one max-length buffer per sequence)."""
+    rng = np.random.default_rng(seed)
+    per_block = bytes_per_block(LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, DTYPE)
+    cache = PagedKVCache(max_live * MAX_CONTEXT // BLOCK_SIZE, BLOCK_SIZE,
+                         enable_prefix_caching=False)
+    left: dict[int, int] = {}  # live sequence -> tokens still to generate
+    live_tokens, next_id = 0, 0
+    out: dict[str, list[float]] = {k: [] for k in (
+        "step", "paged_util", "contiguous_util", "paged_gib", "contiguous_gib")}
+    for step in range(steps):
+        for _ in range(rng.poisson(0.25)):
+            if len(left) < max_live:
+                prompt = _lengths(rng, 1)[0] // 2
+                cache.create(next_id, prompt)
+                left[next_id] = max(1, min(_lengths(rng, 1)[0] // 2, MAX_CONTEXT - prompt))
+                live_tokens += prompt
+                next_id += 1
+        for sid in list(left):
+            cache.append(sid, 1)
+            live_tokens += 1
+            left[sid] -= 1
+            if left[sid] == 0:
+                live_tokens -= cache.num_tokens(sid)
+                cache.free(sid)
+                del left[sid]
+        used = cache.num_blocks - cache.num_free_blocks
+        reserved = len(left) * MAX_CONTEXT
+        out["step"].append(step)
+        out["paged_util"].append(live_tokens / (used * BLOCK_SIZE) if used else float("nan"))
+        out["contiguous_util"].append(live_tokens / reserved if reserved else float("nan"))
+        out["paged_gib"].append(used * per_block / 2**30)
+        out["contiguous_gib"].append(reserved * per_block / BLOCK_SIZE / 2**30)
+    return out
+
+
+def write_plots(out_dir: str | Path, num_blocks: int = 3072) -> list[Path]:
+    """The block map at the demo's key moments and utilization over time, as PNGs.
+
+    The map's pool is sized to the workload (`num_blocks`, as a server sizes it from its memory
+    budget) rather than to the contiguous cache's memory, which would be mostly empty cells.
+    """
+    from pagedkv.cache.snapshot import block_map
+    from pagedkv.plot import render_block_map, render_utilization
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths: list[Path] = []
+
+    def draw(name: str, cache: PagedKVCache) -> None:
+        path = out_dir / f"blockmap_{len(paths) + 1}_{name.split()[-1]}.png"
+        render_block_map(block_map(cache), path, f"KV block map {name}")
+        paths.append(path)
+
+    paged_vs_contiguous(moment=draw, num_blocks=num_blocks)
+    path = out_dir / "utilization.png"
+    render_utilization(utilization_over_time(), path)
+    return [*paths, path]
 
 
 def fork_and_copy_on_write() -> list[str]:
@@ -160,13 +259,17 @@ DEMO_PROMPTS = [
 ]
 
 
-def run_demo(model: str | None = None, max_tokens: int = 48) -> None:
-    """`make demo`: the cache report, then the model answering a few prompts in one batch."""
+def run_demo(model: str | None = None, max_tokens: int = 48, plot: str | None = None) -> None:
+    """`make demo`: the cache report, then the model answering a few prompts in one batch.
+    `plot`: a directory for the block-map and utilization PNGs."""
     import time
 
     from pagedkv.engine import LLM, SamplingParams
 
     print(run_cache_demo(), flush=True)
+    if plot:
+        for path in write_plots(plot):
+            print(f"wrote {path}", flush=True)
     print("\n== SmolLM2-135M-Instruct over the paged cache ==", flush=True)
     t0 = time.perf_counter()
     llm = LLM(model, kv_cache_memory="256MiB")
