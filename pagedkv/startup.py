@@ -31,7 +31,7 @@ def prepare_kernel() -> None:
     if kernel.kernel_disabled():
         say("decode kernel: disabled by PAGEDKV_NO_KERNEL; using the pure-torch fallback")
         return
-    built = any((kernel.cache_root() / "kernels").glob("*/*.so"))
+    built = any((kernel.cache_root() / "kernels").glob("pagedkv_decode*/*.so"))
     if not built:
         say("compiling the paged decode kernel, once, about a minute "
             f"(cached in {kernel.cache_root()}) ...")
