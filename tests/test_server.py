@@ -406,7 +406,9 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "abc", "top_p": 0}, 400, "top_p"),
     ("completions", {"prompt": 5}, 400, "prompt"),
     ("completions", {"max_tokens": 3}, 400, "prompt"),
-    ("completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("completions", {"prompt": ["a"] * 65}, 400, "prompt"),  # over the batch limit
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                          "tools": [{"type": "function"}]}, 400, "tools"),
     ("completions", {"prompt": [1, 5000]}, 400, None),
     ("completions", {"prompt": _LONG}, 400, "prompt"),
     ("completions", {"prompt": "y" * 201}, 400, "prompt"),  # over max_prompt_tokens

@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP server over an LLMEngine (FastAPI + uvicorn).
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (streamed as SSE or not),
-GET /v1/models, GET /health, GET /metrics (Prometheus text).
+GET /v1/models, GET /health, GET /metrics (Prometheus text), POST /tokenize, POST /detokenize,
+GET /version (utility.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pagedkv.engine import SamplingParams
 from pagedkv.errors import InvalidParamsError, RequestTooLongError
 from pagedkv.server.async_engine import AsyncEngine, Choice, EngineDeadError, RequestStream, Update
+from pagedkv.server.batch import MergedStream
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.protocol import (
     ApiError,
@@ -39,6 +41,8 @@ from pagedkv.server.protocol import (
     ResponseFormat,
     parse_request,
 )
+from pagedkv.server.unsupported import check_supported
+from pagedkv.server.utility import add_utility_routes
 
 logger = logging.getLogger("pagedkv.server")
 
@@ -196,7 +200,8 @@ class OpenAIServer:
                 404, f"The model '{req.model}' does not exist; this server serves "
                 f"'{self.served_model_name}'", param="model", code="model_not_found",
             )
-        req.engine_prompt()  # batch / echo refusals before touching the engine
+        check_supported(req.model_extra, chat=isinstance(req, ChatCompletionRequest), n=req.n)
+        req.engine_prompts()  # batch / echo refusals before touching the engine
         req.stop_list()
         requested = req.requested_max_tokens()
         if requested is not None and requested > self.max_tokens_limit:
@@ -216,16 +221,24 @@ class OpenAIServer:
 
         return make
 
-    async def _add(self, request: Request, request_id: str, req: Any) -> RequestStream:
+    async def _add(self, request: Request, request_id: str, req: Any) -> Any:
+        """The request's stream; several prompts are one engine request each, merged."""
+        prompts = req.engine_prompts()
+        if len(prompts) == 1:
+            return await self._add_one(request, request_id, req, prompts[0])
+        parts = [await self._add_one(request, f"{request_id}-{i}", req, p)
+                 for i, p in enumerate(prompts)]
+        return MergedStream(request_id, parts, req.n)
+
+    async def _add_one(self, request: Request, request_id: str, req: Any, prompt: Any
+                       ) -> RequestStream:
         try:
-            stream = await self.engine.add(
-                request_id, req.engine_prompt(), self._params_factory(req)
-            )
+            stream = await self.engine.add(request_id, prompt, self._params_factory(req))
         except RequestTooLongError as exc:
             param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
             raise ApiError(400, str(exc), param=param, code="context_length_exceeded") from None
         except InvalidParamsError as exc:
-            raise ApiError(400, str(exc)) from None
+            raise ApiError(400, str(exc), param=getattr(exc, "param", None)) from None
         except EngineDeadError as exc:
             raise ApiError(503, str(exc), type="server_error") from None
         # The guard middleware aborts it if the HTTP request ends before the engine does.
@@ -366,6 +379,7 @@ def build_app(
     app.add_api_route("/metrics", server.metrics_endpoint, methods=["GET"])
     app.add_api_route("/v1/completions", server.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
+    add_utility_routes(app, server)
     app.add_middleware(_Guard, server=server)
     _add_error_handlers(app, server)
     return app

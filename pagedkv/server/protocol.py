@@ -1,8 +1,9 @@
 """OpenAI-compatible request models, the API error type, and response/chunk builders.
 
 Requests are validated strictly (a string where a number belongs is a 400, not silently
-coerced) because that is what OpenAI clients expect; unknown fields are ignored so newer
-clients that send extra options keep working.
+coerced) because that is what OpenAI clients expect. Undeclared fields are kept in
+`model_extra`: the server refuses those it knows and does not implement (see unsupported.py)
+and ignores the rest, so newer clients that send extra bookkeeping options keep working.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ class StreamOptions(BaseModel):
 class _GenerationRequest(BaseModel):
     """Sampling fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="allow")
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -87,6 +88,13 @@ class _GenerationRequest(BaseModel):
     stop: str | list[str] | None = Field(default=None)
     stop_token_ids: list[int] | None = None  # extension
     ignore_eos: bool = False  # extension
+    # ranges are SamplingParams' (its error names the field)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # extension (vLLM)
+    min_p: float | None = None  # extension (vLLM)
+    min_tokens: int | None = None  # extension (vLLM)
+    logit_bias: dict[str, float] | None = None  # {token id: bias}
     n: int = Field(default=1, ge=1, le=64)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -123,7 +131,16 @@ class _GenerationRequest(BaseModel):
         }
         if self.logprobs_count() is not None:
             kwargs["logprobs"] = self.logprobs_count()
+        for name in SAMPLING_EXTRAS:
+            if getattr(self, name) is not None:
+                kwargs[name] = getattr(self, name)
         return kwargs
+
+
+SAMPLING_EXTRAS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
+                   "min_tokens", "logit_bias")
+MAX_BATCH_PROMPTS = 64  # prompts in one /v1/completions request
+MAX_BATCH_CHOICES = 256  # prompts x n
 
 
 class CompletionRequest(_GenerationRequest):
@@ -131,24 +148,28 @@ class CompletionRequest(_GenerationRequest):
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool = False
 
-    def engine_prompt(self) -> str | list[int]:
-        """The single prompt; batches are refused rather than half-supported."""
+    def engine_prompts(self) -> list[str | list[int]]:
+        """The prompts: one string, one token-id list, or a list of either (a batch: one
+        engine request each, their choices numbered prompt * n + sample, as vLLM does)."""
         if self.echo:
             raise ApiError(400, "'echo' is not supported", param="echo")
         prompt = self.prompt
         if isinstance(prompt, str):
-            return prompt
-        if prompt and isinstance(prompt[0], str | list):
-            if len(prompt) != 1:
-                raise ApiError(
-                    400, "Batched prompts are not supported; send one prompt per request",
-                    param="prompt",
-                )
-            prompt = prompt[0]
-            return prompt if isinstance(prompt, str) else list(prompt)
+            return [prompt]
         if not prompt:
             raise ApiError(400, "'prompt' must not be empty", param="prompt")
-        return list(prompt)  # type: ignore[arg-type]
+        if not isinstance(prompt[0], str | list):
+            return [list(prompt)]  # type: ignore[arg-type]
+        if len(prompt) > MAX_BATCH_PROMPTS or len(prompt) * self.n > MAX_BATCH_CHOICES:
+            raise ApiError(400, f"at most {MAX_BATCH_PROMPTS} prompts and {MAX_BATCH_CHOICES} "
+                           f"choices (prompts x n) per request", param="prompt")
+        if any(not p for p in prompt):
+            raise ApiError(400, "'prompt' must not contain an empty prompt", param="prompt")
+        return [p if isinstance(p, str) else list(p) for p in prompt]
+
+    def engine_prompt(self) -> str | list[int]:
+        """The first prompt (a single-prompt request's only one)."""
+        return self.engine_prompts()[0]
 
     def logprobs_count(self) -> int | None:
         return self.logprobs
@@ -182,6 +203,9 @@ class ChatCompletionRequest(_GenerationRequest):
 
     def engine_prompt(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+    def engine_prompts(self) -> list[list[dict[str, str]]]:
+        return [self.engine_prompt()]
 
     def requested_max_tokens(self) -> int | None:
         # max_completion_tokens is the newer name; it wins when both are given.

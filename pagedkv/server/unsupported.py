@@ -1,0 +1,82 @@
+"""Request fields pagedkv knows but does not implement: a 400 naming the field, never a 200
+that quietly behaves differently from what the client asked for.
+
+Each entry lists the values that ask for nothing (what a client sends when the feature is
+off); those pass. Fields in neither this table nor the request models (e.g. `user`,
+`metadata`) are bookkeeping for the client and are accepted and ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedkv.server.protocol import ApiError
+
+_OFF = (None,)
+
+# field -> values that mean "feature off"
+BOTH: dict[str, tuple[Any, ...]] = {
+    # OpenAI
+    "best_of": (None, 1),  # a best_of equal to n is accepted too (see check_supported)
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "audio": _OFF,
+    "modalities": (None, ["text"]),
+    "prediction": _OFF,
+    "web_search_options": _OFF,
+    "reasoning_effort": _OFF,
+    "store": (None, False),
+    # vLLM extensions
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0),
+    "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
+    "truncate_prompt_tokens": _OFF,
+    "prompt_logprobs": _OFF,
+    "bad_words": (None, []),
+    "allowed_token_ids": _OFF,
+    "guided_json": _OFF,
+    "guided_regex": _OFF,
+    "guided_choice": _OFF,
+    "guided_grammar": _OFF,
+    "guided_decoding_backend": _OFF,
+    "structured_outputs": _OFF,
+    "priority": (None, 0),
+    "return_tokens_as_token_ids": (None, False),
+    "lora_request": _OFF,
+}
+COMPLETIONS: dict[str, tuple[Any, ...]] = {
+    "suffix": (None, ""),
+}
+CHAT: dict[str, tuple[Any, ...]] = {
+    "echo": (None, False),
+    "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False),
+    "chat_template": _OFF,
+    "chat_template_kwargs": (None, {}),
+    "documents": _OFF,
+}
+
+
+def _is_off(value: Any, off: tuple[Any, ...]) -> bool:
+    # exact types: True must not pass for 1, nor 0 for False
+    return any(value is None if o is None else type(value) is type(o) and value == o for o in off)
+
+
+def check_supported(extra: dict[str, Any] | None, *, chat: bool, n: int = 1) -> None:
+    """Raise ApiError(400) for the first field in `extra` (a request's fields that the
+    request model does not declare) asking for something pagedkv does not do."""
+    table = {**BOTH, **(CHAT if chat else COMPLETIONS)}
+    for name, value in (extra or {}).items():
+        off = table.get(name)
+        if off is None or _is_off(value, off):
+            continue
+        if name == "best_of" and type(value) is int and value == n:
+            continue
+        raise ApiError(400, f"'{name}' is not supported by this server; leave it out"
+                       f"{'' if off == _OFF else f' or send {off[-1]!r}'}", param=name,
+                       code="unsupported_parameter")

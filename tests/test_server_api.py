@@ -1,0 +1,189 @@
+"""OpenAI API surface beyond generation basics: prompt lists, refused unsupported fields, the
+sampling extras reaching SamplingParams, /tokenize, /detokenize, /version.
+
+Driven over real HTTP with the `openai` client against test_server's deterministic FakeEngine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from test_server import FakeEngine, Running, serve_fake  # noqa: F401  (serve_fake: a fixture)
+
+from pagedkv.engine import SamplingParams
+
+
+class RecordingEngine(FakeEngine):
+    """FakeEngine that keeps every request's SamplingParams."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.params: list[SamplingParams] = []
+
+    def add_request(self, request_id: str, prompt: Any, params: SamplingParams) -> None:
+        super().add_request(request_id, prompt, params)
+        self.params.append(params)
+
+
+@pytest.fixture
+def rec(serve_fake: Any) -> Running:  # noqa: F811
+    return serve_fake(RecordingEngine())
+
+
+def _post(server: Running, path: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json=body, timeout=30)
+
+
+# --- prompt lists ------------------------------------------------------------------------------
+
+
+def test_prompt_list_one_choice_per_prompt(rec: Running) -> None:
+    client = rec.client()
+    r = client.completions.create(model="fake", prompt=["abc", "xy"], max_tokens=4, n=2)
+    got = sorted((c.index, c.text) for c in r.choices)
+    assert got == [(0, "abca"), (1, "abca"), (2, "xyxy"), (3, "xyxy")]
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (5, 16)
+    r = client.completions.create(model="fake", prompt=[[100, 101], [120]], max_tokens=3)
+    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == ["aba", "uuu"]
+
+
+def test_prompt_list_streamed_equals_non_streamed(rec: Running) -> None:
+    client = rec.client()
+    prompts = ["hello", "ab", "xyz"]
+    full = client.completions.create(model="fake", prompt=prompts, max_tokens=6)
+    texts: dict[int, str] = {}
+    reasons: dict[int, str | None] = {}
+    usage = None
+    for chunk in client.completions.create(model="fake", prompt=prompts, max_tokens=6,
+                                           stream=True, stream_options={"include_usage": True}):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            reasons[c.index] = c.finish_reason or reasons.get(c.index)
+        usage = chunk.usage or usage
+    assert texts == {c.index: c.text for c in full.choices}
+    assert all(r == "length" for r in reasons.values()) and len(reasons) == 3
+    assert usage is not None and usage.completion_tokens == 18
+
+
+def test_prompt_list_limits_and_bad_member_change_nothing(rec: Running) -> None:
+    r = _post(rec, "/v1/completions", {"prompt": ["a"] * 65, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    r = _post(rec, "/v1/completions", {"prompt": ["ok", "z" * 300], "max_tokens": 1})
+    assert r.status_code == 400  # the second is over the context: no half answer
+    m = rec.metrics()
+    assert m["pagedkv_num_requests_running"] == 0 and m["pagedkv_num_requests_waiting"] == 0
+    assert rec.engine.blocks_used == 0
+
+
+# --- unsupported fields ------------------------------------------------------------------------
+
+UNSUPPORTED = [
+    ("/v1/chat/completions", "tools",
+     [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
+    ("/v1/chat/completions", "tool_choice", "auto"),
+    ("/v1/chat/completions", "guided_json", {"type": "object"}),
+    ("/v1/completions", "best_of", 3),
+    ("/v1/completions", "suffix", "!"),
+    ("/v1/completions", "use_beam_search", True),
+    ("/v1/completions", "skip_special_tokens", False),
+]
+
+
+@pytest.mark.parametrize(("path", "field", "value"), UNSUPPORTED)
+def test_unsupported_field_is_a_400_naming_it(rec: Running, path: str, field: str,
+                                              value: Any) -> None:
+    body: dict[str, Any] = {"max_tokens": 2, field: value}
+    if "chat" in path:
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    else:
+        body["prompt"] = "hi"
+    r = _post(rec, path, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and field in err["message"]
+    assert rec.engine.params == []  # nothing reached the engine
+
+
+def test_off_values_of_unsupported_fields_pass(rec: Running) -> None:
+    r = rec.client().chat.completions.create(
+        model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+        response_format={"type": "text"}, user="someone", metadata={"k": "v"},
+    )
+    assert r.choices[0].message.content == "hi"
+    r = rec.client().completions.create(model="fake", prompt="ab", max_tokens=2, best_of=1)
+    assert r.choices[0].text == "ab"
+
+
+def test_openai_client_sees_bad_request_for_tools(rec: Running) -> None:
+    with pytest.raises(openai.BadRequestError) as exc:
+        rec.client().chat.completions.create(
+            model="fake", messages=[{"role": "user", "content": "hi"}],
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+        )
+    assert "tools" in str(exc.value)
+
+
+# --- sampling extras -----------------------------------------------------------------------------
+
+
+def test_sampling_extras_reach_sampling_params(rec: Running) -> None:
+    rec.client().chat.completions.create(
+        model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+        presence_penalty=0.5, frequency_penalty=-0.25, logit_bias={"104": 5, "7": -100},
+        extra_body={"repetition_penalty": 1.3, "min_p": 0.05, "min_tokens": 2},
+    )
+    p = rec.engine.params[-1]
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -0.25, 1.3)
+    assert (p.min_p, p.min_tokens) == (0.05, 2)
+    assert p.logit_bias == {104: 5.0, 7: -100.0}
+    rec.client().completions.create(model="fake", prompt="ab", max_tokens=2)
+    p = rec.engine.params[-1]  # absent fields keep SamplingParams' defaults
+    assert (p.presence_penalty, p.repetition_penalty, p.min_p, p.min_tokens, p.logit_bias) == (
+        0.0, 1.0, 0.0, 0, {})
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0),
+    ("min_p", 1.5), ("min_tokens", 99), ("logit_bias", {"5": 1000}), ("logit_bias", {"x": 1}),
+    ("presence_penalty", "high"),
+])
+def test_sampling_extras_out_of_range(rec: Running, field: str, value: Any) -> None:
+    r = _post(rec, "/v1/completions", {"prompt": "ab", "max_tokens": 4, field: value})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field
+    assert rec.engine.params == []
+
+
+# --- utility endpoints ---------------------------------------------------------------------------
+
+
+def test_tokenize_detokenize_version(rec: Running) -> None:
+    r = _post(rec, "/tokenize", {"prompt": "abc"}).json()
+    assert r == {"count": 3, "max_model_len": 256, "tokens": [100, 101, 102]}
+    chat = [{"role": "user", "content": "hello"}]
+    count = _post(rec, "/tokenize", {"messages": chat, "model": "fake"}).json()["count"]
+    done = rec.client().chat.completions.create(model="fake", messages=chat, max_tokens=1)
+    assert count == done.usage.prompt_tokens  # the same count a generation request uses
+    assert _post(rec, "/detokenize", {"tokens": [100, 101, 102]}).json() == {"prompt": "abc"}
+    assert httpx.get(rec.url + "/version").json()["version"].startswith("0.")
+
+
+@pytest.mark.parametrize(("path", "body", "status"), [
+    ("/tokenize", {}, 400),
+    ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, 400),
+    ("/tokenize", {"prompt": 5}, 400),
+    ("/tokenize", {"prompt": "a", "model": "other"}, 404),
+    ("/detokenize", {"tokens": [1, 99999]}, 400),
+    ("/detokenize", {"tokens": [-1]}, 400),
+    ("/detokenize", {"tokens": "abc"}, 400),
+    ("/detokenize", {"tokens": [0] * (1 << 17 + 1)}, 400),
+])
+def test_utility_bad_input(rec: Running, path: str, body: dict[str, Any], status: int) -> None:
+    r = _post(rec, path, body)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["message"]
+    assert _post(rec, "/tokenize", {"prompt": "ok"}).json()["count"] == 2
