@@ -47,7 +47,10 @@ class MapLayout:
 def shared_rgb(refs: int) -> tuple[int, int, int]:
     t = min(max(refs, 2), SHARED_MAX) - 2
     t /= SHARED_MAX - 2
-    return tuple(round(a + (b - a) * t) for a, b in zip(SHARED_LIGHT, SHARED_DARK, strict=True))
+    # floor(x + 0.5): half rounds up, as in the dashboard's JavaScript (Python's round() would
+    # round half to even)
+    return tuple(math.floor(a + (b - a) * t + 0.5)
+                 for a, b in zip(SHARED_LIGHT, SHARED_DARK, strict=True))
 
 
 def cell_color(m: BlockMap, block_id: int) -> tuple[int, int, int]:
@@ -75,7 +78,7 @@ def map_image(m: BlockMap, cols: int) -> np.ndarray:
     shared = np.flatnonzero(st == State.SHARED)
     t = (np.clip(m.refs[shared], 2, SHARED_MAX) - 2) / (SHARED_MAX - 2)
     lo, hi = np.array(SHARED_LIGHT, float), np.array(SHARED_DARK, float)
-    img[shared] = np.round(lo + (hi - lo) * t[:, None]).astype(np.uint8)
+    img[shared] = np.floor(lo + (hi - lo) * t[:, None] + 0.5).astype(np.uint8)
     return img.reshape(rows, cols, 3)
 
 

@@ -14,6 +14,7 @@ from pagedkv.plot import (
     FREE_RGB,
     OWNED_PALETTE,
     cell_color,
+    map_image,
     render_block_map,
     shared_rgb,
 )
@@ -97,3 +98,14 @@ def test_cli_takes_plot_dir() -> None:
     from pagedkv.cli import build_parser
 
     assert build_parser().parse_args(["demo", "--plot", "out"]).plot == "out"
+
+
+def test_shared_colours_round_half_up() -> None:
+    """The page (JavaScript Math.round) and the PNG must agree on every shared colour."""
+    cache = PagedKVCache(4, 4)
+    cache.create("a", [1, 2, 3])
+    for k in range(2, 9):
+        cache.fork("a", k)
+        m = block_map(cache)
+        assert tuple(map_image(m, 4)[0, 0]) == shared_rgb(k) == cell_color(m, 0)
+    assert shared_rgb(3)[2] == 99  # 114 + (21 - 114) / 6 = 98.5 rounds up

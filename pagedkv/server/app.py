@@ -32,6 +32,7 @@ from pagedkv.engine import SamplingParams
 from pagedkv.errors import InvalidParamsError, RequestTooLongError
 from pagedkv.server.async_engine import AsyncEngine, Choice, EngineDeadError, RequestStream, Update
 from pagedkv.server.batch import MergedStream
+from pagedkv.server.dashboard import PAGE_PATH, add_dashboard
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.protocol import (
     ApiError,
@@ -47,7 +48,7 @@ from pagedkv.server.utility import add_utility_routes
 logger = logging.getLogger("pagedkv.server")
 
 GENERATION_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", PAGE_PATH})  # the dashboard page holds no data
 STREAMS_KEY = "pagedkv.streams"  # scope key: the engine requests one HTTP request started
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks for a vanished client  # OpenAI's default for /v1/completions
@@ -380,6 +381,7 @@ def build_app(
     app.add_api_route("/v1/completions", server.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
     add_utility_routes(app, server)
+    add_dashboard(app, server)
     app.add_middleware(_Guard, server=server)
     _add_error_handlers(app, server)
     return app
