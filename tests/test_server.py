@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -225,10 +226,13 @@ class Running:
 
 
 def parse_metrics(text: str) -> dict[str, float]:
+    """{sample: value}, the model_name label left out of the sample names."""
     values = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
+            name = re.sub(r'(,?)model_name="[^"]*"(,?)',
+                          lambda g: "," if g[1] and g[2] else "", name).replace("{}", "")
             values[name] = float(value)
     return values
 
@@ -267,9 +271,9 @@ def wait_until(cond: Any, timeout: float = 5.0) -> bool:
 
 def assert_idle(server: Running) -> None:
     """No request holds a block, per /metrics and per the engine itself."""
-    assert wait_until(lambda: server.metrics()['pagedkv_kv_blocks{state="used"}'] == 0)
+    assert wait_until(lambda: server.metrics()['pagedkv:kv_cache_blocks{state="used"}'] == 0)
     m = server.metrics()
-    assert m["pagedkv_num_requests_running"] == 0 and m["pagedkv_num_requests_waiting"] == 0
+    assert m["pagedkv:num_requests_running"] == 0 and m["pagedkv:num_requests_waiting"] == 0
     aengine = server.app.state.server.engine
     aengine.submit(lambda e: e.cache.check_invariants()).result(timeout=30)
 
@@ -381,12 +385,12 @@ def test_models_health_metrics(fake: Running) -> None:
     assert httpx.get(fake.url + "/health").json() == {"status": "ok"}
     fake.client().completions.create(model="fake", prompt="abc", max_tokens=4)
     m = fake.metrics()
-    assert m["pagedkv_generation_tokens_total"] == 4 and m["pagedkv_prompt_tokens_total"] == 3
-    assert m["pagedkv_time_to_first_token_seconds_count"] == 1
-    assert m['pagedkv_request_success_total{endpoint="completions",finish_reason="length"}'] == 1
-    for name in ["pagedkv_kv_cache_usage_ratio", 'pagedkv_kv_blocks{state="cached"}',
-                 'pagedkv_kv_blocks{state="free"}', "pagedkv_prefix_cache_hit_rate",
-                 "pagedkv_num_preemptions_total", "pagedkv_num_requests_waiting"]:
+    assert m["pagedkv:generation_tokens_total"] == 4 and m["pagedkv:prompt_tokens_total"] == 3
+    assert m["pagedkv:time_to_first_token_seconds_count"] == 1
+    assert m['pagedkv:request_success_total{endpoint="completions",finished_reason="length"}'] == 1
+    for name in ["pagedkv:kv_cache_usage_perc", 'pagedkv:kv_cache_blocks{state="cached"}',
+                 'pagedkv:kv_cache_blocks{state="free"}', "pagedkv:prefix_cache_hit_rate",
+                 "pagedkv:num_preemptions_total", "pagedkv:num_requests_waiting"]:
         assert name in m
 
 
@@ -494,7 +498,7 @@ def test_concurrency_limit_429(serve_fake: Any) -> None:
         assert "".join(c.choices[0].text for c in s if c.choices)
     r = client.completions.create(model="fake", prompt="ab", max_tokens=1)
     assert r.choices[0].text == "a"
-    assert server.metrics()['pagedkv_request_errors_total{status="429"}'] == 1
+    assert server.metrics()['pagedkv:request_errors_total{status="429"}'] == 1
 
 
 def test_disconnect_mid_stream_aborts(serve_fake: Any) -> None:
@@ -504,13 +508,13 @@ def test_disconnect_mid_stream_aborts(serve_fake: Any) -> None:
                                                 stream=True)
     it = iter(stream)
     next(it), next(it)
-    assert server.metrics()['pagedkv_kv_blocks{state="used"}'] > 0
+    assert server.metrics()['pagedkv:kv_cache_blocks{state="used"}'] > 0
     t0 = time.monotonic()
     stream.close()
     assert_idle(server)
     assert time.monotonic() - t0 < 1.0  # long before the 200 tokens' natural end (~2 s)
     assert len(engine.aborted) == 1
-    assert server.metrics()["pagedkv_http_requests_in_flight"] == 0
+    assert server.metrics()["pagedkv:http_requests_in_flight"] == 0
 
 
 def test_disconnect_non_streamed_aborts(serve_fake: Any) -> None:
@@ -717,7 +721,7 @@ def test_real_load_200_streams_quarter_disconnect(real: Running, offline: Any) -
             assert text == ref[i % len(LOAD_PROMPTS)], (i, text)
     assert_idle(real)
     m = real.metrics()
-    assert m["pagedkv_http_requests_in_flight"] == 0
+    assert m["pagedkv:http_requests_in_flight"] == 0
     assert _aborts(m) > aborted_before  # most hang-ups land before their request's natural end
     print(f"200 streams in {elapsed:.1f} s")
     assert elapsed < 180, elapsed  # a hang guard; ~30-60 s on 2 shared cores

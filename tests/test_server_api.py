@@ -6,6 +6,8 @@ Driven over real HTTP with the `openai` client against test_server's determinist
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from typing import Any
 
 import httpx
@@ -74,7 +76,7 @@ def test_prompt_list_limits_and_bad_member_change_nothing(rec: Running) -> None:
     r = _post(rec, "/v1/completions", {"prompt": ["ok", "z" * 300], "max_tokens": 1})
     assert r.status_code == 400  # the second is over the context: no half answer
     m = rec.metrics()
-    assert m["pagedkv_num_requests_running"] == 0 and m["pagedkv_num_requests_waiting"] == 0
+    assert m["pagedkv:num_requests_running"] == 0 and m["pagedkv:num_requests_waiting"] == 0
     assert rec.engine.blocks_used == 0
 
 
@@ -187,3 +189,57 @@ def test_utility_bad_input(rec: Running, path: str, body: dict[str, Any], status
     assert r.status_code == status, r.text
     assert r.json()["error"]["message"]
     assert _post(rec, "/tokenize", {"prompt": "ok"}).json()["count"] == 2
+
+
+# --- metrics -------------------------------------------------------------------------------------
+
+
+def test_metrics_prometheus_format_vllm_names(rec: Running) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    rec.client().completions.create(model="fake", prompt="abc", max_tokens=3)
+    r = httpx.get(rec.url + "/metrics")
+    assert r.headers["content-type"].startswith("text/plain")
+    families = {f.name: f for f in text_string_to_metric_families(r.text)}
+    for name in ("pagedkv:num_requests_running", "pagedkv:num_requests_waiting",
+                 "pagedkv:kv_cache_usage_perc", "pagedkv:prefix_cache_queries",
+                 "pagedkv:prefix_cache_hits", "pagedkv:num_preemptions",
+                 "pagedkv:prompt_tokens", "pagedkv:generation_tokens",
+                 "pagedkv:request_success", "pagedkv:time_to_first_token_seconds",
+                 "pagedkv:e2e_request_latency_seconds", "pagedkv:kv_cache_evictions",
+                 "pagedkv:kv_cache_cow_copies", "pagedkv:kv_cache_fork_shared_blocks"):
+        assert name in families, name
+    for fam in families.values():
+        if fam.type == "gauge":
+            assert not fam.name.endswith("_total"), fam.name
+        for sample in fam.samples:
+            assert sample.labels.get("model_name") == "fake", sample
+    gen = families["pagedkv:generation_tokens"]
+    assert gen.type == "counter" and gen.samples[0].name == "pagedkv:generation_tokens_total"
+    assert gen.samples[0].value == 3
+
+
+# --- the periodic stats line ---------------------------------------------------------------------
+
+
+def test_stats_line_only_while_busy() -> None:
+    from pagedkv.server.stats_log import StatsLine
+
+    base = FakeEngine().stats()
+    line = StatsLine()
+    assert line.update(base, 0.0) is None  # first sample: no interval yet
+    assert line.update(base, 10.0) is None  # idle: quiet
+    busy = dataclasses.replace(base, num_running=3, num_waiting=1, kv_usage=0.25,
+                               prompt_tokens_total=200, generation_tokens_total=50,
+                               prefix_cache_queries=100, prefix_cache_hits=40)
+    text = line.update(busy, 20.0)
+    assert text == ("running: 3 reqs, waiting: 1 reqs, KV cache usage: 25.0%, prefix cache hit "
+                    "rate: 40.0%, prompt: 20.0 tok/s, generation: 5.0 tok/s")
+
+
+def test_server_logs_stats_while_busy(serve_fake: Any, caplog: Any) -> None:  # noqa: F811
+    caplog.set_level(logging.INFO, logger="pagedkv.server")
+    server = serve_fake(FakeEngine(step_delay=0.02), log_stats_interval=0.1)
+    server.client().completions.create(model="fake", prompt="abc", max_tokens=30)
+    lines = [r.getMessage() for r in caplog.records if "tok/s" in r.getMessage()]
+    assert lines and "running: 1 reqs" in "\n".join(lines)

@@ -48,6 +48,7 @@ class EngineStats:
     fork_shared_blocks: int  # blocks n > 1 samples shared instead of copying the prompt's
     fork_saved_bytes: int  # the KV memory that sharing saved
     gen_tokens_per_s: float  # generated tokens / busy seconds, over the engine's life
+    evictions: int = 0  # cached prefix blocks reused for new data (LRU)
 
 
 def parse_size(size: str | int) -> int:
@@ -289,6 +290,7 @@ class LLMEngine:
             fork_shared_blocks=self._fork_shared,
             fork_saved_bytes=self._fork_shared * self.storage.bytes_per_block,
             gen_tokens_per_s=self._gen_tokens / self._busy_s if self._busy_s else 0.0,
+            evictions=c.evictions,
         )
 
 

@@ -33,6 +33,7 @@ from pagedkv.errors import InvalidParamsError, RequestTooLongError
 from pagedkv.server.async_engine import AsyncEngine, Choice, EngineDeadError, RequestStream, Update
 from pagedkv.server.batch import MergedStream
 from pagedkv.server.dashboard import PAGE_PATH, add_dashboard
+from pagedkv.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.protocol import (
     ApiError,
@@ -42,6 +43,7 @@ from pagedkv.server.protocol import (
     ResponseFormat,
     parse_request,
 )
+from pagedkv.server.stats_log import configure_logging, log_stats
 from pagedkv.server.unsupported import check_supported
 from pagedkv.server.utility import add_utility_routes
 
@@ -141,7 +143,7 @@ class OpenAIServer:
         self.api_key = api_key
         self.max_concurrent = max_concurrent
         self.max_tokens_limit = max_tokens_limit or self.max_model_len
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(served_model_name)
         self.in_flight = 0
         self.created = int(time.time())
 
@@ -168,7 +170,7 @@ class OpenAIServer:
         except EngineDeadError as exc:
             raise ApiError(503, str(exc), type="server_error") from None
         text = self.metrics.render(stats, self.in_flight)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+        return PlainTextResponse(text, media_type=METRICS_CONTENT_TYPE)
 
     # --- generation ------------------------------------------------------------------------
 
@@ -353,8 +355,11 @@ def build_app(
     max_concurrent: int = 256,
     max_prompt_tokens: int | None = None,
     max_tokens_limit: int | None = None,
+    log_stats_interval: float = 0.0,
 ) -> FastAPI:
-    """The FastAPI app; the engine thread starts and stops with the app's lifespan."""
+    """The FastAPI app; the engine thread starts and stops with the app's lifespan.
+
+    log_stats_interval > 0: log one stats line per that many seconds while busy."""
     server = OpenAIServer(
         engine,
         served_model_name=served_model_name or engine.model_name,
@@ -367,9 +372,13 @@ def build_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         server.engine.start()
+        stats_task = (asyncio.ensure_future(log_stats(server.engine, log_stats_interval))
+                      if log_stats_interval > 0 else None)
         try:
             yield
         finally:
+            if stats_task is not None:
+                stats_task.cancel()
             # Runs after uvicorn drained (or cancelled) the connections: abort the rest.
             await asyncio.to_thread(server.engine.stop)
 
@@ -436,6 +445,7 @@ def serve(
     max_tokens_limit: int | None = None,
     shutdown_timeout: float = 30.0,
     log_level: str = "info",
+    log_stats_interval: float = 10.0,
 ) -> None:
     """Serves until SIGTERM/SIGINT: then stops accepting, lets in-flight requests finish for
     up to shutdown_timeout seconds, aborts the rest, stops the engine thread and returns."""
@@ -446,7 +456,9 @@ def serve(
         max_concurrent=max_concurrent,
         max_prompt_tokens=max_prompt_tokens,
         max_tokens_limit=max_tokens_limit,
+        log_stats_interval=log_stats_interval,
     )
+    configure_logging(log_level)
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, access_log=False,
         timeout_graceful_shutdown=shutdown_timeout,
@@ -508,6 +520,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds to let in-flight requests finish on SIGTERM")
     parser.add_argument("--log-level", default="info")
+    parser.add_argument("--log-stats-interval", type=float, default=10.0,
+                        help="seconds between stats lines while busy (0: none)")
 
 
 def run_serve(
@@ -527,5 +541,6 @@ def run_serve(
         max_tokens_limit=args.max_tokens_limit,
         shutdown_timeout=args.shutdown_timeout,
         log_level=args.log_level,
+        log_stats_interval=args.log_stats_interval,
     )
     return 0

@@ -1,110 +1,124 @@
-"""Prometheus text-format metrics, written by hand (no prometheus_client dependency).
+"""Prometheus metrics through prometheus_client, named as vLLM names them.
 
-Engine-side figures (KV blocks, prefix cache, preemptions, token counters) are read from
-`engine.stats()` at scrape time; request-side figures (TTFT, latency, finish reasons) are
-recorded by the server as requests complete.
+Every metric is `pagedkv:<vLLM's name>` (as SGLang does with `sglang:`) and carries a
+`model_name` label, so vLLM dashboards and alerts carry over by swapping the prefix; metrics
+vLLM has no name for (block states, copy-on-write, fork sharing) follow the same scheme.
+Counters end in `_total`; no gauge does.
+
+Engine-side figures are read from `engine.stats()` at scrape time (the server hands them to
+`render`); request-side figures (TTFT, latency, finish reasons, refusals) are recorded by the
+server as requests complete. Each server owns its registry, so several apps in one process
+(tests) never share counts.
 """
 
 from __future__ import annotations
 
-import bisect
 import collections
+from collections.abc import Iterator
 from typing import Any
 
-PREFIX = "pagedkv"
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+PREFIX = "pagedkv:"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
+# (name without prefix, EngineStats field, help); counters are exported as <name>_total
+ENGINE_GAUGES = (
+    ("num_requests_running", "num_running", "Requests being decoded."),
+    ("num_requests_waiting", "num_waiting", "Requests waiting to be scheduled."),
+    ("kv_cache_usage_perc", "kv_usage", "Fraction of KV blocks in use (1 = full)."),
+    ("kv_cache_num_blocks", "num_blocks", "KV blocks in the pool."),
+    ("prefix_cache_hit_rate", "prefix_hit_rate",
+     "Prompt tokens served from the prefix cache / tokens looked up, since start."),
+)
+ENGINE_COUNTERS = (
+    ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    ("num_preemptions", "num_preemptions", "Requests preempted (blocks freed, recomputed later)."),
+    ("prompt_tokens", "prompt_tokens_total", "Prompt tokens processed."),
+    ("generation_tokens", "generation_tokens_total", "Tokens generated."),
+    ("engine_requests_finished", "num_requests_finished", "Requests the engine finished."),
+    ("kv_cache_evictions", "evictions",
+     "Cached prefix blocks evicted (reused for new data, LRU)."),
+    ("kv_cache_cow_copies", "cow_copies", "Copy-on-write block copies (a shared block written)."),
+    ("kv_cache_fork_shared_blocks", "fork_shared_blocks",
+     "Blocks n > 1 samples shared with their parent instead of copying."),
+    ("kv_cache_fork_saved_bytes", "fork_saved_bytes", "KV memory that fork sharing saved."),
+)
 
-class Histogram:
-    def __init__(self, buckets: tuple[float, ...]) -> None:
-        self.buckets = buckets
-        self.counts = [0] * (len(buckets) + 1)  # last one is +Inf
-        self.sum = 0.0
-        self.count = 0
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.sum += value
-        self.count += 1
+class _Snapshot(Collector):
+    """Exports the engine stats and server counters handed over at the latest scrape."""
 
-    def render(self, name: str, help_text: str) -> list[str]:
-        lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
-        cumulative = 0
-        for bound, n in zip(self.buckets, self.counts, strict=False):
-            cumulative += n
-            lines.append(f'{name}_bucket{{le="{bound}"}} {cumulative}')
-        lines.append(f'{name}_bucket{{le="+Inf"}} {self.count}')
-        lines.append(f"{name}_sum {self.sum}")
-        lines.append(f"{name}_count {self.count}")
-        return lines
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.m = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        m, stats, label = self.m, self.m.stats, [self.m.model_name]
+        if stats is not None:
+            for name, field, doc in ENGINE_GAUGES:
+                yield _one(GaugeMetricFamily, name, doc, getattr(stats, field, 0), label)
+            for name, field, doc in ENGINE_COUNTERS:
+                yield _one(CounterMetricFamily, name, doc, getattr(stats, field, 0), label)
+            blocks = GaugeMetricFamily(
+                PREFIX + "kv_cache_blocks", "KV blocks by state: used by requests; free; "
+                "cached = free blocks still holding a reusable prefix (also counted as free).",
+                labels=["model_name", "state"])
+            for state, field in (("used", "blocks_used"), ("cached", "blocks_cached"),
+                                 ("free", "blocks_free")):
+                blocks.add_metric([m.model_name, state], getattr(stats, field))
+            yield blocks
+        yield _one(GaugeMetricFamily, "http_requests_in_flight",
+                   "Generation requests the server is handling.", m.in_flight, label)
+        success = CounterMetricFamily(
+            PREFIX + "request_success", "Requests finished, by endpoint and finish reason.",
+            labels=["model_name", "endpoint", "finished_reason"])
+        for (endpoint, reason), n in sorted(m.finished.items()):
+            success.add_metric([m.model_name, endpoint, reason], n)
+        yield success
+        errors = CounterMetricFamily(PREFIX + "request_errors", "Requests refused, by status.",
+                                     labels=["model_name", "status"])
+        for status, n in sorted(m.errors.items()):
+            errors.add_metric([m.model_name, str(status)], n)
+        yield errors
 
 
-def _metric(name: str, kind: str, help_text: str, samples: list[tuple[str, Any]]) -> list[str]:
-    lines = [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-    lines += [f"{name}{labels} {value}" for labels, value in samples]
-    return lines
+def _one(kind: type, name: str, doc: str, value: float, label: list[str]) -> Metric:
+    fam = kind(PREFIX + name, doc, labels=["model_name"])
+    fam.add_metric(label, float(value))
+    return fam
 
 
 class ServerMetrics:
     """Counters the server owns; all updated from the event loop thread."""
 
-    def __init__(self) -> None:
-        self.ttft = Histogram(TTFT_BUCKETS)
-        self.e2e_latency = Histogram(LATENCY_BUCKETS)
+    def __init__(self, model_name: str = "") -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=False)
         self.finished: collections.Counter[tuple[str, str]] = collections.Counter()
         self.errors: collections.Counter[int] = collections.Counter()
+        self.stats: Any = None  # the engine's stats at the latest scrape
+        self.in_flight = 0
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Time from request arrival to its first generated token.", ["model_name"],
+            registry=self.registry, buckets=TTFT_BUCKETS).labels(model_name)
+        self.e2e_latency = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "Time from request arrival to its last token.", ["model_name"],
+            registry=self.registry, buckets=LATENCY_BUCKETS).labels(model_name)
+        self.registry.register(_Snapshot(self))
 
     def request_finished(self, endpoint: str, finish_reason: str, latency: float) -> None:
         self.finished[(endpoint, finish_reason)] += 1
         self.e2e_latency.observe(latency)
 
     def render(self, stats: Any, in_flight: int) -> str:
-        p = PREFIX
-        gauge, counter = "gauge", "counter"
-        lines: list[str] = []
-        lines += _metric(f"{p}_kv_cache_usage_ratio", gauge, "Fraction of KV blocks in use.",
-                         [("", stats.kv_usage)])
-        lines += _metric(f"{p}_kv_blocks", gauge, "KV blocks by state: used by requests; free; "
-                         "cached = free blocks still holding a reusable prefix.",
-                         [('{state="used"}', stats.blocks_used),
-                          ('{state="cached"}', stats.blocks_cached),
-                          ('{state="free"}', stats.blocks_free)])
-        lines += _metric(f"{p}_kv_blocks_total", gauge, "Total KV blocks.",
-                         [("", stats.num_blocks)])
-        lines += _metric(f"{p}_prefix_cache_hit_rate", gauge,
-                         "Prompt tokens served from the prefix cache / tokens queried.",
-                         [("", stats.prefix_hit_rate)])
-        lines += _metric(f"{p}_prefix_cache_queries_total", counter,
-                         "Prompt tokens looked up in the prefix cache.",
-                         [("", stats.prefix_cache_queries)])
-        lines += _metric(f"{p}_prefix_cache_hits_total", counter,
-                         "Prompt tokens found in the prefix cache.",
-                         [("", stats.prefix_cache_hits)])
-        lines += _metric(f"{p}_num_preemptions_total", counter, "Requests preempted.",
-                         [("", stats.num_preemptions)])
-        lines += _metric(f"{p}_num_requests_running", gauge, "Requests being decoded.",
-                         [("", stats.num_running)])
-        lines += _metric(f"{p}_num_requests_waiting", gauge, "Requests waiting to be scheduled.",
-                         [("", stats.num_waiting)])
-        lines += _metric(f"{p}_http_requests_in_flight", gauge,
-                         "Generation requests the server is handling.", [("", in_flight)])
-        lines += _metric(f"{p}_engine_requests_finished_total", counter,
-                         "Requests the engine finished.", [("", stats.num_requests_finished)])
-        lines += _metric(f"{p}_prompt_tokens_total", counter, "Prompt tokens processed.",
-                         [("", stats.prompt_tokens_total)])
-        lines += _metric(f"{p}_generation_tokens_total", counter, "Tokens generated.",
-                         [("", stats.generation_tokens_total)])
-        lines += _metric(f"{p}_request_success_total", counter,
-                         "Requests finished by the server, by endpoint and finish reason.",
-                         [(f'{{endpoint="{e}",finish_reason="{r}"}}', n)
-                          for (e, r), n in sorted(self.finished.items())])
-        lines += _metric(f"{p}_request_errors_total", counter,
-                         "Requests refused with an error status.",
-                         [(f'{{status="{s}"}}', n) for s, n in sorted(self.errors.items())])
-        lines += self.ttft.render(f"{p}_time_to_first_token_seconds",
-                                  "Time from request arrival to its first generated token.")
-        lines += self.e2e_latency.render(f"{p}_e2e_request_latency_seconds",
-                                         "Time from request arrival to its last token.")
-        return "\n".join(lines) + "\n"
+        """The Prometheus text exposition, with `stats` as the engine's current figures."""
+        self.stats, self.in_flight = stats, in_flight
+        return generate_latest(self.registry).decode()
