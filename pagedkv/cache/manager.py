@@ -177,6 +177,15 @@ class PagedKVCache:
                 self.seq(i)  # raises the typed error
             raise
 
+    def __repr__(self) -> str:
+        """Counts only (O(1)): `PagedKVCache(1024 blocks x 16 tokens: 12 used, 3 cached,
+        1009 free; 2 sequences; prefix caching on)`. `stats()` has the rest."""
+        free = self.pool.num_free
+        return (f"PagedKVCache({self.num_blocks} blocks x {self.block_size} tokens: "
+                f"{self.num_blocks - free} used, {self.pool.num_cached_free} cached, {free} free; "
+                f"{len(self.seqs)} sequences; prefix caching "
+                f"{'on' if self.enable_prefix_caching else 'off'})")
+
     def __contains__(self, seq_id: SeqId) -> bool:
         return seq_id in self.seqs
 

@@ -123,6 +123,12 @@ class KVStorage:
         """[num_blocks, block_size, H, D] view of layer `layer`'s values."""
         return self.kv[layer, 1]
 
+    def __repr__(self) -> str:
+        mib = self.memory_bytes / 2**20
+        return (f"KVStorage({self.num_layers} layers, {self.num_blocks} blocks x "
+                f"{self.block_size} tokens, {self.num_kv_heads} KV heads x {self.head_dim}, "
+                f"{str(self.dtype).removeprefix('torch.')}, {self.device}, {mib:.1f} MiB)")
+
     @property
     def memory_bytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
