@@ -91,8 +91,7 @@ def block_map(
 ) -> BlockMap:
     """Snapshot `cache`'s pool. `label(seq_id)` names each sequence in `owners` (default: its id).
 
-    Reads the pool's blocks once (two numpy passes) and each sequence's block table; changes
-    nothing.
+    Reads the pool's blocks once (two passes) and each sequence's block table; changes nothing.
     """
     pool = cache.pool
     n, bs = cache.num_blocks, cache.block_size
@@ -116,16 +115,27 @@ def block_map(
         np.maximum.at(fill, ids, tokens)
         mine = ids[refs[ids] == 1]
         owner[mine] = i
-    st = cache.stats()
-    summary = {
-        "utilization": st.utilization,
-        "usage": st.usage,
-        "internal_waste": st.internal_waste,
-        "live_tokens": st.live_tokens,
-        "prefix_hit_rate": st.prefix_hit_rate,
-        "cow_copies": st.cow_copies,
-        "evictions": st.evictions,
-        "holes": st.holes,
-        "active_sequences": st.active_sequences,
-    }
+    summary = _summary(cache, refs, fill)
     return BlockMap(n, bs, state, refs, owner, fill, owners, summary)
+
+
+def _summary(cache: PagedKVCache, refs: np.ndarray, fill: np.ndarray) -> dict[str, float | int]:
+    """The figures of `stats()` the pictures show, computed from the arrays (stats() walks
+    every block in Python; this keeps a snapshot of a 100k-block pool cheap)."""
+    bs = cache.block_size
+    used_ids = np.flatnonzero(refs)
+    used = int(used_ids.size)
+    live = int(fill.sum(dtype=np.int64))
+    top = int(used_ids[-1]) if used else -1
+    queries, hits = cache.prefix_queries, cache.prefix_hits
+    return {
+        "utilization": live / (used * bs) if used else 1.0,
+        "usage": used / cache.num_blocks,
+        "internal_waste": used * bs - live,
+        "live_tokens": live,
+        "prefix_hit_rate": hits / queries if queries else 0.0,
+        "cow_copies": cache.cow_copies,
+        "evictions": cache.pool.evictions,
+        "holes": top + 1 - used,
+        "active_sequences": len(cache.seqs),
+    }

@@ -23,6 +23,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, Response
 
+from pagedkv.cache import PagedKVCache
 from pagedkv.cache.snapshot import block_map
 from pagedkv.plot import CACHED_RGB, FREE_RGB, OWNED_PALETTE, SHARED_DARK, SHARED_LIGHT, SHARED_MAX
 from pagedkv.server.async_engine import EngineDeadError
@@ -50,7 +51,7 @@ def seq_labels(engine: Any) -> dict[Any, str]:
 def blocks_payload(engine: Any) -> dict[str, Any]:
     """Runs on the engine thread: the block map and request counters as a JSON-ready dict."""
     cache = getattr(engine, "cache", None)
-    if cache is None:
+    if not isinstance(cache, PagedKVCache):
         raise ApiError(501, "this engine has no paged KV cache to show", type="server_error")
     labels = seq_labels(engine)
     out = block_map(cache, label=lambda sid: labels.get(sid, f"seq-{sid}")).to_json()
