@@ -143,8 +143,9 @@ def _classes(cells: list[tuple[int, int, int]]) -> dict[str, int]:
 
 
 def _stream(server: str, prompt: str, done: list[int]) -> None:
-    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 32,
-            "temperature": 0, "stream": True}
+    # 64 tokens each whatever the model says: long enough for the page's 1 s polls to see them
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 64,
+            "ignore_eos": True, "temperature": 0, "stream": True}
     chunks = 0
     with httpx.stream("POST", f"{server}/v1/chat/completions", json=body, headers=auth(),
                       timeout=120) as r:
