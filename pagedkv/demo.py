@@ -21,6 +21,7 @@ Moment = Callable[[str, PagedKVCache], None]
 # An 8B-class model shape (32 layers, 8 KV heads of 128, fp16) and its max context.
 LAYERS, KV_HEADS, HEAD_DIM, DTYPE, MAX_CONTEXT = 32, 8, 128, "float16", 4096
 BLOCK_SIZE = 16
+VOCAB = 49152
 
 
 def _gib(n: int) -> str:
@@ -45,11 +46,15 @@ def paged_vs_contiguous(num_seqs: int = 64, seed: int = 0, moment: Moment | None
     per_block = bytes_per_block(LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, DTYPE)
     per_token = per_block // BLOCK_SIZE
     num_blocks = num_blocks or num_seqs * MAX_CONTEXT // BLOCK_SIZE
-    cache = PagedKVCache(num_blocks, BLOCK_SIZE, bytes_per_block=per_block,
-                         enable_prefix_caching=False)
+    cache = PagedKVCache(num_blocks, BLOCK_SIZE, bytes_per_block=per_block)
+    tokens = np.random.default_rng(seed + 1)  # random prompts: no prefix hits among them
+
+    def ids(n: int) -> list[int]:
+        return tokens.integers(0, VOCAB, n).tolist()
+
     lens = _lengths(rng, num_seqs)
     for i, n in enumerate(lens):
-        cache.create(i, n)
+        cache.create(i, ids(n))
     st = cache.stats()
     live = sum(lens)
     contiguous = num_seqs * MAX_CONTEXT * per_token
@@ -69,12 +74,13 @@ def paged_vs_contiguous(num_seqs: int = 64, seed: int = 0, moment: Moment | None
     moment("after admission", cache)
     out += _forks(cache, rng)
     moment("after forks", cache)
-    # churn: half the sequences finish, shorter ones arrive -> holes; then compact
+    # churn: half the sequences finish (their full blocks stay cached), shorter ones arrive ->
+    # holes; then compact
     live = list(cache.seqs)
     for i in rng.permutation(len(live))[: len(live) // 2].tolist():
         cache.free(live[i])
     for j, n in enumerate(_lengths(rng, num_seqs // 4)):
-        cache.create(num_seqs + j, n // 2)
+        cache.create(num_seqs + j, ids(n // 2))
     moment("after churn", cache)
     st = cache.stats()
     out.append(
@@ -102,8 +108,8 @@ def _forks(cache: PagedKVCache, rng: np.random.Generator, n: int = 8, samples: i
     for p in parents:
         for k in range(1, samples):
             cache.fork(p, (p, k))
-            cache.append((p, k), 1)  # the sample's first token: copies a partial last block
-        cache.append(p, 1)
+            cache.append((p, k), [k])  # the sample's first token: copies a partial last block
+        cache.append(p, [0])
     st = cache.stats()
     return [
         f"   forks: {n} sequences sample {samples} answers each; {shared} prompt blocks shared "
