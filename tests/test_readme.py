@@ -1,0 +1,77 @@
+"""Every Python block of the README runs as written, and so does every `curl` line.
+
+Blocks that talk to `http://localhost:8000` run against a real server (the real engine on
+the session's model) on a free port: the only change made to them is that address.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+TEXT = README.read_text()
+ADDRESS = "http://localhost:8000"
+PY_BLOCKS = re.findall(r"```python\n(.*?)```", TEXT, flags=re.S)
+CURL_LINES = [
+    line for block in re.findall(r"```sh\n(.*?)```", TEXT, flags=re.S)
+    for line in block.replace("\\\n", " ").splitlines() if line.strip().startswith("curl ")
+]
+
+
+def _needs_model(code: str) -> bool:
+    return "LLM(" in code or "localhost:8000" in code
+
+
+def test_top_of_readme_has_the_two_commands() -> None:
+    head = TEXT.split("\n```", 2)
+    assert "make demo" in head[1] and "make test" in head[1], "the first code block changed"
+    assert PY_BLOCKS and CURL_LINES
+
+
+@pytest.fixture(scope="module")
+def server(smollm2: Any) -> Iterator[str]:
+    from pagedkv.engine import LLMEngine
+    from pagedkv.server import ServerThread, build_app
+
+    engine = LLMEngine(smollm2, num_blocks=256, max_model_len=1024)
+    with ServerThread(build_app(engine)) as thread:
+        yield thread.url
+
+
+@pytest.mark.parametrize(
+    "code",
+    [pytest.param(c, marks=[pytest.mark.slow] if _needs_model(c) else [],
+                  id=f"python-block-{i}") for i, c in enumerate(PY_BLOCKS)],
+)
+def test_python_block_runs(code: str, request: pytest.FixtureRequest, capsys: Any) -> None:
+    if ADDRESS in code:
+        code = code.replace(ADDRESS, request.getfixturevalue("server"))
+    exec(compile(code, str(README), "exec"), {"__name__": "__readme__"})  # noqa: S102
+    assert capsys.readouterr().out.strip(), "a README block should show something"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+@pytest.mark.parametrize("line", CURL_LINES)
+def test_curl_line_runs(line: str, server: str) -> None:
+    cmd = re.sub(r"(?<![\w/])localhost:8000", server.removeprefix("http://"), line)
+    out = subprocess.run(["bash", "-c", cmd + " --fail-with-body"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    body = json.loads(out.stdout)
+    assert "error" not in body
+
+
+def test_license_matches_pyproject() -> None:
+    root = README.parent
+    assert 'license = { text = "Apache-2.0" }' in (root / "pyproject.toml").read_text()
+    text = (root / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
