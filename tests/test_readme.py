@@ -75,3 +75,14 @@ def test_license_matches_pyproject() -> None:
     assert 'license = { text = "Apache-2.0" }' in (root / "pyproject.toml").read_text()
     text = (root / "LICENSE").read_text()
     assert "Apache License" in text and "Version 2.0, January 2004" in text
+
+
+def test_first_screen_numbers_are_the_demos() -> None:
+    from pagedkv.demo import paged_vs_contiguous
+
+    lines = "\n".join(paged_vs_contiguous())
+    first_screen = TEXT.split("**Hardware")[0]
+    for readme, demo in (("median length 318", "median 318"), ("10.8% of 32 GiB", "32.00 GiB"),
+                         ("10.8%", "utilization 10.8%"), ("3.5 GiB", "3.51 GiB"),
+                         ("98.4%", "utilization 98.4%"), ("9.1x", "9.1x less memory")):
+        assert readme in first_screen and demo in lines, (readme, demo)
