@@ -15,7 +15,7 @@ import torch
 from pagedkv.cache import KVStorage, PagedKVCache
 from pagedkv.cache.storage import num_blocks_for_budget
 from pagedkv.engine.model_runner import ModelRunner
-from pagedkv.engine.sampler import generator_for, sample, top_logprobs
+from pagedkv.engine.sampler import FAILED, Sampler, generator_for, top_logprobs
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.engine.sequence import CompletionOutput, Request, RequestOutput, Sequence, Status
@@ -103,6 +103,7 @@ class LLMEngine:
         self.eos_ids = set(cfg.eos_token_ids or [])
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
+        self.sampler = Sampler(self.eos_ids)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._finished = 0
@@ -196,8 +197,7 @@ class LLMEngine:
         if plan.empty:
             return []
         logits, samplers = self.runner.run(plan)
-        tokens = sample(logits, [s.request.params for s in samplers],
-                        [s.generator for s in samplers])
+        tokens = self.sampler(logits, samplers)
         touched: dict[str, Request] = {}
         for row, (s, tok) in enumerate(zip(samplers, tokens, strict=True)):
             req = s.request
@@ -226,12 +226,16 @@ class LLMEngine:
             self._fork_shared += len(self.cache.seq(child.seq_id).blocks)
             self.scheduler.add_running(child)
             req.seqs.append(child)
-            tok = sample(row[None], [req.params], [child.generator])[0]
+            tok = self.sampler(row[None], [child])[0]
             self._accept(child, tok, row)
 
     def _accept(self, s: Sequence, tok: int, row: torch.Tensor) -> None:
         req = s.request
         p = req.params
+        if tok == FAILED:  # this row's logits could not be sampled: this sequence ends alone
+            s.finish_reason = "error"
+            self.scheduler.finish(s)
+            return
         now = time.monotonic()
         if req.first_token_time is None:
             req.first_token_time = now
@@ -246,7 +250,7 @@ class LLMEngine:
         elif n_out >= p.max_tokens or len(s.token_ids) >= self.max_model_len:
             reason = "length"
         s.text = self._detok(s, final=reason is not None)
-        if p.stop:
+        if p.stop and n_out >= p.min_tokens:
             cut = _find_stop(s.text, p.stop)
             if cut is not None:
                 s.text, reason = s.text[:cut], "stop"

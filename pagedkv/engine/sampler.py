@@ -1,12 +1,50 @@
-"""Token sampling for one step: greedy rows in one argmax, random rows with their own generator."""
+"""Token sampling for one step, batched: one call per step with the logits and the sequences.
+
+Order (as vLLM): logit_bias and min_tokens masks -> repetition, frequency, presence penalties ->
+greedy rows take the argmax -> the other rows: temperature -> min_p -> top-k -> top-p -> one
+exponential race (argmax of p / q, q ~ Exp(1)), which samples from p exactly.
+
+Invariants:
+- A row that cannot be sampled (NaN or +inf logits, or nothing left to sample) yields FAILED and
+  does not affect any other row.
+- Seeded rows draw their noise from their own generator only, so their tokens do not depend on
+  what else is in the batch.
+- Per-step work is bounded by the batch and the vocabulary, never by output length: penalty
+  counts are kept per sequence and updated with the tokens added since the last step.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from pagedkv.engine.sampling_params import SamplingParams
+
+FAILED = -1  # the token of a row that could not be sampled
+_NEG_INF = float("-inf")
+
+
+class _Request(Protocol):
+    params: SamplingParams
+
+
+class SampledSeq(Protocol):
+    """What the sampler reads of a sequence (engine/sequence.py's Sequence fits)."""
+
+    token_ids: list[int]  # prompt + generated so far
+    request: _Request
+    generator: torch.Generator | None
+
+    @property
+    def num_prompt(self) -> int: ...
+
+    @property
+    def finished(self) -> bool: ...
 
 
 def generator_for(seed: int, index: int) -> torch.Generator:
@@ -16,35 +54,174 @@ def generator_for(seed: int, index: int) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
 
 
-def sample(
-    logits: torch.Tensor,  # [B, V] float32
-    params: list[SamplingParams],
-    generators: list[torch.Generator | None],
-) -> list[int]:
-    """One token per row. Seeded rows draw from their own generator so results do not depend on
-    what else is in the batch."""
-    out = logits.argmax(dim=-1).tolist()
-    for i, p in enumerate(params):
-        if not p.greedy:
-            out[i] = _sample_row(logits[i], p, generators[i])
-    return out
+@dataclass(slots=True, eq=False)
+class _History:
+    """Per-sequence sampler state, updated incrementally: which tokens the prompt + output hold
+    (`seen`), how often each was generated (`counts`), and the request's constant tensors."""
+
+    seen: torch.Tensor  # [V] bool, prompt + output
+    counts: torch.Tensor  # [V] float32, output only
+    n: int  # token_ids[:n] are accounted for
+    bias_ids: torch.Tensor
+    bias_vals: torch.Tensor
+    banned: torch.Tensor  # ids masked until min_tokens were generated
 
 
-def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
-    x = row / p.temperature
-    if p.top_k > 0 and p.top_k < x.numel():
-        kth = torch.topk(x, p.top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_x, idx = torch.sort(x, descending=True)
-        probs = torch.softmax(sorted_x, dim=-1)
-        # drop tokens once the mass before them already reaches top_p (the first always stays)
-        drop = (torch.cumsum(probs, dim=-1) - probs) >= p.top_p
-        drop[0] = False
-        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-        x = torch.empty_like(x).scatter_(0, idx, sorted_x)
-    probs = torch.softmax(x, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=gen))
+class Sampler:
+    """`sampler(logits [R, V], seqs)` -> R token ids (FAILED where a row cannot be sampled)."""
+
+    def __init__(self, eos_ids: Iterable[int] = ()) -> None:
+        self.eos_ids = sorted(set(eos_ids))
+        self._hist: dict[SampledSeq, _History] = {}
+
+    def __call__(self, logits: torch.Tensor, seqs: Sequence[SampledSeq]) -> list[int]:
+        params = [s.request.params for s in seqs]
+        x = self.adjust(logits, seqs)
+        ok = torch.isfinite(x.amax(dim=-1))
+        tokens = x.argmax(dim=-1)
+        rand = [i for i, p in enumerate(params) if not p.greedy]
+        if rand:
+            rows = torch.tensor(rand)
+            tokens[rows] = _draw(x[rows], [params[i] for i in rand],
+                                 [seqs[i].generator for i in rand])
+        return tokens.masked_fill_(~ok, FAILED).tolist()
+
+    # --- logit adjustments that depend on the sequence ----------------------------------------
+
+    def adjust(self, logits: torch.Tensor, seqs: Sequence[SampledSeq]) -> torch.Tensor:
+        """float32 logits after logit_bias, min_tokens and the penalties; a copy where anything
+        changes (the caller's logits stay raw)."""
+        self._forget_finished()
+        x = logits.float()
+        params = [s.request.params for s in seqs]
+        rows = [i for i, p in enumerate(params)
+                if p.logit_bias or p.min_tokens or p.has_penalties]
+        if not rows:
+            return x
+        x = x.clone()
+        hist = [self._history(seqs[i], x.shape[-1]) for i in rows]
+        self._bias_and_min_tokens(x, rows, hist, seqs, params)
+        pen = [j for j, i in enumerate(rows) if params[i].has_penalties]
+        if pen:
+            _penalize(x, [rows[j] for j in pen], [hist[j] for j in pen],
+                      [params[rows[j]] for j in pen])
+        return x
+
+    def _bias_and_min_tokens(self, x: torch.Tensor, rows: list[int], hist: list[_History],
+                             seqs: Sequence[SampledSeq], params: list[SamplingParams]) -> None:
+        r, c, v = [], [], []
+        for i, h in zip(rows, hist, strict=True):
+            if h.bias_ids.numel():
+                r.append(torch.full_like(h.bias_ids, i))
+                c.append(h.bias_ids)
+                v.append(h.bias_vals)
+            s = seqs[i]
+            if len(s.token_ids) - s.num_prompt < params[i].min_tokens and h.banned.numel():
+                r.append(torch.full_like(h.banned, i))
+                c.append(h.banned)
+                v.append(torch.full(h.banned.shape, _NEG_INF))
+        if r:  # accumulate: -inf wins over any bias
+            x.index_put_((torch.cat(r), torch.cat(c)), torch.cat(v), accumulate=True)
+
+    def _history(self, s: SampledSeq, vocab: int) -> _History:
+        h = self._hist.get(s)
+        if h is None or h.n > len(s.token_ids) or h.seen.numel() != vocab:
+            h = self._hist[s] = self._new_history(s, vocab)
+        if h.n < len(s.token_ids):
+            new = torch.tensor(s.token_ids[h.n:])
+            h.seen[new] = True
+            out = new[max(s.num_prompt - h.n, 0):]
+            h.counts.index_add_(0, out, torch.ones(out.shape))
+            h.n = len(s.token_ids)
+        return h
+
+    def _new_history(self, s: SampledSeq, vocab: int) -> _History:
+        p = s.request.params
+        ids = [t for t in p.logit_bias if t < vocab]
+        banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_ids))
+        return _History(
+            seen=torch.zeros(vocab, dtype=torch.bool),
+            counts=torch.zeros(vocab),
+            n=0,
+            bias_ids=torch.tensor(ids, dtype=torch.long),
+            bias_vals=torch.tensor([p.logit_bias[t] for t in ids], dtype=torch.float32),
+            banned=torch.tensor(sorted(t for t in banned if t < vocab), dtype=torch.long),
+        )
+
+    def _forget_finished(self) -> None:
+        for s in [s for s in self._hist if s.finished]:
+            del self._hist[s]
+
+
+def _penalize(x: torch.Tensor, rows: list[int], hist: list[_History],
+              params: list[SamplingParams]) -> None:
+    """Repetition (prompt + output, transformers/vLLM), then frequency and presence (output only,
+    OpenAI): x -= frequency * count + presence * (count > 0)."""
+    idx = torch.tensor(rows)
+    sub = x[idx]
+    seen = torch.stack([h.seen for h in hist])
+    counts = torch.stack([h.counts for h in hist])
+    rep = torch.tensor([[p.repetition_penalty] for p in params])
+    freq = torch.tensor([[p.frequency_penalty] for p in params])
+    pres = torch.tensor([[p.presence_penalty] for p in params])
+    penalized = torch.where(sub > 0, sub / rep, sub * rep)
+    sub = torch.where(seen, penalized, sub)
+    sub = sub - freq * counts - pres * (counts > 0)
+    x[idx] = sub
+
+
+# --- the random rows ------------------------------------------------------------------------
+
+
+def _draw(x: torch.Tensor, params: list[SamplingParams],
+          gens: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of adjusted logits x [R, V] (a row without a finite maximum gives an
+    arbitrary token: the caller fails it)."""
+    probs = torch.softmax(warp(x, params), dim=-1)
+    q = torch.empty_like(probs).exponential_()
+    for i, g in enumerate(gens):
+        if g is not None:
+            q[i].exponential_(generator=g)
+    return (probs / q.clamp_min_(torch.finfo(q.dtype).tiny)).argmax(dim=-1)
+
+
+def warp(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, min_p, top-k, top-p: the logits to sample from, with the maximum at 0 and
+    dropped tokens at -inf."""
+    temp = torch.tensor([[p.temperature] for p in params])
+    # shift first: the maximum becomes 0, so dividing by a tiny temperature cannot overflow
+    x = (x - x.amax(dim=-1, keepdim=True)) / temp
+    if any(p.min_p > 0 for p in params):  # p_i < min_p * p_max  <=>  x_i < log(min_p)
+        log_min_p = torch.tensor([[math.log(p.min_p) if p.min_p > 0 else _NEG_INF]
+                                  for p in params])
+        x.masked_fill_(x < log_min_p, _NEG_INF)
+    vocab = x.shape[-1]
+    trunc = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1]
+    if trunc:
+        rows = torch.tensor(trunc)
+        x[rows] = _top_k_top_p(x[rows], [params[i] for i in trunc])
+    return x
+
+
+def _top_k_top_p(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Top-k (ties with the k-th kept), then top-p over what is left (the most likely token
+    always stays), in one sort: over the largest k only when every row has a top-k."""
+    vocab = x.shape[-1]
+    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    kmax = max(ks)
+    if kmax < vocab:
+        vals, idx = x.topk(kmax, dim=-1)
+    else:
+        vals, idx = x.sort(dim=-1, descending=True)
+    kth = vals.gather(1, torch.tensor(ks).sub_(1)[:, None])
+    vals = vals.masked_fill(vals < kth, _NEG_INF)
+    top_p = torch.tensor([[p.top_p] for p in params])
+    if (top_p < 1).any():
+        probs = torch.softmax(vals, dim=-1)
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p  # mass before reaches top_p
+        drop[:, 0] = False
+        vals = vals.masked_fill(drop, _NEG_INF)
+    return torch.full_like(x, _NEG_INF).scatter_(1, idx, vals)
 
 
 def top_logprobs(logits_row: torch.Tensor, token: int, k: int) -> dict[int, float]:

@@ -75,7 +75,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # None while running, then "stop" | "length" | "abort"
+    finish_reason: str | None = None  # None while running, then "stop" | "length" | "abort" | "error"
     logprobs: list[dict[int, float]] | None = None
 
 
