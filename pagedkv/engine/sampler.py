@@ -94,8 +94,8 @@ class Sampler:
         self._forget_finished()
         x = logits.float()
         params = [s.request.params for s in seqs]
-        rows = [i for i, p in enumerate(params)
-                if p.logit_bias or p.min_tokens or p.has_penalties]
+        rows = [i for i, (s, p) in enumerate(zip(seqs, params, strict=True))
+                if p.logit_bias or p.has_penalties or _before_min_tokens(s, p)]
         if not rows:
             return x
         x = x.clone()
@@ -115,8 +115,7 @@ class Sampler:
                 r.append(torch.full_like(h.bias_ids, i))
                 c.append(h.bias_ids)
                 v.append(h.bias_vals)
-            s = seqs[i]
-            if len(s.token_ids) - s.num_prompt < params[i].min_tokens and h.banned.numel():
+            if _before_min_tokens(seqs[i], params[i]) and h.banned.numel():
                 r.append(torch.full_like(h.banned, i))
                 c.append(h.banned)
                 v.append(torch.full(h.banned.shape, _NEG_INF))
@@ -151,6 +150,10 @@ class Sampler:
     def _forget_finished(self) -> None:
         for s in [s for s in self._hist if s.finished]:
             del self._hist[s]
+
+
+def _before_min_tokens(s: SampledSeq, p: SamplingParams) -> bool:
+    return len(s.token_ids) - s.num_prompt < p.min_tokens
 
 
 def _penalize(x: torch.Tensor, rows: list[int], hist: list[_History],
