@@ -19,3 +19,13 @@ def test_cache_and_storage_repr() -> None:
     cache.free("b")  # full blocks may keep their prefix hash: cached, still free
     st = cache.stats()
     assert f"0 used, {st.cached_blocks} cached, 8 free; 0 sequences" in repr(cache)
+
+
+def test_block_size_zero_is_a_config_error_not_a_zero_division() -> None:
+    import pytest
+
+    from pagedkv.cache.storage import num_blocks_for_budget
+    from pagedkv.errors import CacheConfigError
+
+    with pytest.raises(CacheConfigError, match="block_size"):
+        num_blocks_for_budget(2**30, 30, 0, 3, 64, "float32")

@@ -243,3 +243,56 @@ def test_server_logs_stats_while_busy(serve_fake: Any, caplog: Any) -> None:  # 
     server.client().completions.create(model="fake", prompt="abc", max_tokens=30)
     lines = [r.getMessage() for r in caplog.records if "tok/s" in r.getMessage()]
     assert lines and "running: 1 reqs" in "\n".join(lines)
+
+
+# --- the real engine: the extras change what is generated, as the offline API does --------------
+
+
+@pytest.fixture(scope="module")
+def real_pair(smollm2: Any) -> Any:
+    """A real server and an offline LLM over the same weights."""
+    from pagedkv import LLM
+    from pagedkv.engine import LLMEngine
+    from pagedkv.server import ServerThread, build_app
+
+    engine = LLMEngine(smollm2, num_blocks=256, max_model_len=1024)
+    with ServerThread(build_app(engine, served_model_name="smollm2")) as thread:
+        client = openai.OpenAI(base_url=thread.url + "/v1", api_key="x", max_retries=0,
+                               timeout=120)
+        yield client, LLM(smollm2, num_blocks=256, max_model_len=1024)
+
+
+@pytest.mark.slow
+def test_real_sampling_extras_match_offline(real_pair: Any) -> None:
+    client, llm = real_pair
+    chat = [{"role": "user", "content": "List the days of the week."}]
+    plain = client.chat.completions.create(model="smollm2", messages=chat, max_tokens=24,
+                                           temperature=0).choices[0].message.content
+    cases = [
+        dict(presence_penalty=2.0, frequency_penalty=2.0),
+        dict(extra_body={"repetition_penalty": 2.0}),
+        dict(logit_bias={"28": 100}),  # token 28 forced at every step
+    ]
+    for kw in cases:
+        r = client.chat.completions.create(model="smollm2", messages=chat, max_tokens=24,
+                                           temperature=0, **kw)
+        fields = {**kw.pop("extra_body", {}), **kw}
+        if "logit_bias" in fields:
+            fields["logit_bias"] = {int(k): v for k, v in fields["logit_bias"].items()}
+        want = llm.generate([chat], SamplingParams(temperature=0, max_tokens=24, **fields))[0]
+        assert r.choices[0].message.content == want.text, fields
+        assert want.text != plain, f"{fields} changed nothing"
+    forced = llm.tokenizer.decode([28] * 24)
+    assert want.text == forced
+
+
+@pytest.mark.slow
+def test_real_min_tokens_holds_back_eos(real_pair: Any) -> None:
+    client, _ = real_pair
+    chat = [{"role": "user", "content": "Reply with the single word: yes"}]
+    short = client.chat.completions.create(model="smollm2", messages=chat, max_tokens=40,
+                                           temperature=0)
+    assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens < 12
+    longer = client.chat.completions.create(model="smollm2", messages=chat, max_tokens=40,
+                                            temperature=0, extra_body={"min_tokens": 12})
+    assert longer.usage.completion_tokens >= 12
