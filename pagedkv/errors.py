@@ -87,3 +87,15 @@ class UnknownRequestError(PagedKVError, KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else "unknown request"
+
+
+class RequestFailedError(PagedKVError, RuntimeError):
+    """A step failed for some requests only (say a row that cannot be sampled).
+
+    Raised by `LLMEngine.step` after it has dropped `request_ids` (their blocks freed); every
+    other request of the batch is intact and continues at the next step.
+    """
+
+    def __init__(self, request_ids: list[str] | tuple[str, ...], message: str) -> None:
+        super().__init__(message)
+        self.request_ids = tuple(request_ids)

@@ -88,6 +88,7 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.finished = self.prompt_tokens = self.gen_tokens = 0
         self.fail_next_step = False
+        self.salts: dict[str, str | None] = {}
         self.threads: set[int] = set()  # every thread that ever called in: must be one
         self.cache = _FakeCache(self)
 
@@ -95,7 +96,7 @@ class FakeEngine:
         self.threads.add(threading.get_ident())
 
     def tokenize(self, prompt: Any) -> list[int]:
-        self._touch()
+        """Pure (the server calls it on its preprocessing thread)."""
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
         if prompt and all(isinstance(m, dict) for m in prompt):
@@ -105,7 +106,10 @@ class FakeEngine:
             raise InvalidParamsError("token id out of range")
         return list(prompt)
 
-    def add_request(self, request_id: str, prompt: Any, params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt: Any, params: SamplingParams, *,
+                    cache_salt: str | None = None) -> None:
+        self._touch()
+        self.salts[request_id] = cache_salt
         ids = self.tokenize(prompt)
         if request_id in self.requests or not ids:
             raise InvalidParamsError("duplicate id or empty prompt")

@@ -3,6 +3,9 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions (streamed as SSE or not),
 GET /v1/models, GET /health, GET /metrics (Prometheus text), POST /tokenize, POST /detokenize,
 GET /version (utility.py).
+
+Every error a client sees is an OpenAI-style JSON body (`{"error": {...}}`), a stream's as an
+error event followed by `data: [DONE]`; nothing ever answers with a plain-text 500.
 """
 
 from __future__ import annotations
@@ -10,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import signal
@@ -18,21 +20,37 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from pagedkv.engine import SamplingParams
-from pagedkv.errors import InvalidParamsError, RequestTooLongError
-from pagedkv.server.async_engine import AsyncEngine, Choice, EngineDeadError, RequestStream, Update
+from pagedkv.errors import InvalidParamsError, PagedKVError, RequestTooLongError
+from pagedkv.server.async_engine import (
+    AsyncEngine,
+    Choice,
+    ClientTooSlowError,
+    EngineDeadError,
+    RequestStream,
+    ShuttingDownError,
+    Update,
+)
+from pagedkv.server.auth import ApiKeys, cache_salt
 from pagedkv.server.batch import MergedStream
-from pagedkv.server.dashboard import PAGE_PATH, add_dashboard
+from pagedkv.server.guard import (
+    CUTOFF_KEY,
+    GENERATION_PATHS,
+    STREAMS_KEY,
+    TENANT_KEY,
+    Guard,
+)
+from pagedkv.server.dashboard import add_dashboard
 from pagedkv.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.protocol import (
@@ -44,20 +62,39 @@ from pagedkv.server.protocol import (
     parse_request,
 )
 from pagedkv.server.stats_log import configure_logging, log_stats
+from pagedkv.server.stream import Accumulator
 from pagedkv.server.unsupported import check_supported
 from pagedkv.server.utility import add_utility_routes
 
 logger = logging.getLogger("pagedkv.server")
 
-GENERATION_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
-OPEN_PATHS = frozenset({"/health", PAGE_PATH})  # the dashboard page holds no data
-STREAMS_KEY = "pagedkv.streams"  # scope key: the engine requests one HTTP request started
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks for a vanished client  # OpenAI's default for /v1/completions
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks for a vanished client
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+DRAIN_GRACE_S = 5.0  # after the shutdown timeout: time for the 503s to reach the clients
+HURRY_FLUSH_S = 0.5
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))  # after a second SIGTERM: time for the 503s before the forced exit
 
 
 def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def error_for(exc: BaseException) -> ApiError:
+    """The OpenAI-style error a client sees for an exception raised while serving it."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, EngineDeadError):  # ShuttingDownError too
+        return ApiError(503, str(exc), type="server_error", code="service_unavailable")
+    if isinstance(exc, ClientTooSlowError):
+        return ApiError(408, str(exc), code="client_too_slow")
+    if isinstance(exc, RequestTooLongError):
+        return ApiError(400, str(exc), code="context_length_exceeded")
+    if isinstance(exc, InvalidParamsError):
+        return ApiError(400, str(exc))
+    if isinstance(exc, PagedKVError):
+        return ApiError(500, f"engine error: {exc}", type="server_error")
+    return ApiError(500, "internal error while serving this request", type="server_error")
 
 
 class _Tracker:
@@ -74,54 +111,37 @@ class _Tracker:
             self.saw_token = True
             self.metrics.ttft.observe(time.monotonic() - self.start)
         if update.finished:
-            reason = update.choices[0].finish_reason if update.choices else None
+            reasons = [c.finish_reason for c in update.choices if c.finish_reason]
             self.metrics.request_finished(
-                self.endpoint, reason or "abort", time.monotonic() - self.start
+                self.endpoint, reasons[0] if reasons else "abort", time.monotonic() - self.start
             )
 
 
-@dataclass
-class _Sent:
-    chars: int = 0  # of the choice's text
-    tokens: int = 0  # whose logprobs went out
-    token_chars: int = 0  # text_offset of the next logprob entry
-    done: bool = False
-
-
 class _StreamText:
-    """Turns cumulative choice texts into deltas.
+    """Turns a request's deltas into the endpoint's chunks (the engine thread already held
+    back text that a stop string could still take back)."""
 
-    Holds back the last len(longest stop string) - 1 characters until the choice finishes:
-    the engine strips a matched stop string from the text, and text already sent cannot be
-    taken back, so without this a streamed answer could differ from the non-streamed one.
-    """
-
-    def __init__(self, fmt: ResponseFormat, stops: list[str]) -> None:
+    def __init__(self, fmt: ResponseFormat) -> None:
         self.fmt = fmt
-        self.holdback = max((len(s) for s in stops), default=1) - 1
-        self.sent: dict[int, _Sent] = {}
+        self.started: set[int] = set()
+        self.offsets: dict[int, int] = {}  # text_offset of the next logprob entry
+        self.pending: dict[int, list[Any]] = {}  # logprobs of tokens whose text is held back
 
     def chunks(self, choice: Choice) -> Iterator[dict[str, Any]]:
-        sent = self.sent.get(choice.index)
-        if sent is None:
-            sent = self.sent[choice.index] = _Sent()
-            yield from self.fmt.start_chunks(choice.index)
-        if sent.done:
-            return
-        end = len(choice.text)
-        if choice.finish_reason is None:
-            end = max(sent.chars, end - self.holdback)
-        text = choice.text[sent.chars:end]
-        sent.chars, sent.done = end, choice.finish_reason is not None
-        if not text and not sent.done:
+        i = choice.index
+        if i not in self.started:
+            self.started.add(i)
+            yield from self.fmt.start_chunks(i)
+        if choice.logprobs:
+            self.pending.setdefault(i, []).extend(choice.logprobs)
+        if not choice.text and choice.finish_reason is None:
             return
         logprobs = None
         if choice.logprobs is not None:
-            new = choice.logprobs[sent.tokens:]
-            logprobs = self.fmt.logprobs(new, sent.token_chars)
-            sent.tokens += len(new)
-            sent.token_chars += sum(len(e.token) for e in new)
-        yield self.fmt.delta_chunk(choice.index, text, choice.finish_reason, logprobs)
+            new = self.pending.pop(i, [])
+            logprobs = self.fmt.logprobs(new, self.offsets.get(i, 0))
+            self.offsets[i] = self.offsets.get(i, 0) + sum(len(e.token) for e in new)
+        yield self.fmt.delta_chunk(i, choice.text, choice.finish_reason, logprobs)
 
 
 class OpenAIServer:
@@ -132,17 +152,26 @@ class OpenAIServer:
         engine: Any,
         *,
         served_model_name: str,
-        api_key: str | None,
+        api_key: str | Sequence[str] | None,
         max_concurrent: int,
         max_prompt_tokens: int | None,
         max_tokens_limit: int | None,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        body_timeout: float = 30.0,
+        stream_queue_limit: int = 256,
     ) -> None:
-        self.engine = AsyncEngine(engine, max_prompt_tokens=max_prompt_tokens)
+        if max_request_bytes < 1 or body_timeout <= 0 or stream_queue_limit < 1:
+            raise ValueError("max_request_bytes, body_timeout and stream_queue_limit must be > 0")
+        self.engine = AsyncEngine(engine, max_prompt_tokens=max_prompt_tokens,
+                                  stream_queue_limit=stream_queue_limit)
         self.max_model_len: int = engine.max_model_len
         self.served_model_name = served_model_name
-        self.api_key = api_key
+        keys = [api_key] if isinstance(api_key, str) else api_key
+        self.api_keys = None if keys is None else ApiKeys(keys)
         self.max_concurrent = max_concurrent
         self.max_tokens_limit = max_tokens_limit or self.max_model_len
+        self.max_request_bytes = max_request_bytes
+        self.body_timeout = body_timeout
         self.metrics = ServerMetrics(served_model_name)
         self.in_flight = 0
         self.created = int(time.time())
@@ -150,6 +179,7 @@ class OpenAIServer:
     # --- plain endpoints -------------------------------------------------------------------
 
     async def health(self) -> Response:
+        """200 only while the engine thread runs and takes commands."""
         if self.engine.is_alive:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "engine not running"}, status_code=503)
@@ -168,7 +198,7 @@ class OpenAIServer:
         try:
             stats = await self.engine.call(lambda engine: engine.stats())
         except EngineDeadError as exc:
-            raise ApiError(503, str(exc), type="server_error") from None
+            raise error_for(exc) from None
         text = self.metrics.render(stats, self.in_flight)
         return PlainTextResponse(text, media_type=METRICS_CONTENT_TYPE)
 
@@ -235,30 +265,39 @@ class OpenAIServer:
 
     async def _add_one(self, request: Request, request_id: str, req: Any, prompt: Any
                        ) -> RequestStream:
+        stops = req.stop_list()
+        salt = cache_salt(request.scope.get(TENANT_KEY), req.cache_salt)
         try:
-            stream = await self.engine.add(request_id, prompt, self._params_factory(req))
+            stream = await self.engine.add(
+                request_id, prompt, self._params_factory(req), cache_salt=salt,
+                holdback=max((len(s) for s in stops), default=1) - 1,
+            )
         except RequestTooLongError as exc:
             param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
             raise ApiError(400, str(exc), param=param, code="context_length_exceeded") from None
         except InvalidParamsError as exc:
             raise ApiError(400, str(exc), param=getattr(exc, "param", None)) from None
         except EngineDeadError as exc:
-            raise ApiError(503, str(exc), type="server_error") from None
-        # The guard middleware aborts it if the HTTP request ends before the engine does.
+            raise error_for(exc) from None
+        # The guard aborts it if the HTTP request ends before the engine does, and drops
+        # the connection if the client falls too far behind.
         request.scope.setdefault(STREAMS_KEY, []).append(stream)
+        cutoff = request.scope.get(CUTOFF_KEY)
+        if cutoff is not None:
+            loop = asyncio.get_running_loop()
+            stream.on_drop = lambda: cutoff.reschedule(loop.time())
         return stream
 
     async def _collect(self, stream: RequestStream, request: Request, tracker: _Tracker) -> Update:
+        acc = Accumulator()
         next_check = time.monotonic() + DISCONNECT_POLL_S
         while True:
             try:
                 update = await asyncio.wait_for(stream.get(), timeout=DISCONNECT_POLL_S)
             except TimeoutError:
                 update = None
-            except EngineDeadError as exc:
-                raise ApiError(503, str(exc), type="server_error") from None
             except Exception as exc:
-                raise ApiError(500, f"engine error: {exc}", type="server_error") from None
+                raise error_for(exc) from None
             if time.monotonic() >= next_check:
                 # Nothing is written while a non-streamed request runs, so ask the socket.
                 next_check = time.monotonic() + DISCONNECT_POLL_S
@@ -266,100 +305,55 @@ class OpenAIServer:
                     raise ApiError(499, "client disconnected")
             if update is not None:
                 tracker.on_update(update)
+                acc.add(update)
                 if update.finished:
-                    return update
+                    return acc.final()
 
     async def _sse_events(
         self, stream: RequestStream, fmt: ResponseFormat, req: Any, tracker: _Tracker
     ) -> AsyncIterator[str]:
         # A client disconnect cancels this generator at `await stream.get()`; the guard
-        # middleware then aborts the engine request.
-        text = _StreamText(fmt, req.stop_list())
-        update: Update | None = None
+        # then aborts the engine request.
+        text = _StreamText(fmt)
+        acc = Accumulator()
         try:
             while not stream.finished:
                 update = await stream.get()
                 tracker.on_update(update)
+                acc.add(update)
                 for choice in update.choices:
                     for chunk in text.chunks(choice):
                         yield _sse(chunk)
-            if req.include_usage() and update is not None:
-                yield _sse(fmt.usage_chunk(update))
+            if req.include_usage() and acc.last is not None:
+                yield _sse(fmt.usage_chunk(acc.final()))
         except Exception as exc:
-            status = 503 if isinstance(exc, EngineDeadError) else 500
-            yield _sse(ApiError(status, str(exc), type="server_error").body())
+            err = error_for(exc)
+            self.metrics.errors[err.status] += 1
+            yield _sse(err.body())
         yield "data: [DONE]\n\n"
-
-
-class _Guard:
-    """Pure ASGI middleware: API key, concurrency limit, and abort-on-exit.
-
-    Written at the ASGI level (not as a route dependency) because a streamed response
-    outlives its handler: the slot must be held, and the engine request aborted if still
-    running, until the last byte is sent or the client is gone.
-    """
-
-    def __init__(self, app: ASGIApp, server: OpenAIServer) -> None:
-        self.app = app
-        self.server = server
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        server = self.server
-        if server.api_key and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
-            err = ApiError(401, "Invalid or missing API key", code="invalid_api_key")
-            await self._reject(err, scope, receive, send)
-            return
-        if scope["path"] not in GENERATION_PATHS:
-            await self.app(scope, receive, send)
-            return
-        if server.in_flight >= server.max_concurrent:
-            err = ApiError(429, f"Too many concurrent requests (limit {server.max_concurrent})",
-                           type="rate_limit_error", code="rate_limit_exceeded")
-            await self._reject(err, scope, receive, send, {"Retry-After": "1"})
-            return
-        server.in_flight += 1
-        streams: list[RequestStream] = scope.setdefault(STREAMS_KEY, [])
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            server.in_flight -= 1
-            for stream in streams:
-                if not stream.finished:
-                    server.engine.abort(stream.request_id)
-                    server.metrics.finished[(GENERATION_PATHS[scope["path"]], "abort")] += 1
-
-    def _authorized(self, scope: Scope) -> bool:
-        expected = f"Bearer {self.server.api_key}".encode()
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                return hmac.compare_digest(value, expected)
-        return False
-
-    async def _reject(
-        self, err: ApiError, scope: Scope, receive: Receive, send: Send,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        self.server.metrics.errors[err.status] += 1
-        response = JSONResponse(err.body(), status_code=err.status, headers=headers)
-        await response(scope, receive, send)
 
 
 def build_app(
     engine: Any,
     *,
     served_model_name: str | None = None,
-    api_key: str | None = None,
+    api_key: str | Sequence[str] | None = None,
     max_concurrent: int = 256,
     max_prompt_tokens: int | None = None,
     max_tokens_limit: int | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    body_timeout: float = 30.0,
+    stream_queue_limit: int = 256,
     log_stats_interval: float = 0.0,
 ) -> FastAPI:
     """The FastAPI app; the engine thread starts and stops with the app's lifespan.
 
-    log_stats_interval > 0: log one stats line per that many seconds while busy."""
+    log_stats_interval > 0: log one stats line per that many seconds while busy.
+
+    api_key: None (no auth), one key, or several keys (each a tenant: its requests are
+    salted in the prefix cache, so tenants never see each other's cached blocks). An empty
+    key raises ValueError: it would silently disable authentication.
+    """
     server = OpenAIServer(
         engine,
         served_model_name=served_model_name or engine.model_name,
@@ -367,6 +361,9 @@ def build_app(
         max_concurrent=max_concurrent,
         max_prompt_tokens=max_prompt_tokens,
         max_tokens_limit=max_tokens_limit,
+        max_request_bytes=max_request_bytes,
+        body_timeout=body_timeout,
+        stream_queue_limit=stream_queue_limit,
     )
 
     @contextlib.asynccontextmanager
@@ -391,7 +388,7 @@ def build_app(
     app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
     add_utility_routes(app, server)
     add_dashboard(app, server)
-    app.add_middleware(_Guard, server=server)
+    app.add_middleware(Guard, server=server)
     _add_error_handlers(app, server)
     return app
 
@@ -408,16 +405,66 @@ def _add_error_handlers(app: FastAPI, server: OpenAIServer) -> None:
         err = ApiError(exc.status_code, str(exc.detail))
         return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
 
+    async def unexpected(request: Request, exc: Exception) -> Response:
+        # Anything else: logged with its traceback, answered as a JSON 500 (never text).
+        logger.error("unexpected error serving %s", request.url.path,
+                     exc_info=(type(exc), exc, exc.__traceback__))
+        err = error_for(exc)
+        server.metrics.errors[err.status] += 1
+        return JSONResponse(err.body(), status_code=err.status)
+
     app.add_exception_handler(ApiError, api_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, unexpected)
 
 
 # --- running it ------------------------------------------------------------------------------
 
 
+class _H11(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, plus: a connection that has not sent a complete request
+    header within `header_timeout` seconds of connecting is closed (idle sockets and
+    slow-header clients cannot pile up). Later idle time is uvicorn's keep-alive timeout."""
+
+    header_timeout = 10.0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._idle_timer = self.loop.call_later(self.header_timeout, self._drop_if_idle)
+
+    def _drop_if_idle(self) -> None:
+        if self.cycle is None and not self.transport.is_closing():
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._idle_timer.cancel()
+        super().connection_lost(exc)
+
+
+def _uvicorn_config(app: ASGIApp, *, header_timeout: float = 10.0, **kwargs: Any) -> uvicorn.Config:
+    protocol = type("H11", (_H11,), {"header_timeout": header_timeout})
+    kwargs.setdefault("access_log", False)
+    return uvicorn.Config(app, http=protocol, timeout_keep_alive=5, **kwargs)
+
+
 class _GracefulServer(uvicorn.Server):
-    """uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, which makes the process
-    exit with 143/130; a drained, cleanly stopped server should exit 0 instead."""
+    """Shutdown on SIGTERM/SIGINT: stop accepting, let requests in flight finish for up to
+    `drain_after` seconds, then end the rest with an OpenAI-style 503 (an error event and
+    `[DONE]` for streams) and exit 0. A second signal ends them with the 503 at once and
+    forces the exit shortly after. (uvicorn itself would re-raise the signal, exiting with
+    143/130, and cancel the responses mid-stream.)"""
+
+    def __init__(self, config: uvicorn.Config, *, drain: Callable[[], None],
+                 drain_after: float) -> None:
+        super().__init__(config)
+        self._drain = drain
+        self._drain_after = drain_after
+        self._hurry = False
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.should_exit:
+            self._hurry = True
+        self.should_exit = True
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -432,50 +479,63 @@ class _GracefulServer(uvicorn.Server):
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        watchdog = asyncio.ensure_future(self._watch())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            watchdog.cancel()
+
+    async def _watch(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._drain_after
+        while loop.time() < deadline and not self._hurry:
+            await asyncio.sleep(0.05)
+        logger.warning("shutdown: ending the requests still in flight with a 503")
+        self._drain()
+        if self._hurry:
+            await asyncio.sleep(HURRY_FLUSH_S)
+            self.force_exit = True
+
 
 def serve(
     engine: Any,
     host: str = "127.0.0.1",
     port: int = 8000,
     *,
-    served_model_name: str | None = None,
-    api_key: str | None = None,
-    max_concurrent: int = 256,
-    max_prompt_tokens: int | None = None,
-    max_tokens_limit: int | None = None,
     shutdown_timeout: float = 30.0,
     log_level: str = "info",
+    header_timeout: float = 10.0,
     log_stats_interval: float = 10.0,
+    **app_kwargs: Any,
 ) -> None:
-    """Serves until SIGTERM/SIGINT: then stops accepting, lets in-flight requests finish for
-    up to shutdown_timeout seconds, aborts the rest, stops the engine thread and returns."""
-    app = build_app(
-        engine,
-        served_model_name=served_model_name,
-        api_key=api_key,
-        max_concurrent=max_concurrent,
-        max_prompt_tokens=max_prompt_tokens,
-        max_tokens_limit=max_tokens_limit,
-        log_stats_interval=log_stats_interval,
-    )
+    """Serves until SIGTERM/SIGINT (see _GracefulServer), then stops the engine thread and
+    returns. app_kwargs go to build_app (api_key, limits...)."""
+    app = build_app(engine, log_stats_interval=log_stats_interval, **app_kwargs)
     configure_logging(log_level)
-    config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, access_log=False,
-        timeout_graceful_shutdown=shutdown_timeout,
+    server: OpenAIServer = app.state.server
+    config = _uvicorn_config(
+        app, host=host, port=port, log_level=log_level, header_timeout=header_timeout,
+        timeout_graceful_shutdown=shutdown_timeout + DRAIN_GRACE_S,
     )
-    _GracefulServer(config).run()
+    _GracefulServer(
+        config,
+        drain=lambda: server.engine.drain(ShuttingDownError("the server is shutting down")),
+        drain_after=shutdown_timeout,
+    ).run()
 
 
 class ServerThread:
     """uvicorn in a daemon thread on a free local port (tests, in-process benchmarks)."""
 
-    def __init__(self, app: ASGIApp, host: str = "127.0.0.1", log_level: str = "warning") -> None:
+    def __init__(self, app: ASGIApp, host: str = "127.0.0.1", log_level: str = "warning",
+                 header_timeout: float = 10.0) -> None:
         # Binding here (port 0) and handing uvicorn the socket avoids a free-port race.
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.bind((host, 0))
         self.url = f"http://{host}:{self._sock.getsockname()[1]}"
-        config = uvicorn.Config(app, log_level=log_level, access_log=False,
-                                timeout_graceful_shutdown=5)
+        config = _uvicorn_config(app, log_level=log_level, timeout_graceful_shutdown=5,
+                                 header_timeout=header_timeout)
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True
@@ -509,16 +569,27 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name", default=None,
                         help="name clients pass as 'model' (default: the engine's model name)")
-    parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' (all routes but /health)")
+    parser.add_argument("--api-key", action="append", default=None,
+                        help="require 'Authorization: Bearer KEY' (all routes but /health); "
+                        "repeat for several keys: each key is a tenant, and tenants never "
+                        "share prefix-cache blocks")
     parser.add_argument("--max-concurrent", type=int, default=256,
                         help="generation requests in flight before 429")
     parser.add_argument("--max-prompt-tokens", type=int, default=None,
                         help="longest accepted prompt (default: the model's context)")
     parser.add_argument("--max-tokens-limit", type=int, default=None,
                         help="largest accepted max_tokens (default: the model's context)")
+    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                        help="largest accepted request body; larger ones get a 413 unread")
+    parser.add_argument("--body-timeout", type=float, default=30.0,
+                        help="seconds a client has to send its request body (else 408)")
+    parser.add_argument("--header-timeout", type=float, default=10.0,
+                        help="seconds a new connection has to send a request header")
+    parser.add_argument("--stream-queue-limit", type=int, default=256,
+                        help="updates a stream may fall behind before it is aborted")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
-                        help="seconds to let in-flight requests finish on SIGTERM")
+                        help="seconds to let in-flight requests finish on SIGTERM; then "
+                        "they end with a 503 (a second SIGTERM: at once)")
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--log-stats-interval", type=float, default=10.0,
                         help="seconds between stats lines while busy (0: none)")
@@ -528,7 +599,14 @@ def run_serve(
     args: argparse.Namespace, engine_factory: Callable[[argparse.Namespace], Any]
 ) -> int:
     """Builds the engine with engine_factory(args), serves until SIGTERM/SIGINT, returns the
-    exit code."""
+    exit code. Refuses to start (exit code 2) on an empty API key."""
+    if args.api_key is not None:
+        try:
+            ApiKeys(args.api_key)
+        except ValueError as exc:
+            logger.error("refusing to start: %s", exc)
+            print(f"pagedkv serve: error: {exc}", flush=True)
+            return 2
     engine = engine_factory(args)
     serve(
         engine,
@@ -539,6 +617,10 @@ def run_serve(
         max_concurrent=args.max_concurrent,
         max_prompt_tokens=args.max_prompt_tokens,
         max_tokens_limit=args.max_tokens_limit,
+        max_request_bytes=args.max_request_bytes,
+        body_timeout=args.body_timeout,
+        header_timeout=args.header_timeout,
+        stream_queue_limit=args.stream_queue_limit,
         shutdown_timeout=args.shutdown_timeout,
         log_level=args.log_level,
         log_stats_interval=args.log_stats_interval,

@@ -1,9 +1,21 @@
 """Runs the (synchronous, single-threaded) LLMEngine on a background thread for asyncio.
 
-The engine is not thread-safe, so the engine thread is the only one that ever touches it:
-the asyncio side posts commands (add, abort, read stats...) that the thread applies between
-two steps, and the thread hands each step's outputs back to the event loop in one
-`call_soon_threadsafe` batch. When no request is unfinished the thread blocks on an Event.
+The engine is not thread-safe, so the engine thread is the only one that ever steps it or
+changes its requests: the asyncio side posts commands (add, abort, read stats...) that the
+thread applies between two steps, and the thread hands each step's deltas back to the event
+loop in one `call_soon_threadsafe` batch. When no request is unfinished the thread blocks on
+an Event.
+
+Invariants:
+- Tokenization and chat templates run on a separate preprocessing thread, never on the
+  engine thread: one client's huge prompt never delays another client's next token.
+- One request's failure never fails another: a `RequestFailedError` from the engine, or an
+  exception while building one request's delta, ends that request alone. Only an exception
+  the engine cannot attribute fails the whole batch (its state is unknown then).
+- The loop survives exceptions anywhere in an iteration; after MAX_CONSECUTIVE_FAILURES in a
+  row it gives up and the thread ends, and `is_alive` (hence /health) turns false.
+- Once the thread has started shutting down, `submit` fails at once (checked under the same
+  lock the thread takes to close the queue), so nobody waits on a command never run.
 """
 
 from __future__ import annotations
@@ -12,135 +24,59 @@ import asyncio
 import collections
 import concurrent.futures
 import logging
-import math
 import threading
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, TypeVar
 
-from pagedkv.errors import RequestTooLongError
+from pagedkv.errors import RequestFailedError, RequestTooLongError
+from pagedkv.server.stream import (
+    Choice,
+    ClientTooSlowError,
+    EngineDeadError,
+    RequestStream,
+    ShuttingDownError,
+    TokenLogprob,
+    Update,
+)
+
+__all__ = ["AsyncEngine", "Choice", "ClientTooSlowError", "EngineDeadError", "RequestStream",
+           "ShuttingDownError", "TokenLogprob", "Update"]
 
 logger = logging.getLogger("pagedkv.server")
 
 T = TypeVar("T")
 Prompt = str | list[int] | list[dict[str, Any]]
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread is not running (never started, stopped, or crashed)."""
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """One generated token's logprob and the top alternatives, tokens already decoded."""
-
-    token: str
-    logprob: float
-    top: tuple[tuple[str, float], ...]
-
-
-@dataclass(frozen=True)
-class Choice:
-    """An immutable copy of one CompletionOutput, safe to read from the event loop."""
-
-    index: int
-    text: str
-    token_ids: tuple[int, ...]
-    finish_reason: str | None
-    logprobs: tuple[TokenLogprob, ...] | None = None
-
-
-@dataclass(frozen=True)
-class Update:
-    """The cumulative state of one request after an engine step."""
-
-    choices: tuple[Choice, ...]
-    finished: bool
-    prompt_tokens: int
-    cached_tokens: int
-
-
-class RequestStream:
-    """The asyncio end of one request: awaits the engine's cumulative updates."""
-
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
-        self.prompt_tokens = 0
-        self.finished = False
-        self._queue: asyncio.Queue[Update | BaseException] = asyncio.Queue()
-        self._logprobs: dict[int, list[TokenLogprob]] = {}  # engine thread only
-
-    def _put(self, item: Update | BaseException) -> None:
-        self._queue.put_nowait(item)
-
-    async def get(self) -> Update:
-        """The newest update; older ones still queued are skipped (updates are cumulative)."""
-        items = [await self._queue.get()]
-        while not self._queue.empty():
-            items.append(self._queue.get_nowait())
-        for item in items:
-            if isinstance(item, BaseException):
-                self.finished = True
-                raise item
-        latest = items[-1]
-        assert isinstance(latest, Update)
-        self.finished = latest.finished
-        return latest
-
-    async def __aiter__(self) -> AsyncIterator[Update]:
-        while not self.finished:
-            yield await self.get()
-
-    def _snapshot(self, out: Any, tokenizer: Any) -> Update:
-        """Runs on the engine thread: copies what the engine keeps mutating, and decodes
-        logprob tokens here because the tokenizer must stay on this thread."""
-        choices = tuple(
-            Choice(c.index, c.text, tuple(c.token_ids), c.finish_reason,
-                   self._decode_logprobs(c, tokenizer))
-            for c in out.outputs
-        )
-        return Update(choices, bool(out.finished), len(out.prompt_token_ids), out.num_cached_tokens)
-
-    def _decode_logprobs(self, c: Any, tokenizer: Any) -> tuple[TokenLogprob, ...] | None:
-        raw = getattr(c, "logprobs", None)
-        if raw is None:
-            return None
-        done = self._logprobs.setdefault(c.index, [])
-        for tok, entry in zip(c.token_ids[len(done):], raw[len(done):], strict=False):
-            top = sorted(entry.items(), key=lambda kv: -kv[1])
-            done.append(TokenLogprob(
-                tokenizer.decode([tok]), _finite(entry.get(tok, -math.inf)),
-                tuple((tokenizer.decode([t]), _finite(lp)) for t, lp in top),
-            ))
-        return tuple(done)
-
-
-def _finite(logprob: float) -> float:
-    # JSON has no -inf/NaN (Starlette refuses to encode them); OpenAI clamps the same way.
-    x = float(logprob)
-    return max(x, -9999.0) if x == x else -9999.0
+Item = Update | BaseException
+MAX_CONSECUTIVE_FAILURES = 20
 
 
 class AsyncEngine:
     """Owns the engine thread. `start` must be called from the event loop that will consume
     the outputs; `stop` may be called from any thread."""
 
-    def __init__(self, engine: Any, *, max_prompt_tokens: int | None = None) -> None:
+    def __init__(self, engine: Any, *, max_prompt_tokens: int | None = None,
+                 stream_queue_limit: int = 256) -> None:
         self.engine = engine
         self.max_prompt_tokens = max_prompt_tokens
+        self.stream_queue_limit = stream_queue_limit
         self._commands: collections.deque[tuple[Callable[[Any], Any], concurrent.futures.Future]]
         self._commands = collections.deque()
+        self._lock = threading.Lock()  # guards _closed against submit
+        self._closed = True
         self._wake = threading.Event()
         self._stopping = False
+        self._draining: BaseException | None = None  # set on shutdown: no new requests
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._prep = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedkv-prep")
 
     # --- event-loop side ---------------------------------------------------------------------
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stopping = False
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="pagedkv-engine", daemon=True)
         self._thread.start()
 
@@ -151,54 +87,55 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout)
         if self._thread is None or not self._thread.is_alive():
-            self._fail_commands()  # posted while the thread was exiting
-
-    def _fail_commands(self) -> None:
-        while self._commands:
-            _, fut = self._commands.popleft()
-            if fut.set_running_or_notify_cancel():
-                fut.set_exception(EngineDeadError("the server is shutting down"))
+            self._close_queue()
+        self._prep.shutdown(wait=False, cancel_futures=True)
 
     @property
     def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
+        return (self._thread is not None and self._thread.is_alive() and not self._stopping
+                and not self._closed)
 
     def submit(self, fn: Callable[[Any], T]) -> concurrent.futures.Future[T]:
-        """Runs fn(engine) on the engine thread between two steps."""
+        """Runs fn(engine) on the engine thread between two steps; fails at once if the
+        thread is not (or no longer) taking commands."""
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()
-        if not self.is_alive:
-            fut.set_exception(EngineDeadError("the engine is not running"))
-            return fut
-        self._commands.append((fn, fut))
+        with self._lock:
+            if self._closed or self._stopping:
+                fut.set_exception(EngineDeadError("the engine is not running"))
+                return fut
+            self._commands.append((fn, fut))
         self._wake.set()
         return fut
 
     async def call(self, fn: Callable[[Any], T]) -> T:
         return await asyncio.wrap_future(self.submit(fn))
 
+    async def tokenize(self, prompt: Prompt) -> list[int]:
+        """The prompt's token ids, computed on the preprocessing thread."""
+        return list(await self.preprocess(lambda engine: engine.tokenize(prompt)))
+
+    async def preprocess(self, fn: Callable[[Any], T]) -> T:
+        """Runs fn(engine) on the preprocessing thread: tokenizer work only (tokenize,
+        chat templates, decode), which the tokenizer allows next to the engine thread's."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._prep, fn, self.engine)
+        except RuntimeError as exc:  # the executor was shut down
+            if self._stopping:
+                raise ShuttingDownError("the server is shutting down") from exc
+            raise
+
     async def add(
-        self, request_id: str, prompt: Prompt, make_params: Callable[[int], Any]
+        self, request_id: str, prompt: Prompt, make_params: Callable[[int], Any], *,
+        cache_salt: str | None = None, holdback: int = 0,
     ) -> RequestStream:
-        """Adds a request; make_params(prompt_len) builds its SamplingParams. Errors from the
-        engine (InvalidParamsError, RequestTooLongError) are raised here, before any output."""
-        stream = RequestStream(request_id)
-        await self.call(lambda engine: self._add_on_thread(engine, stream, prompt, make_params))
-        return stream
-
-    def abort(self, request_id: str) -> None:
-        """Fire-and-forget abort; frees the request's KV blocks at the next step boundary."""
-        if self.is_alive:
-            self.submit(lambda engine: self._abort_on_thread(engine, request_id))
-
-    # --- engine thread -----------------------------------------------------------------------
-
-    def _add_on_thread(
-        self, engine: Any, stream: RequestStream, prompt: Prompt, make_params: Callable
-    ) -> None:
-        # Tokenized here once (the engine takes the ids) so the limits below see the exact
-        # count the engine will use.
-        ids = list(engine.tokenize(prompt))
-        n, context = len(ids), engine.max_model_len
+        """Tokenizes (off the engine thread), checks the limits, then adds the request;
+        make_params(prompt_len) builds its SamplingParams. Errors (InvalidParamsError,
+        RequestTooLongError...) are raised here, before any output."""
+        if self._draining is not None:
+            raise self._draining
+        ids = await self.tokenize(prompt)
+        n, context = len(ids), self.engine.max_model_len
         if self.max_prompt_tokens is not None and n > self.max_prompt_tokens:
             raise RequestTooLongError(
                 f"prompt has {n} tokens, over this server's limit of {self.max_prompt_tokens}"
@@ -211,8 +148,35 @@ class AsyncEngine:
                 f"this model's context is {context} tokens, but the prompt ({n}) + max_tokens "
                 f"({params.max_tokens}) would need {n + params.max_tokens}"
             )
-        engine.add_request(stream.request_id, ids, params)
-        stream.prompt_tokens = n
+        stream = RequestStream(request_id, holdback=holdback, limit=self.stream_queue_limit)
+        await self.call(lambda engine: self._add_on_thread(engine, stream, ids, params,
+                                                           cache_salt))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Fire-and-forget abort; frees the request's KV blocks at the next step boundary."""
+        self.submit(lambda engine: self._abort_on_thread(engine, request_id))
+
+    def fail_all(self, exc: BaseException) -> None:
+        """Ends every request in flight with `exc` (at the next step boundary)."""
+        self.submit(lambda engine: self._fail_all(exc))
+
+    def drain(self, exc: BaseException) -> None:
+        """Shutdown: every request in flight, and any added from now on, fails with `exc`."""
+        self._draining = exc
+        self.fail_all(exc)
+
+    # --- engine thread -----------------------------------------------------------------------
+
+    def _add_on_thread(self, engine: Any, stream: RequestStream, ids: list[int], params: Any,
+                       cache_salt: str | None) -> None:
+        if self._draining is not None:
+            raise self._draining
+        if cache_salt is None:
+            engine.add_request(stream.request_id, ids, params)
+        else:
+            engine.add_request(stream.request_id, ids, params, cache_salt=cache_salt)
+        stream.prompt_tokens = len(ids)
         self._streams[stream.request_id] = stream
 
     def _abort_on_thread(self, engine: Any, request_id: str) -> None:
@@ -220,18 +184,31 @@ class AsyncEngine:
             engine.abort_request(request_id)
 
     def _run(self) -> None:
+        failures = 0
         try:
             while not self._stopping:
-                self._run_commands()
-                if self.engine.has_unfinished_requests():
-                    self._step()
-                else:
-                    self._wake.wait()
-                    self._wake.clear()
+                try:
+                    self._iterate()
+                    failures = 0
+                except Exception as exc:
+                    failures += 1
+                    logger.exception("engine loop iteration failed (%d in a row)", failures)
+                    self._fail_all(exc)
+                    if failures >= MAX_CONSECUTIVE_FAILURES:
+                        logger.error("engine loop gives up; /health now reports it down")
+                        break
         except BaseException:
             logger.exception("engine thread crashed")
         finally:
             self._shutdown_on_thread()
+
+    def _iterate(self) -> None:
+        self._run_commands()
+        if self.engine.has_unfinished_requests():
+            self._step()
+        else:
+            self._wake.wait()
+            self._wake.clear()
 
     def _run_commands(self) -> None:
         while self._commands:
@@ -246,39 +223,74 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except RequestFailedError as exc:
+            # The engine names the requests that failed and has dropped them; the rest of
+            # the batch is intact and simply runs again at the next step.
+            logger.warning("engine step failed for %s: %s", exc.request_ids, exc)
+            self._fail(exc.request_ids, exc)
+            return
         except Exception as exc:
-            # Fail the requests in flight rather than the server; the next request gets a
-            # fresh chance.
             logger.exception("engine step failed")
             self._fail_all(exc)
             return
-        batch: list[tuple[RequestStream, Update | BaseException]] = []
+        batch: list[tuple[RequestStream, Item]] = []
         for out in outputs:
             stream = self._streams.get(out.request_id)
-            if stream is None:
-                continue  # aborted by its client in the meantime
-            if out.finished:
-                del self._streams[out.request_id]
-            batch.append((stream, stream._snapshot(out, self.engine.tokenizer)))
+            if stream is not None:
+                batch.append((stream, self._item(stream, out)))
+        self._dispatch(batch)
+
+    def _item(self, stream: RequestStream, out: Any) -> Item:
+        """The stream's next queue item; a failure here ends this request only."""
+        rid = stream.request_id
+        try:
+            item: Item = stream.delta(out, self.engine.tokenizer)
+            finished = item.finished
+        except Exception as exc:
+            logger.exception("output of %s could not be read", rid)
+            item, finished = exc, False
+        if not finished and (isinstance(item, BaseException) or stream.backlog >= stream.limit):
+            if not isinstance(item, BaseException):
+                item = ClientTooSlowError(
+                    f"the client fell {stream.backlog} updates behind; request aborted")
+            self._abort_quietly(rid)
+        if finished or isinstance(item, BaseException):
+            self._streams.pop(rid, None)
+        stream.queued += 1
+        return item
+
+    def _abort_quietly(self, request_id: str) -> None:
+        try:
+            self.engine.abort_request(request_id)
+        except Exception:
+            logger.exception("abort of %s failed", request_id)
+
+    def _fail(self, request_ids: Any, exc: BaseException) -> None:
+        batch: list[tuple[RequestStream, Item]] = []
+        for rid in request_ids:
+            stream = self._streams.pop(rid, None)
+            self._abort_quietly(rid)
+            if stream is not None:
+                batch.append((stream, exc))
         self._dispatch(batch)
 
     def _fail_all(self, exc: BaseException) -> None:
-        batch: list[tuple[RequestStream, Update | BaseException]] = []
-        for rid, stream in list(self._streams.items()):
-            try:
-                self.engine.abort_request(rid)
-            except Exception:
-                logger.exception("abort of %s failed", rid)
-            batch.append((stream, exc))
-        self._streams.clear()
-        self._dispatch(batch)
+        self._fail(list(self._streams), exc)
 
     def _shutdown_on_thread(self) -> None:
         self._stopping = True
-        self._fail_all(EngineDeadError("the server is shutting down"))
-        self._fail_commands()
+        self._close_queue()
+        self._fail_all(ShuttingDownError("the server is shutting down"))
 
-    def _dispatch(self, batch: list[tuple[RequestStream, Update | BaseException]]) -> None:
+    def _close_queue(self) -> None:
+        with self._lock:
+            self._closed = True
+        while self._commands:
+            _, fut = self._commands.popleft()
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(ShuttingDownError("the server is shutting down"))
+
+    def _dispatch(self, batch: list[tuple[RequestStream, Item]]) -> None:
         if not batch or self._loop is None:
             return
         try:
@@ -287,6 +299,6 @@ class AsyncEngine:
             pass
 
 
-def _deliver(batch: list[tuple[RequestStream, Update | BaseException]]) -> None:
+def _deliver(batch: list[tuple[RequestStream, Item]]) -> None:
     for stream, item in batch:
         stream._put(item)

@@ -1,9 +1,9 @@
 """One /v1/completions request with several prompts: one engine request per prompt, read as
 a single stream of updates.
 
-Choice i of prompt p is reported as choice p * n + i (vLLM's numbering). The merged update is
-cumulative like each part's: the latest choices of every prompt heard from so far, usage
-summed, finished once every prompt is.
+Choice i of prompt p is reported as choice p * n + i (vLLM's numbering). A merged update is a
+delta like each part's: the new choices of the prompts that moved on, with usage summed over
+every prompt heard from so far, finished once every prompt is.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ class MergedStream:
         except asyncio.CancelledError:
             self.cancel()
             raise
+        moved = []
         for task in done:
             i = self._pending.pop(task)
             try:
@@ -46,17 +47,18 @@ class MergedStream:
             except BaseException:
                 self.cancel()
                 raise
-        return self._merged()
+            moved.append(i)
+        return self._merged(sorted(moved))
 
     def cancel(self) -> None:
         for task in self._pending:
             task.cancel()
         self._pending.clear()
 
-    def _merged(self) -> Update:
+    def _merged(self, moved: list[int]) -> Update:
         seen = [(p, u) for p, u in enumerate(self.latest) if u is not None]
         choices = tuple(dataclasses.replace(c, index=p * self.n + c.index)
-                        for p, u in seen for c in u.choices)
+                        for p in moved for c in self.latest[p].choices)  # type: ignore[union-attr]
         return Update(
             choices=choices,
             finished=self.finished,

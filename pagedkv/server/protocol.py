@@ -13,11 +13,19 @@ import time
 from collections.abc import Sequence
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from pagedkv.server.async_engine import Choice, TokenLogprob, Update
+from pagedkv.server.stream import Choice, TokenLogprob, Update
 
 M = TypeVar("M", bound=BaseModel)
+
+# Caps on what one request may ask for (the body itself is capped by the server).
+MAX_MESSAGES = 2048
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 1024
+MIN_TEMPERATURE = 1e-4  # 0 is greedy; tiny positive values overflow logits / T in float32
+MIN_TOP_P = 1e-6  # smaller would round to 0 in float32 (nothing left to sample from)
+INT64 = (-(2**63), 2**63 - 1)
 
 # --- errors ----------------------------------------------------------------------------------
 
@@ -82,11 +90,14 @@ class _GenerationRequest(BaseModel):
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)  # extension (vLLM-style); 0/-1 = off
-    seed: int | None = None
+    top_p: float | None = Field(default=None, ge=MIN_TOP_P, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1, le=2**31 - 1)  # extension; 0/-1 = off
+    seed: int | None = Field(default=None, ge=INT64[0], le=INT64[1])  # OpenAI: int64
     stop: str | list[str] | None = Field(default=None)
-    stop_token_ids: list[int] | None = None  # extension
+    stop_token_ids: list[int] | None = Field(  # extension
+        default=None, max_length=MAX_STOP_TOKEN_IDS)
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)  # extension
     ignore_eos: bool = False  # extension
     # ranges are SamplingParams' (its error names the field)
     presence_penalty: float | None = None
@@ -94,10 +105,26 @@ class _GenerationRequest(BaseModel):
     repetition_penalty: float | None = None  # extension (vLLM)
     min_p: float | None = None  # extension (vLLM)
     min_tokens: int | None = None  # extension (vLLM)
-    logit_bias: dict[str, float] | None = None  # {token id: bias}
     n: int = Field(default=1, ge=1, le=64)
     stream: bool = False
     stream_options: StreamOptions | None = None
+
+    @field_validator("temperature")
+    @classmethod
+    def _not_tiny(cls, t: float | None) -> float | None:
+        if t is not None and 0 < t < MIN_TEMPERATURE:
+            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE}")
+        return t
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_entries(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key, value in (bias or {}).items():
+            if not key.isdigit() or len(key) > 10:
+                raise ValueError("keys must be token ids")
+            if not -100.0 <= value <= 100.0:
+                raise ValueError("biases must lie in [-100, 100]")
+        return bias
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -134,6 +161,8 @@ class _GenerationRequest(BaseModel):
         for name in SAMPLING_EXTRAS:
             if getattr(self, name) is not None:
                 kwargs[name] = getattr(self, name)
+        if self.logit_bias is not None:  # keys validated as token ids
+            kwargs["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
         return kwargs
 
 
@@ -196,7 +225,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_GenerationRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)

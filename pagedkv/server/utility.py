@@ -62,8 +62,9 @@ class UtilityRoutes:
                            f"'{name}'", param="model", code="model_not_found")
 
     async def _call(self, fn: Any) -> Any:
+        """fn(engine) on the preprocessing thread (never the engine thread's time)."""
         try:
-            return await self.server.engine.call(fn)
+            return await self.server.engine.preprocess(fn)
         except InvalidParamsError as exc:
             raise ApiError(400, str(exc), param=getattr(exc, "param", None)) from None
         except EngineDeadError as exc:
