@@ -72,8 +72,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks for a vanished client
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 DRAIN_GRACE_S = 5.0  # after the shutdown timeout: time for the 503s to reach the clients
-HURRY_FLUSH_S = 0.5
-_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))  # after a second SIGTERM: time for the 503s before the forced exit
+HURRY_FLUSH_S = 0.5  # after a second SIGTERM: time for the 503s before the forced exit
 
 
 def _sse(obj: dict[str, Any]) -> str:
