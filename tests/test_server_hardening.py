@@ -461,7 +461,7 @@ def test_d8_client_that_stops_reading_is_aborted_and_its_blocks_freed(serve_fake
         assert reply.startswith(b"HTTP/1.1 200")
     finally:
         sock.close()
-    assert wait_until(lambda: server.metrics()["pagedkv_http_requests_in_flight"] == 0)
+    assert wait_until(lambda: server.metrics()["pagedkv:http_requests_in_flight"] == 0)
 
 
 # --- defects 9, 10: the engine thread --------------------------------------------------------

@@ -43,6 +43,7 @@ from pagedkv.server.async_engine import (
 )
 from pagedkv.server.auth import ApiKeys, cache_salt
 from pagedkv.server.batch import MergedStream
+from pagedkv.server.dashboard import add_dashboard
 from pagedkv.server.guard import (
     CUTOFF_KEY,
     GENERATION_PATHS,
@@ -50,7 +51,6 @@ from pagedkv.server.guard import (
     TENANT_KEY,
     Guard,
 )
-from pagedkv.server.dashboard import add_dashboard
 from pagedkv.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.protocol import (
