@@ -46,8 +46,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 class HostileEngine(FakeEngine):
     """FakeEngine whose prompts can ask for trouble: 'BOOM' (add_request raises a plain
-    RuntimeError), 'POISON' (the step fails for this request only), 'BADOUT' (its output is
-    malformed), 'SLOW' (tokenizing takes `slow_s`)."""
+    RuntimeError), 'POISON' (the step fails for this request only), 'NAN' (its row cannot be
+    sampled: finish_reason 'error'), 'BADOUT' (its output is malformed), 'SLOW' (tokenizing
+    takes `slow_s`)."""
 
     slow_s = 1.5
     loop_failures = 0  # the next N has_unfinished_requests() calls raise
@@ -77,8 +78,11 @@ class HostileEngine(FakeEngine):
             raise RequestFailedError(poisoned, "probabilities are not finite")
         outs = super().step()
         for out in outs:
-            if "BADOUT" in self.tokenizer.decode(out.prompt_token_ids):
+            prompt = self.tokenizer.decode(out.prompt_token_ids)
+            if "BADOUT" in prompt:
                 out.outputs = [None]  # type: ignore[list-item]
+            if "NAN" in prompt:  # what the sampler reports for a row it cannot sample
+                out.outputs[0].finish_reason = "error"
         return outs
 
 
@@ -141,13 +145,20 @@ def assert_openai_error(r: httpx.Response, status: int, param: str | None = None
 # --- defect 1: one request fails every in-flight request ------------------------------------
 
 
-def test_d1_request_failure_in_a_step_fails_that_request_only(serve_fake: Any) -> None:
+@pytest.mark.parametrize("prompt", ["POISON", "NAN"])
+def test_d1_request_failure_in_a_step_fails_that_request_only(serve_fake: Any,
+                                                              prompt: str) -> None:
     server = serve_fake(HostileEngine(step_delay=0.01))
     good = Background(server)
     assert wait_until(good.started)
     with pytest.raises(openai.InternalServerError) as exc:
-        server.client().completions.create(model="fake", prompt="POISON", max_tokens=4)
+        server.client().completions.create(model="fake", prompt=prompt, max_tokens=4)
     assert "not finite" in exc.value.message
+    stream = server.client().completions.create(model="fake", prompt=prompt, max_tokens=4,
+                                                stream=True)
+    with pytest.raises(openai.APIError, match="not finite"):
+        for _ in stream:
+            pass
     good.check()
     assert_idle(server)
 

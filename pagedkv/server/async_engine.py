@@ -246,6 +246,11 @@ class AsyncEngine:
         try:
             item: Item = stream.delta(out, self.engine.tokenizer)
             finished = item.finished
+            if any(c.finish_reason == "error" for c in item.choices):
+                # the sampler could not sample this request's row: it fails, alone
+                item, finished = RequestFailedError(
+                    [rid], "this request's next-token distribution could not be sampled "
+                    "(not finite)"), False
         except Exception as exc:
             logger.exception("output of %s could not be read", rid)
             item, finished = exc, False
