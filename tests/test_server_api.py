@@ -297,3 +297,17 @@ def test_real_min_tokens_holds_back_eos(real_pair: Any) -> None:
     longer = client.chat.completions.create(model="smollm2", messages=chat, max_tokens=n + 8,
                                             temperature=0, extra_body={"min_tokens": n})
     assert longer.usage.completion_tokens >= n
+
+
+@pytest.mark.slow
+def test_real_metrics_count_forks_and_copy_on_write(real_pair: Any) -> None:
+    from test_server import parse_metrics
+
+    client, _ = real_pair
+    url = str(client.base_url).removesuffix("/v1/")
+    client.completions.create(model="smollm2", prompt="Once upon a time there was", n=2,
+                              max_tokens=3, temperature=0.8, seed=1)
+    m = parse_metrics(httpx.get(url + "/metrics", timeout=30).text)
+    assert m["pagedkv:kv_cache_fork_shared_blocks_total"] >= 1
+    assert m["pagedkv:kv_cache_cow_copies_total"] >= 1  # the shared partial block, written
+    assert "pagedkv:kv_cache_evictions_total" in m
