@@ -13,7 +13,7 @@ def snapshot(cache: PagedKVCache) -> tuple:
     seqs = {
         sid: (s.row, [b.block_id for b in s.blocks],
               None if s.token_ids is None else list(s.token_ids), s.num_tokens, s.num_computed,
-              list(s.block_hashes), s.extra_key)
+              list(s.block_hashes), s.extra_key, s.hash_limit)
         for sid, s in cache.seqs.items()
     }
     return (

@@ -7,6 +7,11 @@ original writer wrote. After every step: `check_invariants()` holds, and every l
 reads back its own K/V at every position, through `slot()` + `storage.read()` and through
 `storage.gather()`; a failed operation leaves the whole state (pool, tables, hashes, free queue,
 storage) exactly as before.
+
+Sequence operations (remove / copy / shift) edit a sequence: from the first edited block on its
+values no longer follow from its tokens, so the shadow tracks them explicitly (`written`, and
+`kshift`: the delta each position's K was re-rotated by, with K + delta as the "rotation"), and
+the first edited block (`frozen`), from which the cache must never hash that sequence again.
 """
 
 from __future__ import annotations
@@ -56,6 +61,8 @@ class CacheMachine(RuleBasedStateMachine):
         self.tokens: dict[int, list[int]] = {}
         self.extra: dict[int, object] = {}
         self.written: dict[int, list[int]] = {}  # what each live sequence wrote, per position
+        self.kshift: dict[int, list[int]] = {}  # per position: how far its K was shifted
+        self.frozen: dict[int, int | None] = {}  # first edited block (never hashed from there)
         self.history: list[tuple[list[int], object]] = []  # prompts seen (live or freed)
         self.block_content: dict[bytes, list[int]] = {}  # chained hash -> its block's values
         self.next_id = 0
@@ -76,12 +83,15 @@ class CacheMachine(RuleBasedStateMachine):
         self._store(slots, vals)
         del self.written[sid][start:]
         self.written[sid].extend(vals)
+        del self.kshift[sid][start:]
+        self.kshift[sid].extend([0] * len(vals))
         self._remember_blocks(sid)
 
     def _remember_blocks(self, sid: int) -> None:
         """Record what each full block of `sid` must hold, under its chained hash."""
         bs, tokens = self.cache.block_size, self.tokens[sid]
-        for i, h in enumerate(chain_hashes(tokens, bs, self.extra[sid])):
+        stop = self.frozen[sid]
+        for i, h in enumerate(chain_hashes(tokens, bs, self.extra[sid], max_blocks=stop)):
             self.block_content[h] = self.written[sid][i * bs : (i + 1) * bs]
 
     def _store(self, slots: torch.Tensor, vals: list[int]) -> None:
@@ -117,6 +127,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.storage = KVStorage(LAYERS, num_blocks, block_size, HEADS, DIM, torch.float32)
         self.cache = PagedKVCache(num_blocks, block_size, storage=self.storage,
                                   enable_prefix_caching=caching)
+        self.cache.register_rotation(lambda k, delta: k + delta)
 
     # --- rules --------------------------------------------------------------------------------
 
@@ -132,6 +143,7 @@ class CacheMachine(RuleBasedStateMachine):
         assert cached == expected_hit
         self.tokens[sid], self.extra[sid] = list(prompt), extra
         self.written[sid] = prefix_values(prompt, extra)[:cached]  # served by the cache
+        self.kshift[sid], self.frozen[sid] = [0] * cached, None
         self.history.append((list(prompt), extra))
         self._write(sid, cached, self.cache.slot_mapping([sid], len(prompt) - cached))
 
@@ -195,6 +207,7 @@ class CacheMachine(RuleBasedStateMachine):
         for s in sids:
             vals += prefix_values(self.tokens[s], self.extra[s], len(self.tokens[s]) - 1)
             self.written[s].append(vals[-1])
+            self.kshift[s].append(0)
         self._store(slots, vals)
         for s in sids:
             self._remember_blocks(s)
@@ -211,6 +224,8 @@ class CacheMachine(RuleBasedStateMachine):
         self.tokens[dst] = list(self.tokens[src])
         self.extra[dst] = self.extra[src]
         self.written[dst] = list(self.written[src])
+        self.kshift[dst] = list(self.kshift[src])
+        self.frozen[dst] = self.frozen[src]
 
     @precondition(lambda self: self.tokens and len(self.tokens) < MAX_LIVE)
     @rule(idx=st.integers(0, 63), drop=st.integers(1, 5), drop_parent=st.booleans())
@@ -233,13 +248,75 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache.truncate(sid, n)
         del self.tokens[sid][n:]
         del self.written[sid][n:]
+        del self.kshift[sid][n:]
 
     @precondition(lambda self: self.tokens)
     @rule(idx=st.integers(0, 63))
     def free(self, idx: int) -> None:
         sid = self._pick(idx)
         self.cache.free(sid)
-        del self.tokens[sid], self.extra[sid], self.written[sid]
+        del self.tokens[sid], self.extra[sid], self.written[sid], self.kshift[sid]
+        del self.frozen[sid]
+
+    # --- sequence operations ------------------------------------------------------------------
+
+    def _freeze(self, sid: int, block: int) -> None:
+        old = self.frozen[sid]
+        self.frozen[sid] = block if old is None else min(old, block)
+
+    def _span(self, sid: int, a: int, b: int) -> tuple[int, int]:
+        n = len(self.tokens[sid])
+        a, b = a % (n + 1), b % (n + 1)
+        return min(a, b), max(a, b)
+
+    @precondition(lambda self: self.tokens)
+    @rule(idx=st.integers(0, 63), a=st.integers(0, 40), b=st.integers(0, 40))
+    def remove(self, idx: int, a: int, b: int) -> None:
+        sid = self._pick(idx)
+        start, end = self._span(sid, a, b)
+        n = len(self.tokens[sid])
+        if self._try(lambda: self.cache.remove(sid, start, end)):
+            return
+        for shadow in (self.tokens, self.written, self.kshift):
+            del shadow[sid][start:end]
+        if start < end < n:
+            self._freeze(sid, start // self.cache.block_size)
+
+    @precondition(lambda self: self.tokens)
+    @rule(src_idx=st.integers(0, 63), dst_idx=st.none() | st.integers(0, 63),
+          a=st.integers(0, 40), b=st.integers(0, 40))
+    def copy(self, src_idx: int, dst_idx: int | None, a: int, b: int) -> None:
+        src = self._pick(src_idx)
+        start, end = self._span(src, a, b)
+        new = dst_idx is None or self._pick(dst_idx) == src
+        if new and len(self.tokens) >= MAX_LIVE:
+            return
+        dst = self._new_id() if new else self._pick(dst_idx)
+        length = 0 if new else len(self.tokens[dst])
+        if self._try(lambda: self.cache.copy(src, dst, start, end)):
+            return
+        if new:
+            self.tokens[dst], self.written[dst], self.kshift[dst] = [], [], []
+            self.extra[dst], self.frozen[dst] = self.extra[src], None
+        for shadow in (self.tokens, self.written, self.kshift):
+            shadow[dst].extend(shadow[src][start:end])
+        if new and start == 0:
+            self.frozen[dst] = self.frozen[src]
+        elif start < end or new:
+            self._freeze(dst, length // self.cache.block_size)
+
+    @precondition(lambda self: self.tokens)
+    @rule(idx=st.integers(0, 63), a=st.integers(0, 40), b=st.integers(0, 40),
+          delta=st.integers(-3, 3))
+    def shift(self, idx: int, a: int, b: int, delta: int) -> None:
+        sid = self._pick(idx)
+        start, end = self._span(sid, a, b)
+        if self._try(lambda: self.cache.shift(sid, start, end, delta)):
+            return
+        for p in range(start, end):
+            self.kshift[sid][p] += delta
+        if start < end and delta:
+            self._freeze(sid, start // self.cache.block_size)
 
     @rule(n=st.none() | st.integers(0, 4))
     def evict(self, n: int | None) -> None:
@@ -304,20 +381,24 @@ class CacheMachine(RuleBasedStateMachine):
             tokens = self.tokens[sid]
             n = len(tokens)
             assert self.cache.num_tokens(sid) == n
-            assert self.written[sid] == prefix_values(tokens, self.extra[sid])
+            assert self.cache.seq(sid).hash_limit == self.frozen[sid]
+            assert self.cache.seq(sid).token_ids == tokens
+            if self.frozen[sid] is None:
+                assert self.written[sid] == prefix_values(tokens, self.extra[sid])
             if n == 0:
                 continue
-            k = kv_of(self.written[sid])  # [n, L, H, D]
+            v = -kv_of(self.written[sid])  # [n, L, H, D]
+            k = -v + torch.tensor(self.kshift[sid], dtype=torch.float32).view(-1, 1, 1, 1)
             for p in range(n):
                 slot = self.cache.slot(sid, p)
                 for layer in range(LAYERS):
                     got_k, got_v = self.storage.read(layer, slot)
                     assert torch.equal(got_k, k[p, layer]), f"seq {sid} pos {p} layer {layer}: K"
-                    assert torch.equal(got_v, -k[p, layer]), f"seq {sid} pos {p} layer {layer}: V"
+                    assert torch.equal(got_v, v[p, layer]), f"seq {sid} pos {p} layer {layer}: V"
             ids = self.cache.block_ids(sid)
             for layer in range(LAYERS):
                 gk, gv = self.storage.gather(layer, ids, n)
-                assert torch.equal(gk, k[:, layer]) and torch.equal(gv, -k[:, layer])
+                assert torch.equal(gk, k[:, layer]) and torch.equal(gv, v[:, layer])
 
 
 CacheMachine.TestCase.settings = settings(

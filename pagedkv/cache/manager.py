@@ -30,6 +30,7 @@ import torch
 
 from pagedkv.cache.block_pool import Block, BlockPool
 from pagedkv.cache.hashing import ROOT_HASH, block_hash, chain_hashes
+from pagedkv.cache.seq_ops import SeqOpsMixin
 from pagedkv.cache.storage import KVStorage
 from pagedkv.errors import (
     CacheConfigError,
@@ -55,6 +56,7 @@ class SeqState:
     num_computed: int = 0  # tokens whose K/V are written; full blocks below are hashed
     block_hashes: list[bytes] = field(default_factory=list)  # chain of its full, computed blocks
     extra_key: object = None
+    hash_limit: int | None = None  # blocks from here on were edited (seq_ops): never hashed
 
 
 @dataclass(slots=True)
@@ -111,7 +113,7 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class PagedKVCache:
+class PagedKVCache(SeqOpsMixin):
     """Sequences, block tables, sharing and prefix caching over a pool of `num_blocks` blocks.
 
     `storage` (optional) holds the K/V data; when given, copy-on-write and defragmentation move
@@ -337,7 +339,8 @@ class PagedKVCache:
         if not self.enable_prefix_caching or s.token_ids is None:
             return
         bs = self.block_size
-        for i in range(len(s.block_hashes), s.num_computed // bs):
+        stop = s.num_computed // bs if s.hash_limit is None else min(s.hash_limit, s.num_computed // bs)
+        for i in range(len(s.block_hashes), stop):
             parent = s.block_hashes[-1] if s.block_hashes else ROOT_HASH
             h = block_hash(parent, s.token_ids[i * bs : (i + 1) * bs], s.extra_key if i == 0 else None)
             s.block_hashes.append(h)
@@ -351,7 +354,7 @@ class PagedKVCache:
             self.pool.touch(b)
         t = SeqState(dst, self._take_row(), list(s.blocks),
                      None if s.token_ids is None else list(s.token_ids), s.num_tokens,
-                     s.num_computed, list(s.block_hashes), s.extra_key)
+                     s.num_computed, list(s.block_hashes), s.extra_key, hash_limit=s.hash_limit)
         self.seqs[dst] = t
         self._write_row(t, 0)
 

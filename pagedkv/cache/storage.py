@@ -207,6 +207,41 @@ class KVStorage:
         self._check_ids(d)
         self.kv[:, :, d] = self.kv[:, :, s]
 
+    # --- slot-wise moves and K rewrites (sequence operations) ---------------------------------
+
+    def move_slots(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy slot src[i] -> dst[i] in every layer, K and V; every source is read before any
+        destination is written, so overlapping moves within one sequence are safe."""
+        s, d = self._slot_tensor(src), self._slot_tensor(dst)
+        if s.shape != d.shape:
+            raise StorageMismatchError("move_slots needs two slot lists of equal length")
+        flat = self._flat()
+        flat[:, :, d] = flat[:, :, s]
+
+    def rotated_keys(self, slots: torch.Tensor, rotate, delta: int) -> torch.Tensor:
+        """K of every layer at `slots`, [L, T, H, D], passed through `rotate(k, delta)` (float32
+        in, cast back to the cache dtype); nothing is written."""
+        k = self._flat()[:, 0, self._slot_tensor(slots)]
+        out = rotate(k.float(), delta)
+        if not isinstance(out, torch.Tensor) or out.shape != k.shape:
+            raise StorageMismatchError(f"rotation returned {getattr(out, 'shape', out)!r:.80}, "
+                                       f"want {tuple(k.shape)}")
+        return out.to(self.dtype)
+
+    def write_keys(self, slots: torch.Tensor, k: torch.Tensor) -> None:
+        """Overwrite K of every layer at `slots` with k [L, T, H, D] (V unchanged)."""
+        self._flat()[:, 0, self._slot_tensor(slots)] = k
+
+    def _flat(self) -> torch.Tensor:
+        """[L, 2, num_slots, H, D] view of the whole pool."""
+        return self.kv.view(self.num_layers, 2, self.num_slots, self.num_kv_heads, self.head_dim)
+
+    def _slot_tensor(self, slots: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        t = torch.as_tensor(slots, dtype=torch.int64, device=self.device).reshape(-1)
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.num_slots):
+            raise InvalidBlockError(f"slots must lie in [0, {self.num_slots})")
+        return t
+
     # --- checks -------------------------------------------------------------------------------
 
     def _check_layer(self, layer: int) -> None:

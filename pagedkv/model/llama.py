@@ -83,6 +83,20 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos.index_select(0, positions).unsqueeze(1)
         return cos, self.sin_signed.index_select(0, positions).unsqueeze(1)
 
+    def shift_keys(self, k: torch.Tensor, delta: int) -> torch.Tensor:
+        """Keys k [..., D] stored after RoPE at positions p -> as if rotated at p + delta.
+
+        RoPE rotates each frequency pair by position * inv_freq, so rotating again by
+        delta * inv_freq gives position p + delta (exact in real arithmetic, Llama-3 scaling
+        included: it only changes inv_freq). The cache's `shift` calls this (context shift).
+        """
+        ang = (float(delta) * self.inv_freq.double()).to(k.device)  # [D/2], float64 angle
+        cos, sin = ang.cos().float(), ang.sin().float()
+        cos2, sin_signed = torch.cat([cos, cos]), torch.cat([-sin, sin])
+        d = k.shape[-1]
+        swapped = k.reshape(*k.shape[:-1], 2, d // 2).flip(-2).reshape(k.shape)
+        return (k.float() * cos2 + swapped.float() * sin_signed).to(k.dtype)
+
     @staticmethod
     def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
         """x [T, H, D] -> rotated [T, H, D] (new contiguous tensor)."""
