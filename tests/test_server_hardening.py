@@ -224,6 +224,20 @@ def test_d3_list_caps(fake: Running, body: dict, param: str) -> None:
     assert_openai_error(r, 400, param)
 
 
+def test_d3_prompt_far_over_the_context_refused_without_tokenizing(serve_fake: Any) -> None:
+    engine = HostileEngine()
+    engine.tokenizer.get_vocab = lambda: {bytes([b]).decode("latin-1"): b + 3  # type: ignore
+                                          for b in range(256)}
+    server = serve_fake(engine, max_prompt_tokens=100)
+    assert wait_until(lambda: server.app.state.server.engine.max_token_chars == 1)
+    t0 = time.monotonic()
+    with pytest.raises(openai.BadRequestError) as exc:  # tokenizing "SLOW..." takes 1.5 s
+        server.client().completions.create(model="fake", prompt="SLOW" + "x" * 300)
+    assert time.monotonic() - t0 < 1.0 and exc.value.code == "context_length_exceeded"
+    r = server.client().completions.create(model="fake", prompt="x" * 90, max_tokens=2)
+    assert r.choices[0].text == "xx"
+
+
 def test_d3_tokenization_never_stalls_other_streams(serve_fake: Any) -> None:
     server = serve_fake(HostileEngine(step_delay=0.01))
     good = Background(server, max_tokens=150)  # ~1.5 s of tokens

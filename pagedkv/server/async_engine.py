@@ -70,6 +70,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._prep = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedkv-prep")
+        self.max_token_chars: int | None = None  # measured on the preprocessing thread
 
     # --- event-loop side ---------------------------------------------------------------------
 
@@ -79,6 +80,7 @@ class AsyncEngine:
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="pagedkv-engine", daemon=True)
         self._thread.start()
+        self._prep.submit(self._measure_vocab)
 
     def stop(self, timeout: float = 30.0) -> None:
         """Aborts whatever is still in flight and joins the thread."""
@@ -134,6 +136,7 @@ class AsyncEngine:
         RequestTooLongError...) are raised here, before any output."""
         if self._draining is not None:
             raise self._draining
+        self._check_chars(prompt)
         ids = await self.tokenize(prompt)
         n, context = len(ids), self.engine.max_model_len
         if self.max_prompt_tokens is not None and n > self.max_prompt_tokens:
@@ -152,6 +155,35 @@ class AsyncEngine:
         await self.call(lambda engine: self._add_on_thread(engine, stream, ids, params,
                                                            cache_salt))
         return stream
+
+    def _measure_vocab(self) -> None:
+        """The longest token string of the vocabulary (a byte-level BPE token string has one
+        character per byte), so a prompt far too long for the context can be refused without
+        spending seconds tokenizing it."""
+        try:
+            vocab = self.engine.tokenizer.get_vocab()
+            self.max_token_chars = max(len(t) for t in vocab) if vocab else None
+        except Exception:  # a tokenizer without a vocabulary: no shortcut
+            self.max_token_chars = None
+
+    def _check_chars(self, prompt: Prompt) -> None:
+        """Every token covers at most max_token_chars characters (2x margin for normalizers),
+        so a longer prompt cannot fit whatever it tokenizes to."""
+        if self.max_token_chars is None:
+            return
+        tokens = self.engine.max_model_len - 1
+        if self.max_prompt_tokens is not None:
+            tokens = min(tokens, self.max_prompt_tokens)
+        if isinstance(prompt, str):
+            chars = len(prompt)
+        elif prompt and isinstance(prompt[0], dict):
+            chars = sum(len(str(m.get("content") or "")) for m in prompt)  # type: ignore[union-attr]
+        else:
+            return  # token ids: counted exactly, cheaply
+        if chars > 2 * self.max_token_chars * tokens:
+            raise RequestTooLongError(
+                f"prompt of {chars} characters is over any {tokens}-token prompt this server "
+                "accepts")
 
     def abort(self, request_id: str) -> None:
         """Fire-and-forget abort; frees the request's KV blocks at the next step boundary."""
