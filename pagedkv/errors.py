@@ -99,3 +99,18 @@ class RequestFailedError(PagedKVError, RuntimeError):
     def __init__(self, request_ids: list[str] | tuple[str, ...], message: str) -> None:
         super().__init__(message)
         self.request_ids = tuple(request_ids)
+
+
+# --- KV tiers --------------------------------------------------------------------------------
+
+
+class TierConfigError(PagedKVError, ValueError):
+    """An invalid KV tier specification (unknown scheme, bad option)."""
+
+
+class TierUnavailableError(PagedKVError, RuntimeError):
+    """A KV tier that cannot be used at all (unwritable directory, ...); serve without it."""
+
+
+class CorruptEntryError(PagedKVError, ValueError):
+    """A stored KV block whose checksum, fingerprint, key or shape does not match: never served."""

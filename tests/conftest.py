@@ -45,3 +45,23 @@ def hf_smollm2() -> Any:
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     )
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    """A real redis-server for the whole session (tests flush what they use)."""
+    from redis_server import RedisServer
+
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def own_redis_server(tmp_path: Path):  # noqa: ANN201
+    """A private redis-server a test may stop and restart (fault tests)."""
+    from redis_server import RedisServer
+
+    server = RedisServer(tmp_path).start()
+    yield server
+    server.stop()

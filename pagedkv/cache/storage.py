@@ -242,6 +242,38 @@ class KVStorage:
             raise InvalidBlockError(f"slots must lie in [0, {self.num_slots})")
         return t
 
+    # --- whole blocks, for KV tiers and snapshots ----------------------------------------------
+
+    def block_layout(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """Name -> (dtype, shape) of each part of one block's full contents (all layers, K and
+        V, and any per-block side data such as quantization scales)."""
+        return {"kv": (self.dtype, (self.num_layers, 2, self.block_size, self.num_kv_heads,
+                                    self.head_dim))}
+
+    def export_blocks(self, block_ids: Sequence[int]) -> dict[str, torch.Tensor]:
+        """Copies of the blocks' full contents: each part [n, *block_layout shape], contiguous,
+        on the CPU (one indexed gather per part)."""
+        ids = torch.as_tensor(block_ids, dtype=torch.int64, device=self.device)
+        self._check_ids(ids)
+        kv = self.kv.index_select(2, ids).permute(2, 0, 1, 3, 4, 5).contiguous()
+        return {"kv": kv.cpu()}
+
+    def import_blocks(self, block_ids: Sequence[int], parts: dict[str, torch.Tensor]) -> None:
+        """Overwrite whole blocks with `parts` as `export_blocks` returns them (checked first:
+        a mismatch raises StorageMismatchError and writes nothing)."""
+        ids = torch.as_tensor(block_ids, dtype=torch.int64, device=self.device)
+        self._check_ids(ids)
+        layout = self.block_layout()
+        if set(parts) != set(layout):
+            raise StorageMismatchError(f"block parts {sorted(parts)} != {sorted(layout)}")
+        for name, (dt, shape) in layout.items():
+            t = parts[name]
+            if t.dtype != dt or tuple(t.shape) != (ids.numel(), *shape):
+                raise StorageMismatchError(
+                    f"part {name!r}: {t.dtype} {tuple(t.shape)}, want {dt} {(ids.numel(), *shape)}")
+        if ids.numel():
+            self.kv[:, :, ids] = parts["kv"].to(self.device).permute(1, 2, 0, 3, 4, 5)
+
     # --- checks -------------------------------------------------------------------------------
 
     def _check_layer(self, layer: int) -> None:

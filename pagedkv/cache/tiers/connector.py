@@ -1,0 +1,86 @@
+"""TierConnector: the bridge between the device pool (KVStorage) and a BlockTier.
+
+Reads (engine thread, at admission): `fetch(hashes)` returns the parts of the longest run of
+consecutive hashes the tier holds, asked in pipelined batches and stopping at the first miss;
+`load(block_ids, parts)` copies them into freshly allocated device blocks.
+
+Writes (policy: a block is written once, when it becomes full and computed): the cache calls
+`offer(hash, block_id)` when it registers a full block's hash; after the step's forward pass
+(when the K/V are in storage) the engine calls `flush()`, which copies the offered blocks out of
+the storage in one indexed gather and hands them to the background writer. Blocks loaded from
+the tier are not offered again. Eviction writes nothing more: the block is already there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from pagedkv.cache.storage import KVStorage
+from pagedkv.cache.tiers.base import BlockTier
+from pagedkv.cache.tiers.record import Parts
+from pagedkv.cache.tiers.writer import BackgroundWriter
+
+
+class TierConnector:
+    def __init__(self, tier: BlockTier, storage: KVStorage, *, max_queue: int = 256,
+                 read_batch: int = 16, write: bool = True) -> None:
+        self.tier = tier
+        self.storage = storage
+        self.layout = storage.block_layout()
+        self.read_batch = read_batch
+        self.writer = BackgroundWriter(tier, max_queue=max_queue) if write else None
+        self._pending: list[tuple[bytes, int]] = []
+        self.hit_tokens = 0
+        self.miss_tokens = 0
+
+    # --- reads --------------------------------------------------------------------------------
+
+    def fetch(self, hashes: Sequence[bytes]) -> list[Parts]:
+        """Parts of hashes[0..k) for the largest k the tier holds without a gap."""
+        out: list[Parts] = []
+        for i in range(0, len(hashes), self.read_batch):
+            got = self.tier.get_many(hashes[i : i + self.read_batch], self.layout)
+            for parts in got:
+                if parts is None:
+                    return self._count(out, len(hashes))
+                out.append(parts)
+        return self._count(out, len(hashes))
+
+    def _count(self, out: list[Parts], asked: int) -> list[Parts]:
+        bs = self.storage.block_size
+        self.hit_tokens += len(out) * bs
+        self.miss_tokens += (asked - len(out)) * bs
+        self.tier.count("hit_blocks", len(out))
+        self.tier.count("miss_blocks", asked - len(out))
+        return out
+
+    def load(self, block_ids: Sequence[int], parts: Sequence[Parts]) -> None:
+        if block_ids:
+            self.storage.import_blocks(block_ids, {n: torch.stack([p[n] for p in parts])
+                                                   for n in self.layout})
+
+    # --- writes -------------------------------------------------------------------------------
+
+    def offer(self, h: bytes, block_id: int) -> None:
+        """A block just became full (its K/V are written by the end of this step)."""
+        if self.writer is not None:
+            self._pending.append((h, block_id))
+
+    def flush(self) -> None:
+        """Copy the offered blocks out (one gather) and queue them; never waits on I/O."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        data = self.storage.export_blocks([b for _, b in pending])
+        self.writer.submit([(h, {n: t[i] for n, t in data.items()})  # type: ignore[union-attr]
+                            for i, (h, _) in enumerate(pending)])
+
+    def drop_pending(self) -> None:
+        self._pending.clear()
+
+    def close(self, timeout: float = 30.0) -> None:
+        if self.writer is not None:
+            self.writer.close(timeout)
+        self.tier.close()
