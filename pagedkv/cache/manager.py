@@ -57,6 +57,7 @@ class SeqState:
     block_hashes: list[bytes] = field(default_factory=list)  # chain of its full, computed blocks
     extra_key: object = None
     hash_limit: int | None = None  # blocks from here on were edited (seq_ops): never hashed
+    tier_tokens: int = 0  # prompt tokens whose K/V were loaded from the KV tier at creation
 
 
 @dataclass(slots=True)
@@ -155,6 +156,7 @@ class PagedKVCache(SeqOpsMixin):
         self.cow_copies = 0
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self.tier = None  # a TierConnector (pagedkv.cache.tiers): the second level under the pool
 
     # --- queries ------------------------------------------------------------------------------
 
@@ -239,8 +241,11 @@ class PagedKVCache(SeqOpsMixin):
         for the sequences already running).
 
         Reuses cached blocks of the longest cached prefix (capped at len - 1 tokens, so the last
-        token is always computed for its logits) and allocates the rest. Returns the number of
-        tokens served from the prefix cache. All-or-nothing: OutOfBlocksError changes nothing.
+        token is always computed for its logits) and allocates the rest. With a KV tier
+        attached, the blocks that follow the device hits are asked from the tier, in order, and
+        every hit is loaded into the first freshly allocated blocks. Returns the number of
+        tokens served from the prefix cache (device + tier; `seq(id).tier_tokens` says how many
+        came from the tier). All-or-nothing: OutOfBlocksError changes nothing.
         """
         self._check_new(seq_id)
         ids = self._as_ids(token_ids)
@@ -251,17 +256,24 @@ class PagedKVCache(SeqOpsMixin):
         available = self.pool.num_free - revived - reserve
         if needed > available:
             raise OutOfBlocksError(needed, available, f"sequence {seq_id!r}")
+        loaded = self.tier.fetch(hashes[len(hits):]) if self.tier and hashes[len(hits):] else []
         for b in hits:
             self.pool.touch(b)
-        s = SeqState(seq_id, self._take_row(), hits + self.pool.allocate(needed), ids, n)
+        fresh = self.pool.allocate(needed)
+        if loaded:
+            self.tier.load([b.block_id for b in fresh[: len(loaded)]], loaded)
+            for b, h in zip(fresh, hashes[len(hits) : len(hits) + len(loaded)], strict=False):
+                self.pool.set_hash(b, h)
+        s = SeqState(seq_id, self._take_row(), hits + fresh, ids, n)
         s.extra_key = extra_key
-        s.block_hashes = hashes[: len(hits)]
-        s.num_computed = cached = len(hits) * self.block_size
+        s.block_hashes = hashes[: len(hits) + len(loaded)]
+        s.num_computed = cached = (len(hits) + len(loaded)) * self.block_size
+        s.tier_tokens = len(loaded) * self.block_size
         self.seqs[seq_id] = s
         self._write_row(s, 0)
         if ids is not None and self.enable_prefix_caching:
             self.prefix_queries += n
-            self.prefix_hits += cached
+            self.prefix_hits += len(hits) * self.block_size
         if computed:
             self.mark_computed(seq_id, n)
         return cached
@@ -345,6 +357,8 @@ class PagedKVCache(SeqOpsMixin):
             h = block_hash(parent, s.token_ids[i * bs : (i + 1) * bs], s.extra_key if i == 0 else None)
             s.block_hashes.append(h)
             self.pool.set_hash(s.blocks[i], h)
+            if self.tier is not None:
+                self.tier.offer(h, s.blocks[i].block_id)
 
     def fork(self, src: SeqId, dst: SeqId) -> None:
         """`dst` shares every block of `src` (ref counts + 1); writes copy on demand."""

@@ -19,6 +19,7 @@ from pagedkv.engine.sampler import FAILED, Sampler, generator_for, top_logprobs
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.engine.sequence import CompletionOutput, Request, RequestOutput, Sequence, Status
+from pagedkv.engine.tiers import EngineTiers
 from pagedkv.errors import (
     CacheConfigError,
     InvalidParamsError,
@@ -78,6 +79,10 @@ class LLMEngine:
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
         max_model_len: int | None = None,
+        kv_tier: str | None = None,
+        kv_tier_queue: int = 256,
+        kv_snapshot: str | None = None,
+        kv_snapshot_interval: float | None = None,
     ) -> None:
         from pagedkv.model.loader import LoadedModel, load_model
 
@@ -100,6 +105,8 @@ class LLMEngine:
                                   max_seq_len=self.max_model_len)
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens)
         self.runner = ModelRunner(self.loaded.model, self.cache, self.storage)
+        self.tiers = EngineTiers(self.loaded, self.cache, kv_tier=kv_tier, queue=kv_tier_queue,
+                                 snapshot=kv_snapshot, snapshot_interval=kv_snapshot_interval)
         self.eos_ids = set(cfg.eos_token_ids or [])
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
@@ -197,6 +204,7 @@ class LLMEngine:
         if plan.empty:
             return []
         logits, samplers = self.runner.run(plan)
+        self.tiers.after_step()
         tokens = self.sampler(logits, samplers)
         touched: dict[str, Request] = {}
         for row, (s, tok) in enumerate(zip(samplers, tokens, strict=True)):
@@ -269,7 +277,28 @@ class LLMEngine:
                 for s in r.seqs]
         return RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, outs,
                              r.finish_time is not None, r.num_cached_tokens, r.arrival_time,
-                             r.first_token_time, r.finish_time)
+                             r.first_token_time, r.finish_time, r.num_tier_cached_tokens)
+
+    # --- KV tier and snapshots ----------------------------------------------------------------
+
+    def tier_stats(self) -> dict[str, float] | None:
+        """The KV tier's counters (None without a tier)."""
+        return self.tiers.stats()
+
+    def reset_prefix_cache(self, tier: bool = False) -> dict[str, int]:
+        """Empty the device prefix cache (blocks in use keep serving), and the tier if asked."""
+        before = self.cache.pool.num_cached_free + sum(1 for b in self.cache.pool.blocks
+                                                       if b.hash is not None and b.ref_cnt)
+        self.cache.reset_prefix_cache()
+        return {"device_blocks": before, "tier_blocks": self.tiers.clear() if tier else 0}
+
+    def snapshot(self) -> int:
+        """Write every prefix-cached block to the --kv-snapshot directory (blocks written)."""
+        return self.tiers.snapshot_now()
+
+    def close(self) -> None:
+        """Finish queued tier writes and release the tier (idempotent)."""
+        self.tiers.close()
 
     # --- stats --------------------------------------------------------------------------------
 

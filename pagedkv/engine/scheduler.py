@@ -106,6 +106,7 @@ class Scheduler:
             return False
         if s.request.first_token_time is None and s.index == 0:
             s.request.num_cached_tokens = cached
+            s.request.num_tier_cached_tokens = self.cache.seq(s.seq_id).tier_tokens
         s.num_computed = cached
         s.status = Status.RUNNING
         self._admissions += 1

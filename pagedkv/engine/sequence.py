@@ -61,7 +61,8 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     finish_time: float | None = None
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from a cache (device or tier)
+    num_tier_cached_tokens: int = 0  # of those, the ones loaded from the KV tier
     forked: bool = False  # n > 1: samples forked off the first sequence after its prefill
     cache_salt: str | None = None  # prefix-cache extra key: tenants never share blocks
 
@@ -90,6 +91,7 @@ class RequestOutput:
     arrival_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    num_tier_cached_tokens: int = 0  # of num_cached_tokens, loaded from the KV tier
 
     @property
     def text(self) -> str:
