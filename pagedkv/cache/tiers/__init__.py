@@ -25,37 +25,47 @@ def _size(text: str) -> int:
     return parse_size(text)
 
 
-def open_tier(spec: str, fp: bytes, **kw: float) -> BlockTier | None:
-    """A tier from its spec; None (with a warning) when a disk tier cannot be used."""
+def parse_spec(spec: str) -> tuple[str, str, dict[str, int]]:
+    """('disk', DIR, {max_bytes}) or ('redis', URL without query, {ttl}); TierConfigError."""
     if not isinstance(spec, str) or not spec:
         raise TierConfigError("a KV tier is 'disk:DIR' or 'redis://host:port/db'")
     if spec.startswith("disk:"):
         path, _, query = spec[5:].partition("?")
         opts = dict(parse_qsl(query))
-        bad = set(opts) - {"max_size"}
-        if not path or bad:
+        if not path or set(opts) - {"max_size"}:
             raise TierConfigError(f"bad disk tier {spec!r} (disk:DIR[?max_size=10GiB])")
-        cap = _size(opts["max_size"]) if "max_size" in opts else None
         try:
-            return DiskTier(path, fp, max_bytes=cap, **kw)
-        except TierUnavailableError as exc:
-            log.warning("%s; serving continues without the KV tier", exc)
-            return None
+            cap = _size(opts["max_size"]) if "max_size" in opts else None
+        except ValueError as exc:
+            raise TierConfigError(f"max_size: {exc}") from None
+        if cap is not None and cap < 1:
+            raise TierConfigError("max_size must be positive")
+        return "disk", path, {} if cap is None else {"max_bytes": cap}
     if spec.startswith(("redis://", "rediss://", "unix://")):
         parts = urlsplit(spec)
         opts = dict(parse_qsl(parts.query))
-        bad = set(opts) - {"ttl"}
-        if bad:
-            raise TierConfigError(f"unknown redis tier option(s) {sorted(bad)} (only ttl)")
+        if set(opts) - {"ttl"}:
+            raise TierConfigError(f"unknown redis tier option(s) {sorted(set(opts) - {'ttl'})}")
         try:
-            ttl = int(opts["ttl"]) if "ttl" in opts else 86400
+            ttl = int(opts.get("ttl", 86400))
         except ValueError:
             raise TierConfigError(f"ttl must be whole seconds, got {opts['ttl']!r}") from None
         if ttl < 1:
             raise TierConfigError("ttl must be >= 1 second")
-        url = urlunsplit(parts._replace(query=""))
-        return RedisTier(url, fp, ttl=ttl, **kw)
+        return "redis", urlunsplit(parts._replace(query="")), {"ttl": ttl}
     raise TierConfigError(f"unknown KV tier {spec!r}: use 'disk:DIR' or 'redis://host:port/db'")
+
+
+def open_tier(spec: str, fp: bytes, **kw: float) -> BlockTier | None:
+    """A tier from its spec; None (with a warning) when a disk tier cannot be used."""
+    kind, target, opts = parse_spec(spec)
+    if kind == "redis":
+        return RedisTier(target, fp, **opts, **kw)
+    try:
+        return DiskTier(target, fp, **opts, **kw)
+    except TierUnavailableError as exc:
+        log.warning("%s; serving continues without the KV tier", exc)
+        return None
 
 
 __all__ = [
@@ -69,5 +79,6 @@ __all__ = [
     "encode",
     "fingerprint",
     "open_tier",
+    "parse_spec",
     "weights_digest",
 ]

@@ -7,8 +7,10 @@ up to `batch` blocks at a time, so a Redis tier sends them in one pipeline.
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
+import weakref
 from collections.abc import Sequence
 
 from pagedkv.cache.tiers.base import BlockTier, log
@@ -24,6 +26,8 @@ class BackgroundWriter:
         self._q: queue.Queue = queue.Queue(maxsize=max_queue)
         self._thread = threading.Thread(target=self._run, name="pagedkv-tier-writer", daemon=True)
         self._thread.start()
+        ref = weakref.ref(self)  # at exit, queued blocks still reach the tier (bounded wait)
+        atexit.register(lambda: (w := ref()) is not None and w.close(timeout=10))
 
     def submit(self, items: Sequence[tuple[bytes, Parts]]) -> int:
         """Queue blocks; returns how many were dropped because the queue was full."""
