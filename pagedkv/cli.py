@@ -92,16 +92,6 @@ def top_k(text: str) -> int:
     return v
 
 
-def port(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= v <= 65535:
-        raise argparse.ArgumentTypeError(f"must be in 0..65535, got {v}")
-    return v
-
-
 # --- engine options, shared by generate and serve ------------------------------------------
 
 
@@ -321,24 +311,21 @@ def _generate_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     g.set_defaults(func=cmd_generate)
 
 
-def _serve_parser(sub: Any, common: argparse.ArgumentParser, full: bool) -> None:
+def _serve_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    from pagedkv.server.options import add_serve_args  # a light module: no FastAPI, no torch
+
     s = sub.add_parser("serve", parents=[common], help="OpenAI-compatible HTTP server",
                        description="OpenAI-compatible HTTP server (/v1/completions, "
                                    "/v1/chat/completions, /metrics, ...).")
     _engine_args(s)
-    if full:  # the server's own options live with the server (imports FastAPI)
-        from pagedkv.server.app import add_serve_args
-
-        add_serve_args(s)
+    add_serve_args(s)
     s.set_defaults(func=cmd_serve)
 
 
-def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
-    """The parser; a subcommand's heavier options are only added when it is the one named
-    (argv None: all of them)."""
+def build_parser() -> argparse.ArgumentParser:
+    """The whole parser; building it imports nothing heavy."""
     from pagedkv.bench import names as bench_names
 
-    chosen = next((a for a in argv if not a.startswith("-")), None) if argv is not None else None
     ap = Parser(prog="pagedkv", description=__doc__.split("\n\n")[0],
                 epilog="`pagedkv COMMAND --help` lists a command's options.")
     ap.add_argument("--version", action="version", version=f"pagedkv {__version__}")
@@ -355,7 +342,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                    help="also write block-map and utilization PNGs into DIR")
     d.set_defaults(func=cmd_demo)
 
-    _serve_parser(sub, common, full=argv is None or chosen == "serve")
+    _serve_parser(sub, common)
 
     b = sub.add_parser("bench", parents=[common],
                        help="benchmarks; each prints one JSON object",
@@ -382,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = "--debug" in argv[: argv.index("--")] if "--" in argv else "--debug" in argv
     try:
-        args = build_parser(argv).parse_args(argv)
+        args = build_parser().parse_args(argv)
         return args.func(args)
     except KeyboardInterrupt:
         if debug:

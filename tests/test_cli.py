@@ -86,12 +86,14 @@ def test_version_and_help_without_torch() -> None:
     code = ("import sys\nfrom pagedkv.cli import main\n"
             "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
             "try:\n    main(['generate', '--help'])\nexcept SystemExit:\n    pass\n"
+            "try:\n    main(['serve', '--help'])\nexcept SystemExit:\n    pass\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=60, env=_env())
     assert r.returncode == 0, r.stderr
     assert "--kv-cache-memory" in r.stdout and "(default: 1GiB)" in r.stdout
     assert "(default: 16)" in r.stdout  # --block-size
+    assert "--api-key" in r.stdout and "--log-stats-interval" in r.stdout  # serve's own
 
 
 def test_python_api_names() -> None:

@@ -1,6 +1,34 @@
-"""OpenAI-compatible serving over an LLMEngine: `build_app`, `serve`, and the CLI hooks."""
+"""OpenAI-compatible serving over an LLMEngine: `build_app`, `serve`, and the CLI hooks.
 
-from pagedkv.server.app import ServerThread, add_serve_args, build_app, run_serve, serve
-from pagedkv.server.async_engine import AsyncEngine
+The names are imported on first use: `pagedkv serve --help` reads only `options.py`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_LAZY = {
+    "AsyncEngine": "pagedkv.server.async_engine",
+    "ServerThread": "pagedkv.server.app",
+    "build_app": "pagedkv.server.app",
+    "run_serve": "pagedkv.server.app",
+    "serve": "pagedkv.server.app",
+    "add_serve_args": "pagedkv.server.options",
+}
 
 __all__ = ["AsyncEngine", "ServerThread", "add_serve_args", "build_app", "run_serve", "serve"]
+
+if TYPE_CHECKING:  # pragma: no cover
+    from pagedkv.server.app import ServerThread, build_app, run_serve, serve
+    from pagedkv.server.async_engine import AsyncEngine
+    from pagedkv.server.options import add_serve_args
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pagedkv.server' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

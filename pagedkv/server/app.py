@@ -53,6 +53,7 @@ from pagedkv.server.guard import (
 )
 from pagedkv.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pagedkv.server.metrics import ServerMetrics
+from pagedkv.server.options import DEFAULT_MAX_REQUEST_BYTES, add_serve_args  # noqa: F401
 from pagedkv.server.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -70,7 +71,6 @@ logger = logging.getLogger("pagedkv.server")
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks for a vanished client
-DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 DRAIN_GRACE_S = 5.0  # after the shutdown timeout: time for the 503s to reach the clients
 HURRY_FLUSH_S = 0.5  # after a second SIGTERM: time for the 503s before the forced exit
 
@@ -560,38 +560,6 @@ class ServerThread:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    """Server options of `pagedkv serve` (the engine's options are the CLI's business)."""
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--served-model-name", default=None,
-                        help="name clients pass as 'model' (default: the engine's model name)")
-    parser.add_argument("--api-key", action="append", default=None,
-                        help="require 'Authorization: Bearer KEY' (all routes but /health); "
-                        "repeat for several keys: each key is a tenant, and tenants never "
-                        "share prefix-cache blocks")
-    parser.add_argument("--max-concurrent", type=int, default=256,
-                        help="generation requests in flight before 429")
-    parser.add_argument("--max-prompt-tokens", type=int, default=None,
-                        help="longest accepted prompt (default: the model's context)")
-    parser.add_argument("--max-tokens-limit", type=int, default=None,
-                        help="largest accepted max_tokens (default: the model's context)")
-    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
-                        help="largest accepted request body; larger ones get a 413 unread")
-    parser.add_argument("--body-timeout", type=float, default=30.0,
-                        help="seconds a client has to send its request body (else 408)")
-    parser.add_argument("--header-timeout", type=float, default=10.0,
-                        help="seconds a new connection has to send a request header")
-    parser.add_argument("--stream-queue-limit", type=int, default=256,
-                        help="updates a stream may fall behind before it is aborted")
-    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
-                        help="seconds to let in-flight requests finish on SIGTERM; then "
-                        "they end with a 503 (a second SIGTERM: at once)")
-    parser.add_argument("--log-level", default="info")
-    parser.add_argument("--log-stats-interval", type=float, default=10.0,
-                        help="seconds between stats lines while busy (0: none)")
 
 
 def run_serve(
