@@ -311,3 +311,13 @@ def test_real_metrics_count_forks_and_copy_on_write(real_pair: Any) -> None:
     assert m["pagedkv:kv_cache_fork_shared_blocks_total"] >= 1
     assert m["pagedkv:kv_cache_cow_copies_total"] >= 1  # the shared partial block, written
     assert "pagedkv:kv_cache_evictions_total" in m
+
+
+def test_chat_default_max_tokens_fits_a_small_cache(serve_fake: Any) -> None:  # noqa: F811
+    engine = FakeEngine(num_blocks=20, block_size=4)  # 80 tokens: less than the 256 context
+    engine.cache.num_blocks, engine.cache.block_size = 20, 4
+    server = serve_fake(engine)
+    r = server.client().chat.completions.create(
+        model="fake", messages=[{"role": "user", "content": "hi"}])  # no max_tokens
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens + r.usage.completion_tokens == 80

@@ -164,6 +164,7 @@ class OpenAIServer:
         self.engine = AsyncEngine(engine, max_prompt_tokens=max_prompt_tokens,
                                   stream_queue_limit=stream_queue_limit)
         self.max_model_len: int = engine.max_model_len
+        self.cache_tokens = _cache_tokens(engine)
         self.served_model_name = served_model_name
         keys = [api_key] if isinstance(api_key, str) else api_key
         self.api_keys = None if keys is None else ApiKeys(keys)
@@ -246,7 +247,10 @@ class OpenAIServer:
         def make(prompt_len: int) -> Any:
             max_tokens = req.requested_max_tokens()
             if max_tokens is None and isinstance(req, ChatCompletionRequest):
-                max_tokens = min(self.max_tokens_limit, self.max_model_len - prompt_len)
+                # as much as the context and the whole KV cache leave (at least 1: a prompt
+                # that fills either is then refused by the engine with the real reason)
+                room = min(self.max_model_len, self.cache_tokens or self.max_model_len)
+                max_tokens = max(1, min(self.max_tokens_limit, room - prompt_len))
             elif max_tokens is None:
                 max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
             return SamplingParams(**req.sampling_kwargs(max_tokens))
@@ -330,6 +334,13 @@ class OpenAIServer:
             self.metrics.errors[err.status] += 1
             yield _sse(err.body())
         yield "data: [DONE]\n\n"
+
+
+def _cache_tokens(engine: Any) -> int | None:
+    """Tokens the engine's whole KV cache holds (None when it does not say)."""
+    cache = getattr(engine, "cache", None)
+    blocks, size = getattr(cache, "num_blocks", None), getattr(cache, "block_size", None)
+    return blocks * size if isinstance(blocks, int) and isinstance(size, int) else None
 
 
 def build_app(
