@@ -40,6 +40,12 @@ BAD_CALLS: list[tuple[str, Callable[[PagedKVCache], Any]]] = [
     ("block_tables of an int", lambda c: c.block_tables(5)),
     ("lookup overflow", lambda c: c.lookup([2**63] * 8)),
     ("lookup a dict", lambda c: c.lookup({1: 2})),
+    ("truncate to a string", lambda c: c.truncate("a", "3")),
+    ("truncate to a float", lambda c: c.truncate("a", 2.5)),
+    ("mark_computed None", lambda c: c.mark_computed("a", None)),
+    ("slots string end", lambda c: c.slots("a", 0, "2")),
+    ("slot float", lambda c: c.slot("a", 1.0)),
+    ("blocks_needed string", lambda c: c.blocks_needed("x")),
 ]
 
 

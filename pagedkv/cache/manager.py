@@ -208,6 +208,7 @@ class PagedKVCache(SeqOpsMixin):
     def slot(self, seq_id: SeqId, pos: int) -> int:
         """Cache slot of token `pos`: block_id * block_size + offset."""
         s = self.seq(seq_id)
+        pos = _as_int(pos)
         if not 0 <= pos < s.num_tokens:
             raise PositionError(f"position {pos} outside sequence {seq_id!r} of {s.num_tokens}")
         b, o = divmod(pos, self.block_size)
@@ -215,6 +216,7 @@ class PagedKVCache(SeqOpsMixin):
 
     def blocks_needed(self, num_tokens: int, seq_id: SeqId | None = None) -> int:
         """New blocks to hold `num_tokens` more tokens (for `seq_id`, or a new sequence)."""
+        num_tokens = _as_int(num_tokens)
         if seq_id is None:
             return _cdiv(num_tokens, self.block_size)
         s = self.seq(seq_id)
@@ -345,6 +347,7 @@ class PagedKVCache(SeqOpsMixin):
     def mark_computed(self, seq_id: SeqId, num_tokens: int) -> None:
         """Record that the first `num_tokens` tokens' K/V are written; hash the full blocks."""
         s = self.seq(seq_id)
+        num_tokens = _as_int(num_tokens)
         if not 0 <= num_tokens <= s.num_tokens:
             raise PositionError(f"{num_tokens} computed tokens outside 0..{s.num_tokens}")
         s.num_computed = max(s.num_computed, num_tokens)
@@ -383,6 +386,7 @@ class PagedKVCache(SeqOpsMixin):
     def truncate(self, seq_id: SeqId, num_tokens: int) -> None:
         """Keep only the first `num_tokens` tokens (context trimming); later blocks go back."""
         s = self.seq(seq_id)
+        num_tokens = _as_int(num_tokens)
         if not 0 <= num_tokens <= s.num_tokens:
             raise PositionError(f"cannot truncate {seq_id!r} of {s.num_tokens} to {num_tokens}")
         keep = _cdiv(num_tokens, self.block_size)
@@ -449,6 +453,7 @@ class PagedKVCache(SeqOpsMixin):
     def slots(self, seq_id: SeqId, start: int, end: int) -> torch.Tensor:
         """int64 [end - start]: slots of positions start..end-1 of one sequence (prefill chunks)."""
         s = self.seq(seq_id)
+        start, end = _as_int(start), _as_int(end)
         if not 0 <= start <= end <= s.num_tokens:
             raise PositionError(f"range {start}..{end} outside sequence {seq_id!r} of {s.num_tokens}")
         pos = np.arange(start, end, dtype=np.int64)
