@@ -100,7 +100,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="a .gguf file or a model folder (local files only); default: the shipped "
                         "SmolLM2-135M-Instruct")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="compute dtype (GGUF weights are dequantized to it)")
+                   help="compute dtype")
+    p.add_argument("--weights", default=None, choices=["quantized", "float32"],
+                   help="GGUF weights: keep the file's quantized blocks (the default for GGUF at "
+                        "float32) or dequantize them to float32 at load")
     p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
     p.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 2GiB, 512MB")
     p.add_argument("--num-blocks", type=positive_int, default=None,
@@ -155,6 +158,7 @@ def make_engine(args: argparse.Namespace):  # noqa: ANN201
     engine = LLMEngine(
         args.model,
         dtype=args.dtype,
+        weights=getattr(args, "weights", None),
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         kv_cache_memory=args.kv_cache_memory,

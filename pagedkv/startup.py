@@ -56,7 +56,11 @@ def engine_lines(engine: Any, source: Any, dtype: str) -> list[str]:
     """The model line and the KV cache line of the start-up report."""
     loaded = engine.loaded
     fmt = model_format(source)
-    weights = "dequantized to " + dtype if fmt.startswith("GGUF") else dtype
+    if getattr(loaded, "weights", "") == "quantized":
+        weights = "kept quantized as in the file"
+    else:
+        weights = "dequantized to " + dtype if fmt.startswith("GGUF") else dtype
+    weights += f", {human_bytes(loaded.weight_bytes)}"
     storage, cache = engine.storage, engine.cache
     tokens = cache.num_blocks * cache.block_size
     full = tokens // engine.max_model_len

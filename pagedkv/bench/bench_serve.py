@@ -7,6 +7,13 @@ E2EL (end-to-end latency), in milliseconds.
 
     pagedkv bench serve --base-url http://127.0.0.1:8000   # a running server
     pagedkv bench serve                                     # starts its own
+    pagedkv bench serve --peer http://127.0.0.1:8081        # pagedkv vs another server
+
+With --peer (for example llama.cpp's llama-server on the same GGUF and threads; see the README),
+the same client sends the same chat prompts (128 new tokens, greedy, ignore_eos) to pagedkv and
+to the peer at each of --peer-concurrency (1, 8, 40 clients), one server at a time, and reports
+output tok/s, TTFT and TPOT of both and pagedkv's output-throughput ratio. pagedkv is started as
+its own `pagedkv serve --threads N` process unless --base-url names a running one.
 """
 
 from __future__ import annotations
@@ -15,7 +22,10 @@ import argparse
 import asyncio
 import json
 import os
+import socket
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -217,10 +227,78 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--prompt", action="append", default=None,
                     help="raw completion prompt (repeatable; default: the chat workload)")
+    ap.add_argument("--peer", default=None, help="another OpenAI-compatible server to compare with")
+    ap.add_argument("--peer-concurrency", default="1,8,40", help="client counts for --peer")
+    ap.add_argument("--peer-max-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2, help="threads of the pagedkv server started")
+    ap.add_argument("--weights", default=None, choices=["quantized", "float32"],
+                    help="weights of the pagedkv server started for --peer")
+
+
+def _requests_for(concurrency: int) -> int:
+    """Enough requests that every client is busy for a while, few enough for a ~3 min run."""
+    return max(4, 2 * concurrency) if concurrency < 40 else concurrency
+
+
+def start_pagedkv(threads: int, weights: str | None, model: str | None) -> tuple[subprocess.Popen, str]:
+    """`pagedkv serve` as its own process (as the peer is); returns it once /health answers."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "pagedkv.cli", "serve", "--port", str(port), "--threads", str(threads),
+           "--log-level", "warning", "--max-num-seqs", "64"]
+    cmd += ["--weights", weights] if weights else []
+    cmd += ["--model", model] if model else []
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            httpx.get(url + "/health", timeout=2).raise_for_status()
+            return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"pagedkv serve did not start: {' '.join(cmd)}")
+
+
+def _brief(r: dict[str, Any]) -> dict[str, Any]:
+    keys = ("completed", "failed", "output_throughput", "median_ttft_ms", "median_tpot_ms", "duration_s")
+    out = {k: round(r[k], 2) if isinstance(r[k], float) else r[k] for k in keys}
+    if "first_errors" in r:
+        out["first_errors"] = r["first_errors"]
+    return out
+
+
+def run_peer(args: argparse.Namespace) -> dict[str, Any]:
+    """pagedkv vs args.peer at each client count, same client and prompts."""
+    levels = [int(c) for c in str(args.peer_concurrency).split(",") if c.strip()]
+    proc, ours = (None, args.base_url) if args.base_url else start_pagedkv(args.threads, args.weights, args.model)
+    max_tokens = 16 if args.quick else args.peer_max_tokens
+    rows = {}
+    try:
+        for c in levels:
+            n = c if args.quick else _requests_for(c)
+            kw = dict(num_requests=n, concurrency=c, max_tokens=max_tokens, prompts=args.prompt,
+                      api_key=args.api_key)
+            a = asyncio.run(arun_serve_bench(ours, **kw))
+            b = asyncio.run(arun_serve_bench(args.peer, **kw))
+            ratio = a["output_throughput"] / b["output_throughput"] if b["output_throughput"] else None
+            rows[str(c)] = {"pagedkv": _brief(a), "peer": _brief(b),
+                            "ratio": round(ratio, 2) if ratio else None}
+            print(f"[bench serve] {c} clients: {rows[str(c)]}", file=sys.stderr, flush=True)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=30)
+    return {"peer": args.peer, "pagedkv_threads": args.threads, "max_tokens": max_tokens,
+            "weights": args.weights or "default", "clients": rows}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # as the CLI: weights from local files only
+    if args.peer:
+        return run_peer(args)
     in_process = args.base_url is None
     return run_serve_bench(
         args.base_url, num_requests=args.num_requests, concurrency=args.concurrency,

@@ -72,6 +72,7 @@ class LLMEngine:
         model: object = None,
         *,
         dtype: str | torch.dtype = "float32",
+        weights: str | None = None,
         block_size: int = 16,
         num_blocks: int | None = None,
         kv_cache_memory: str | int = "1GiB",
@@ -86,7 +87,9 @@ class LLMEngine:
     ) -> None:
         from pagedkv.model.loader import LoadedModel, load_model
 
-        self.loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype)
+        self.loaded = (
+            model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, weights=weights)
+        )
         cfg = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.model_name = self.loaded.name

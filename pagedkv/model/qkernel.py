@@ -1,0 +1,113 @@
+"""Lazy build and load of the model's CPU kernels: qmatmul.cpp (quantized matmul) and
+fused_ops.cpp (residual add + RMSNorm), one library.
+
+Built like the attention kernel (same compiler flags and cache folder, from
+pagedkv/attention/kernel.py) plus -ffp-contract=off, so that the kernel dequantizes with exactly
+the float32 roundings of the `gguf` package (a fused multiply-add would round d * q + m once).
+Registered as torch.ops.pagedkv_q.{qmatmul,qrows} and torch.ops.pagedkv_ops.add_rms_norm.
+
+Attempted once per process; any failure is logged once and `load()` returns False, and the
+callers (quant.py) use the pure-torch fallback. `PAGEDKV_NO_KERNEL=1` in the environment at the
+first attempt forces the fallback (read once, not per call).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+from pagedkv.attention.kernel import build_flags, cache_root
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = [Path(__file__).with_name(n) for n in ("qmatmul.cpp", "fused_ops.cpp")]
+_EXTRA_FLAGS = ["-ffp-contract=off"]
+
+
+class _Kernel:
+    """The load outcome of this process (one instance, guarded by its lock)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.tried = False
+        self.ok = False
+        self.error: str | None = None
+
+
+_kernel = _Kernel()
+
+
+def _disabled_by_env() -> bool:
+    value = os.environ.get("PAGEDKV_NO_KERNEL", "")
+    return value.strip().lower() not in ("", "0", "false", "no")
+
+
+def _library_name(source: str, flags: list[str]) -> str:
+    key = "\n".join([source, " ".join(flags), torch.__version__, sys.version, sys.platform])
+    isa = "_".join(f[2:] for f in flags if f.startswith("-m")) or "generic"
+    return f"pagedkv_qmatmul_{isa}_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+def _build() -> None:
+    from torch.utils import cpp_extension
+
+    source = "\n".join(p.read_text() for p in _SOURCES)
+    flags = [*build_flags(), *_EXTRA_FLAGS]
+    name = _library_name(source, flags)
+    build_dir = cache_root() / "kernels" / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    lib = build_dir / f"{name}.so"
+    if lib.exists():
+        try:
+            torch.ops.load_library(str(lib))
+            return
+        except Exception:  # a half-written or foreign file: rebuild
+            logger.debug("cached kernel %s did not load; rebuilding", lib, exc_info=True)
+    bindir = os.path.dirname(sys.executable)  # pip's ninja lives next to the interpreter
+    if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+    cpp_extension.load_inline(
+        name=name,
+        cpp_sources=[source],
+        functions=None,
+        extra_cflags=flags,
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(build_dir),
+        is_python_module=False,
+        no_implicit_headers=True,
+        verbose=False,
+    )
+
+
+def load() -> bool:
+    """Build (first time) and load the kernel; True when torch.ops.pagedkv_q is usable."""
+    k = _kernel
+    if k.tried:
+        return k.ok
+    with k.lock:
+        if k.tried:
+            return k.ok
+        try:
+            if _disabled_by_env():
+                raise RuntimeError("disabled by PAGEDKV_NO_KERNEL")
+            _build()
+            if not hasattr(torch.ops.pagedkv_q, "qmatmul") or not hasattr(
+                torch.ops.pagedkv_ops, "add_rms_norm"
+            ):
+                raise RuntimeError("the library loaded but did not register its ops")
+            k.ok = True
+        except Exception as e:  # any build problem means "use the fallback"
+            k.error = f"{type(e).__name__}: {e}"
+            logger.warning("pagedkv: quantized matmul kernel unavailable (%s); using torch", k.error)
+        k.tried = True
+        return k.ok
+
+
+def info() -> dict[str, object]:
+    return {"loaded": _kernel.ok, "error": _kernel.error}

@@ -1,0 +1,469 @@
+// Matmul of float32 activations by GGUF-quantized weights, for CPU.
+//
+// The weight stays as the GGUF file stores it: [N, row_bytes] uint8, each row a run of blocks of
+// one ggml type (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, or plain F32/F16/BF16 elements). A row is
+// dequantized into a float32 scratch of K values that stays in L1, with exactly the arithmetic
+// of the `gguf` package's numpy dequantizers (float32 products, no fused multiply-add: the file is
+// built with -ffp-contract=off), and then dotted with every activation row in float32. Each weight
+// byte is therefore read from memory once per call, whatever the number of activation rows: the
+// decode case (1-16 rows), which is bandwidth-bound. Threads split the output rows.
+//
+// Ops (registered as torch.ops.pagedkv_q.*):
+//   qmatmul(x [T, K] f32, w [N, rb] u8, qtype, out [T, >= col0 + N] f32, col0): out[:, col0:+N] = x W^T
+//   qrows(w [N, rb] u8, qtype, K, idx [R] i64, out [R, K] f32): out[r] = dequant(W[idx[r]])
+// Built by pagedkv/model/qkernel.py with the attention kernel's build helpers.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PQ_AVX2 1
+#endif
+
+namespace {
+
+// ggml type ids (gguf.GGMLQuantizationType)
+enum QType : int64_t {
+  F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30
+};
+
+struct Layout {
+  int64_t block;  // elements per block
+  int64_t bytes;  // bytes per block
+};
+
+bool layout_of(int64_t t, Layout& l) {
+  switch (t) {
+    case F32: l = {1, 4}; return true;
+    case F16: l = {1, 2}; return true;
+    case BF16: l = {1, 2}; return true;
+    case Q4_0: l = {32, 18}; return true;
+    case Q4_1: l = {32, 20}; return true;
+    case Q8_0: l = {32, 34}; return true;
+    case Q4_K: l = {256, 144}; return true;
+    case Q5_K: l = {256, 176}; return true;
+    case Q6_K: l = {256, 210}; return true;
+    default: return false;
+  }
+}
+
+inline float half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+}
+
+// --- one block -> floats (the gguf package's formulas) ------------------------------------------
+
+inline void deq_q4_0(const uint8_t* b, float* y) {
+  const float d = half(b);
+  const uint8_t* qs = b + 2;
+  for (int i = 0; i < 16; ++i) {
+    y[i] = d * static_cast<float>(static_cast<int>(qs[i] & 0x0F) - 8);
+    y[i + 16] = d * static_cast<float>(static_cast<int>(qs[i] >> 4) - 8);
+  }
+}
+
+inline void deq_q4_1(const uint8_t* b, float* y) {
+  const float d = half(b), m = half(b + 2);
+  const uint8_t* qs = b + 4;
+#ifdef PQ_AVX2
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(0x0F));
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F));
+  const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
+  const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+  for (int k = 0; k < 4; ++k) {
+    const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[k]));
+    _mm256_storeu_ps(y + 8 * k, _mm256_add_ps(_mm256_mul_ps(vd, q), vm));
+  }
+#else
+  for (int i = 0; i < 16; ++i) {
+    y[i] = d * static_cast<float>(qs[i] & 0x0F) + m;
+    y[i + 16] = d * static_cast<float>(qs[i] >> 4) + m;
+  }
+#endif
+}
+
+inline void deq_q8_0(const uint8_t* b, float* y) {
+  const float d = half(b);
+  const int8_t* qs = reinterpret_cast<const int8_t*>(b + 2);
+#ifdef PQ_AVX2
+  const __m256 vd = _mm256_set1_ps(d);
+  for (int k = 0; k < 4; ++k) {
+    const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * k));
+    const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+    _mm256_storeu_ps(y + 8 * k, _mm256_mul_ps(q, vd));
+  }
+#else
+  for (int i = 0; i < 32; ++i) y[i] = static_cast<float>(qs[i]) * d;
+#endif
+}
+
+// Q4_K / Q5_K: 8 sub-blocks of 32 with 6-bit scales and mins packed in 12 bytes
+inline void scale_min_k4(const uint8_t* s, int j, uint8_t& sc, uint8_t& mn) {
+  if (j < 4) {
+    sc = s[j] & 0x3F;
+    mn = s[j + 4] & 0x3F;
+  } else {
+    sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 2) & 0x30);
+    mn = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
+  }
+}
+
+inline void deq_q4_k(const uint8_t* b, float* y) {
+  const float d = half(b), dmin = half(b + 2);
+  const uint8_t* scales = b + 4;
+  const uint8_t* qs = b + 16;
+  for (int j = 0; j < 8; ++j) {
+    uint8_t sc, mn;
+    scale_min_k4(scales, j, sc, mn);
+    const float dj = d * static_cast<float>(sc), mj = dmin * static_cast<float>(mn);
+    const uint8_t* q = qs + 32 * (j / 2);
+    const int shift = 4 * (j % 2);
+    float* out = y + 32 * j;
+    for (int i = 0; i < 32; ++i) out[i] = dj * static_cast<float>((q[i] >> shift) & 0x0F) - mj;
+  }
+}
+
+inline void deq_q5_k(const uint8_t* b, float* y) {
+  const float d = half(b), dmin = half(b + 2);
+  const uint8_t* scales = b + 4;
+  const uint8_t* qh = b + 16;
+  const uint8_t* qs = b + 48;
+  for (int j = 0; j < 8; ++j) {
+    uint8_t sc, mn;
+    scale_min_k4(scales, j, sc, mn);
+    const float dj = d * static_cast<float>(sc), mj = dmin * static_cast<float>(mn);
+    const uint8_t* q = qs + 32 * (j / 2);
+    const int shift = 4 * (j % 2);
+    float* out = y + 32 * j;
+    for (int i = 0; i < 32; ++i) {
+      const int v = ((q[i] >> shift) & 0x0F) | (((qh[i] >> j) & 1) << 4);
+      out[i] = dj * static_cast<float>(v) - mj;
+    }
+  }
+}
+
+inline void deq_q6_k(const uint8_t* b, float* y) {
+  const uint8_t* ql = b;
+  const uint8_t* qh = b + 128;
+  const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+  const float d = half(b + 208);
+  for (int e = 0; e < 256; e += 16) {  // 16 elements share one scale
+    const float ds = d * static_cast<float>(scales[e / 16]);
+    for (int k = e; k < e + 16; ++k) {
+      const int h = k / 128, r = k % 128;
+      const int lo = (ql[64 * h + r % 64] >> (4 * (r / 64))) & 0x0F;
+      const int hi = (qh[32 * h + r % 32] >> (2 * (r / 32))) & 0x03;
+      y[k] = ds * static_cast<float>((lo | (hi << 4)) - 32);
+    }
+  }
+}
+
+// One weight row (K elements) -> floats.
+void deq_row(const uint8_t* row, int64_t t, int64_t K, float* y) {
+  switch (t) {
+    case F32:
+      std::memcpy(y, row, K * sizeof(float));
+      return;
+    case F16:
+      for (int64_t i = 0; i < K; ++i) y[i] = half(row + 2 * i);
+      return;
+    case BF16:
+      for (int64_t i = 0; i < K; ++i) {
+        uint16_t h;
+        std::memcpy(&h, row + 2 * i, 2);
+        const uint32_t w = static_cast<uint32_t>(h) << 16;
+        std::memcpy(y + i, &w, 4);
+      }
+      return;
+    case Q4_0:
+      for (int64_t i = 0; i < K / 32; ++i) deq_q4_0(row + 18 * i, y + 32 * i);
+      return;
+    case Q4_1:
+      for (int64_t i = 0; i < K / 32; ++i) deq_q4_1(row + 20 * i, y + 32 * i);
+      return;
+    case Q8_0:
+      for (int64_t i = 0; i < K / 32; ++i) deq_q8_0(row + 34 * i, y + 32 * i);
+      return;
+    case Q4_K:
+      for (int64_t i = 0; i < K / 256; ++i) deq_q4_k(row + 144 * i, y + 256 * i);
+      return;
+    case Q5_K:
+      for (int64_t i = 0; i < K / 256; ++i) deq_q5_k(row + 176 * i, y + 256 * i);
+      return;
+    case Q6_K:
+      for (int64_t i = 0; i < K / 256; ++i) deq_q6_k(row + 210 * i, y + 256 * i);
+      return;
+    default:
+      return;
+  }
+}
+
+// --- dot products ------------------------------------------------------------------------------
+
+#ifdef PQ_AVX2
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+inline float dot(const float* w, const float* x, int64_t K) {
+  int64_t i = 0;
+  float s = 0.f;
+#ifdef PQ_AVX2
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  for (; i + 16 <= K; i += 16) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 8), _mm256_loadu_ps(x + i + 8), a1);
+  }
+  s = hsum(_mm256_add_ps(a0, a1));
+#endif
+  for (; i < K; ++i) s += w[i] * x[i];
+  return s;
+}
+
+// four activation rows against one weight row: the weight scratch is loaded once for all four
+inline void dot4(const float* w, const float* x, int64_t ldx, int64_t K, float* r) {
+  int64_t i = 0;
+  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+  const float *x0 = x, *x1 = x + ldx, *x2 = x + 2 * ldx, *x3 = x + 3 * ldx;
+#ifdef PQ_AVX2
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+  for (; i + 8 <= K; i += 8) {
+    const __m256 v = _mm256_loadu_ps(w + i);
+    a0 = _mm256_fmadd_ps(v, _mm256_loadu_ps(x0 + i), a0);
+    a1 = _mm256_fmadd_ps(v, _mm256_loadu_ps(x1 + i), a1);
+    a2 = _mm256_fmadd_ps(v, _mm256_loadu_ps(x2 + i), a2);
+    a3 = _mm256_fmadd_ps(v, _mm256_loadu_ps(x3 + i), a3);
+  }
+  s0 = hsum(a0), s1 = hsum(a1), s2 = hsum(a2), s3 = hsum(a3);
+#endif
+  for (; i < K; ++i) {
+    s0 += w[i] * x0[i], s1 += w[i] * x1[i], s2 += w[i] * x2[i], s3 += w[i] * x3[i];
+  }
+  r[0] = s0, r[1] = s1, r[2] = s2, r[3] = s3;
+}
+
+
+// --- fused path for 1-4 activation rows: each 32-element chunk is dequantized into four
+// registers and multiplied at once (no scratch round trip) --------------------------------------
+
+#ifdef PQ_AVX2
+// 32 weights of one chunk -> w[0..3]; `scratch` holds a dequantized 256-block for K-quants
+template <int64_t QT>
+struct Chunker {
+  const uint8_t* row;
+  float* scratch;  // 256 floats
+  inline void get(int64_t c, __m256 w[4]) const {
+    switch (QT) {
+      case Q4_0: {
+        const uint8_t* b = row + 18 * c;
+        const __m256 vd = _mm256_set1_ps(half(b));
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
+        const __m128i eight = _mm_set1_epi8(8);
+        const __m128i lo = _mm_sub_epi8(_mm_and_si128(raw, _mm_set1_epi8(0x0F)), eight);
+        const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F)), eight);
+        const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+        for (int k = 0; k < 4; ++k)
+          w[k] = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[k])));
+        return;
+      }
+      case Q4_1: {
+        const uint8_t* b = row + 20 * c;
+        const __m256 vd = _mm256_set1_ps(half(b)), vm = _mm256_set1_ps(half(b + 2));
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));
+        const __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(0x0F));
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F));
+        const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+        for (int k = 0; k < 4; ++k)
+          w[k] = _mm256_add_ps(_mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[k]))), vm);
+        return;
+      }
+      case Q8_0: {
+        const uint8_t* b = row + 34 * c;
+        const __m256 vd = _mm256_set1_ps(half(b));
+        for (int k = 0; k < 4; ++k) {
+          const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * k));
+          w[k] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), vd);
+        }
+        return;
+      }
+      case F32: {
+        const float* f = reinterpret_cast<const float*>(row) + 32 * c;
+        for (int k = 0; k < 4; ++k) w[k] = _mm256_loadu_ps(f + 8 * k);
+        return;
+      }
+      case F16: {
+        const uint8_t* b = row + 64 * c;
+        for (int k = 0; k < 4; ++k)
+          w[k] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * k)));
+        return;
+      }
+      case BF16: {
+        const uint8_t* b = row + 64 * c;
+        for (int k = 0; k < 4; ++k) {
+          const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * k));
+          w[k] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        }
+        return;
+      }
+      default: {  // K-quants: a 256-block is dequantized on its first chunk, then read from L1
+        if (c % 8 == 0) {
+          const int64_t blk = c / 8;
+          if (QT == Q4_K) deq_q4_k(row + 144 * blk, scratch);
+          else if (QT == Q5_K) deq_q5_k(row + 176 * blk, scratch);
+          else deq_q6_k(row + 210 * blk, scratch);
+        }
+        const float* f = scratch + 32 * (c % 8);
+        for (int k = 0; k < 4; ++k) w[k] = _mm256_loadu_ps(f + 8 * k);
+        return;
+      }
+    }
+  }
+};
+
+// out[r] = dot(W row, x[r]) for r < R (R <= 4); K a multiple of 32
+template <int R, class C>
+void fused_rows(const C& ch, int64_t K, const float* x, int64_t ldx, float* res) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  __m256 w[4];
+  for (int64_t c = 0; c < K / 32; ++c) {
+    ch.get(c, w);
+    for (int r = 0; r < R; ++r) {
+      const float* xr = x + r * ldx + 32 * c;
+      acc[r][0] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr), acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), acc[r][1]);
+      acc[r][0] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) res[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+}
+
+bool fused_ok(int64_t, int64_t K) { return K % 32 == 0; }
+
+template <int64_t QT>
+void fused_row_t(const uint8_t* row, float* scratch, int64_t T, int64_t K, const float* x, float* res) {
+  const Chunker<QT> ch{row, scratch};
+  switch (T) {
+    case 1: fused_rows<1>(ch, K, x, K, res); return;
+    case 2: fused_rows<2>(ch, K, x, K, res); return;
+    case 3: fused_rows<3>(ch, K, x, K, res); return;
+    default: fused_rows<4>(ch, K, x, K, res); return;
+  }
+}
+
+void fused_row(int64_t qtype, const uint8_t* row, float* scratch, int64_t T, int64_t K,
+               const float* x, float* res) {
+  switch (qtype) {
+    case Q4_0: fused_row_t<Q4_0>(row, scratch, T, K, x, res); return;
+    case Q4_1: fused_row_t<Q4_1>(row, scratch, T, K, x, res); return;
+    case Q8_0: fused_row_t<Q8_0>(row, scratch, T, K, x, res); return;
+    case F32: fused_row_t<F32>(row, scratch, T, K, x, res); return;
+    case F16: fused_row_t<F16>(row, scratch, T, K, x, res); return;
+    case BF16: fused_row_t<BF16>(row, scratch, T, K, x, res); return;
+    case Q4_K: fused_row_t<Q4_K>(row, scratch, T, K, x, res); return;
+    case Q5_K: fused_row_t<Q5_K>(row, scratch, T, K, x, res); return;
+    default: fused_row_t<Q6_K>(row, scratch, T, K, x, res); return;
+  }
+}
+#else
+bool fused_ok(int64_t, int64_t) { return false; }
+void fused_row(int64_t, const uint8_t*, float*, int64_t, int64_t, const float*, float*) {}
+#endif
+
+void check_weight(const at::Tensor& w, int64_t qtype, int64_t K) {
+  Layout l;
+  TORCH_CHECK(layout_of(qtype, l), "qmatmul: unsupported ggml type ", qtype);
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
+              "weight must be a contiguous uint8 [N, row_bytes] tensor");
+  TORCH_CHECK(K > 0 && K % l.block == 0 && w.size(1) == K / l.block * l.bytes,
+              "weight rows of ", w.size(1), " bytes do not hold ", K, " elements of type ", qtype);
+}
+
+void qmatmul(const at::Tensor& x, const at::Tensor& w, int64_t qtype, at::Tensor& out, int64_t col0) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "x must be a contiguous float32 [T, K] tensor");
+  const int64_t T = x.size(0), K = x.size(1), N = w.size(0);
+  check_weight(w, qtype, K);
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.stride(1) == 1 &&
+                  out.size(0) == T && col0 >= 0 && col0 + N <= out.size(1),
+              "out must be float32 [T, >= col0 + N] with contiguous rows");
+  if (T == 0 || N == 0) return;
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const int64_t rb = w.size(1), ldo = out.stride(0);
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>() + col0;
+  // grain: enough rows that a chunk is worth a thread wake-up, few enough to balance two cores
+  const int64_t grain = std::max<int64_t>(16, N / (8 * std::max<int64_t>(1, at::get_num_threads())));
+  const bool fused = fused_ok(T, K);
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    std::vector<float> buf(fused ? 256 : K);
+    float r[4];
+    for (int64_t n = n0; n < n1; ++n) {
+      if (fused) {  // groups of 4 activation rows; the weight row stays in L1 between groups
+        for (int64_t t = 0; t < T; t += 4) {
+          const int64_t m = std::min<int64_t>(4, T - t);
+          fused_row(qtype, wp + n * rb, buf.data(), m, K, xp + t * K, r);
+          for (int64_t i = 0; i < m; ++i) op[(t + i) * ldo + n] = r[i];
+        }
+        continue;
+      }
+      deq_row(wp + n * rb, qtype, K, buf.data());
+      int64_t t = 0;
+      for (; t + 4 <= T; t += 4) {
+        dot4(buf.data(), xp + t * K, K, K, r);
+        for (int k = 0; k < 4; ++k) op[(t + k) * ldo + n] = r[k];
+      }
+      for (; t < T; ++t) op[t * ldo + n] = dot(buf.data(), xp + t * K, K);
+    }
+  });
+}
+
+void qrows(const at::Tensor& w, int64_t qtype, int64_t K, const at::Tensor& idx, at::Tensor& out) {
+  check_weight(w, qtype, K);
+  TORCH_CHECK(idx.dim() == 1 && idx.scalar_type() == at::kLong && idx.is_contiguous(),
+              "idx must be a contiguous int64 [R] tensor");
+  const int64_t R = idx.size(0), N = w.size(0);
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.is_contiguous() &&
+                  out.size(0) == R && out.size(1) == K,
+              "out must be a contiguous float32 [R, K] tensor");
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) {
+    TORCH_CHECK(ip[r] >= 0 && ip[r] < N, "row index ", ip[r], " outside [0, ", N, ")");
+  }
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const int64_t rb = w.size(1);
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, R, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) deq_row(wp + ip[r] * rb, qtype, K, op + r * K);
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagedkv_q, m) {
+  m.def("qmatmul(Tensor x, Tensor w, int qtype, Tensor(a!) out, int col0) -> ()");
+  m.def("qrows(Tensor w, int qtype, int K, Tensor idx, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedkv_q, CPU, m) {
+  m.impl("qmatmul", &qmatmul);
+  m.impl("qrows", &qrows);
+}

@@ -1,0 +1,143 @@
+"""QWeight: a matmul weight or embedding table kept as the GGUF file's quantized blocks.
+
+A QWeight is an [N, K] matrix stored as row segments, each a contiguous uint8 [n_i, row_bytes]
+tensor of one ggml type (fused projections such as q/k/v may mix types: a Q4_K_M file keeps v in
+Q6_K). Types the kernel reads: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, F32, F16, BF16; a segment of
+any other type the `gguf` package can dequantize is stored as F32 rows instead.
+
+Invariant: every path multiplies by exactly the float32 values `gguf.quants.dequantize` returns
+for the stored blocks; only the summation order differs.
+
+- `linear(x)`: x [T, K] float32 -> [T, N]. Up to TILED_ROWS rows, the compiled kernel
+  (qmatmul.cpp) dequantizes each weight row in registers and dots it with every activation row:
+  each weight byte is read once per call (decode is bandwidth-bound). Above TILED_ROWS rows
+  (prefill, big batches: compute-bound) the weight is dequantized TILE_ELEMS at a time into a
+  float32 tile that one BLAS matmul reuses across all rows; the tile is transient (4 MiB), so the
+  memory cost is that of the quantized model plus one tile.
+- `rows(ids)`: dequantizes only the rows looked up (token embeddings).
+- Without the kernel (no compiler, PAGEDKV_NO_KERNEL=1) the pure-torch fallback dequantizes the
+  whole weight once with the gguf package, keeps the float32 copy, and uses F.linear / indexing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
+
+from pagedkv.errors import UnsupportedModelError
+from pagedkv.model import qkernel
+
+Q = GGMLQuantizationType
+KERNEL_TYPES = frozenset(
+    {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K}
+)
+# Measured on a 2-core AVX2 machine (bench decode, "crossover"): the row-streaming kernel wins up
+# to about this many activation rows; above it, dequantized tiles + BLAS matmul win.
+TILED_ROWS = 32
+TILE_ELEMS = 1 << 20  # float32 elements per dequantized tile (4 MiB)
+
+
+def row_bytes(qtype: GGMLQuantizationType, k: int) -> int:
+    block, size = GGML_QUANT_SIZES[qtype]
+    if k % block:
+        raise UnsupportedModelError(f"row of {k} elements is not a whole number of {qtype.name} blocks")
+    return k // block * size
+
+
+@dataclass(frozen=True, slots=True)
+class QPart:
+    """One tensor's rows as stored in the file: `data` uint8 [rows, row_bytes] of `qtype`."""
+
+    qtype: GGMLQuantizationType
+    data: torch.Tensor
+    k: int  # elements per row
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.data.shape[0], self.k)
+
+
+class QWeight:
+    """[N, K] weight as quantized row segments; see the module docstring."""
+
+    def __init__(self, k: int, parts: list[tuple[GGMLQuantizationType, torch.Tensor]]) -> None:
+        self.k = k
+        self.parts: list[tuple[GGMLQuantizationType, torch.Tensor]] = []
+        for qtype, data in parts:
+            qtype = GGMLQuantizationType(qtype)
+            if qtype not in KERNEL_TYPES:  # store as float32 rows: exact, just bigger
+                values = dequantize(data.numpy(), qtype).astype(np.float32, copy=False)
+                data, qtype = torch.from_numpy(values.reshape(data.shape[0], k)).view(torch.uint8), Q.F32
+            if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != row_bytes(qtype, k):
+                raise UnsupportedModelError(f"{qtype.name} rows of shape {tuple(data.shape)} for K={k}")
+            self.parts.append((qtype, data.contiguous()))
+        self.n = sum(d.shape[0] for _, d in self.parts)
+        self._float: torch.Tensor | None = None  # the fallback's float32 copy
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n, self.k)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(d.numel() for _, d in self.parts)
+
+    def __repr__(self) -> str:
+        types = "+".join(dict.fromkeys(q.name for q, _ in self.parts))
+        return f"QWeight({self.n}x{self.k}, {types}, {self.nbytes} bytes)"
+
+    def dequantize(self) -> torch.Tensor:
+        """[N, K] float32, by the gguf package's own dequantizer."""
+        rows = [
+            torch.from_numpy(np.ascontiguousarray(dequantize(d.numpy(), q), dtype=np.float32)).reshape(-1, self.k)
+            for q, d in self.parts
+        ]
+        return torch.cat(rows) if len(rows) > 1 else rows[0]
+
+    def _fallback(self) -> torch.Tensor:
+        if self._float is None:
+            self._float = self.dequantize()
+        return self._float
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, K] float32 -> x W^T [T, N] float32."""
+        if not qkernel.load():
+            return F.linear(x, self._fallback())
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], self.n, dtype=torch.float32)
+        if x.shape[0] > TILED_ROWS:
+            self._tiled(x, out)
+            return out
+        col = 0
+        op = torch.ops.pagedkv_q.qmatmul
+        for qtype, data in self.parts:
+            op(x, data, int(qtype), out, col)
+            col += data.shape[0]
+        return out
+
+    def _tiled(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        rows_per_tile = max(1, TILE_ELEMS // self.k)
+        tile = torch.empty(min(rows_per_tile, self.n), self.k)
+        col = 0
+        for qtype, data in self.parts:
+            for a in range(0, data.shape[0], rows_per_tile):
+                b = min(a + rows_per_tile, data.shape[0])
+                t = tile[: b - a]
+                idx = torch.arange(a, b, dtype=torch.int64)
+                torch.ops.pagedkv_q.qrows(data, int(qtype), self.k, idx, t)
+                out[:, col + a : col + b] = torch.mm(x, t.t())
+            col += data.shape[0]
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [R] int64 (each in [0, N)) -> the dequantized rows [R, K] float32."""
+        if not qkernel.load() or len(self.parts) != 1:  # embedding tables have one segment
+            return F.embedding(ids, self._fallback())
+        qtype, data = self.parts[0]
+        out = torch.empty(ids.shape[0], self.k)
+        torch.ops.pagedkv_q.qrows(data, int(qtype), self.k, ids.contiguous().to(torch.int64), out)
+        return out

@@ -1,0 +1,207 @@
+"""Quantized weights (pagedkv/model/quant.py + qmatmul.cpp) against the gguf package.
+
+Every ggml type the kernel reads is checked on blocks made by gguf's own quantizer (or, for the
+K-quants gguf cannot quantize, valid random blocks with sane scales), against
+`gguf.quants.dequantize`: looked-up rows must be bit-identical, products equal up to float32
+summation order. The same holds for the pure-torch fallback.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+from test_model import F32_TOL, _tokens, hf_logits, max_diff, prefill_then_decode, run_paged
+
+from pagedkv.errors import ModelLoadError, UnsupportedModelError
+from pagedkv.model import load_model, qkernel
+from pagedkv.model.quant import TILED_ROWS, QWeight
+
+KERNEL_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.F16, Q.BF16, Q.F32]
+K_QUANTS = {Q.Q4_K, Q.Q5_K, Q.Q6_K}
+
+
+def _f16_bytes(a: np.ndarray) -> np.ndarray:
+    return a.astype(np.float16).view(np.uint8).reshape(*a.shape, 2)
+
+
+def _blocks(qtype: Q, n: int, k: int, seed: int) -> np.ndarray:
+    """uint8 [n, row_bytes] of valid `qtype` blocks."""
+    rng = np.random.default_rng(seed)
+    if qtype not in K_QUANTS:
+        w = rng.standard_normal((n, k)).astype(np.float32)
+        w[0, :32] = 0.0  # an all-zero block (scale 0)
+        return np.ascontiguousarray(quantize(w, qtype)).view(np.uint8).reshape(n, -1)
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
+    scales = (n, k // block)
+    if qtype in (Q.Q4_K, Q.Q5_K):  # d, dmin: f16 at bytes 0..3; the rest random
+        raw[..., 0:2] = _f16_bytes(rng.uniform(1e-3, 2e-2, scales))
+        raw[..., 2:4] = _f16_bytes(rng.uniform(1e-3, 2e-2, scales))
+    else:  # Q6_K: d is the last 2 bytes
+        raw[..., -2:] = _f16_bytes(rng.uniform(1e-3, 2e-2, scales))
+    return raw.reshape(n, -1)
+
+
+def _case(qtype: Q, n: int = 72, seed: int = 0) -> tuple[QWeight, torch.Tensor]:
+    k = 512 if qtype in K_QUANTS else 160
+    data = _blocks(qtype, n, k, seed)
+    ref = torch.from_numpy(dequantize(data, qtype).astype(np.float32)).reshape(n, k)
+    return QWeight(k, [(qtype, torch.from_numpy(data.copy()))]), ref
+
+
+@pytest.fixture(params=["kernel", "fallback"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "kernel":
+        if not qkernel.load():
+            pytest.skip(f"kernel unavailable: {qkernel.info()['error']}")
+    else:
+        monkeypatch.setattr(qkernel, "load", lambda: False)
+    return request.param
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda q: q.name)
+def test_rows_and_products_match_gguf(qtype: Q, path: str) -> None:
+    qw, ref = _case(qtype)
+    ids = torch.tensor([5, 0, 71, 5])
+    assert torch.equal(qw.rows(ids), ref[ids])  # bit-identical dequantization
+    gen = torch.Generator().manual_seed(1)
+    for t in (1, 2, 3, 4, 5, 16, TILED_ROWS + 7):  # fused groups, remainders, the tiled path
+        x = torch.randn(t, qw.k, generator=gen)
+        got, want = qw.linear(x), x @ ref.t()
+        assert got.shape == (t, qw.n)
+        assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max()) + 1e-6
+
+
+def test_mixed_segments_and_output_columns(path: str) -> None:
+    """A fused projection whose parts have different types writes each part's columns."""
+    a, ra = _case(Q.Q4_K, n=32, seed=1)
+    data_b = _blocks(Q.Q6_K, 48, 512, seed=2)
+    rb = torch.from_numpy(dequantize(data_b, Q.Q6_K).astype(np.float32)).reshape(48, 512)
+    qw = QWeight(512, [a.parts[0], (Q.Q6_K, torch.from_numpy(data_b.copy()))])
+    assert qw.shape == (80, 512) and qw.nbytes == a.nbytes + data_b.size
+    x = torch.randn(3, 512)
+    want = x @ torch.cat([ra, rb]).t()
+    assert float((qw.linear(x) - want).abs().max()) <= 1e-5 * float(want.abs().max())
+
+
+def test_types_without_kernel_become_exact_float_rows() -> None:
+    data = _blocks(Q.Q5_0, 8, 64, seed=3)
+    qw = QWeight(64, [(Q.Q5_0, torch.from_numpy(data.copy()))])
+    assert qw.parts[0][0] == Q.F32
+    ref = torch.from_numpy(dequantize(data, Q.Q5_0).astype(np.float32)).reshape(8, 64)
+    assert torch.equal(qw.dequantize(), ref)
+
+
+def test_bad_shapes_are_typed_errors() -> None:
+    with pytest.raises(UnsupportedModelError):
+        QWeight(100, [(Q.Q8_0, torch.zeros(4, 34, dtype=torch.uint8))])  # 100 % 32 != 0
+    with pytest.raises(UnsupportedModelError):
+        QWeight(64, [(Q.Q8_0, torch.zeros(4, 34, dtype=torch.uint8))])  # 64 elements need 68 bytes
+    if qkernel.load():
+        qw, _ = _case(Q.Q8_0)
+        with pytest.raises(RuntimeError, match="outside"):
+            qw.rows(torch.tensor([qw.n]))
+
+
+def test_fused_add_rms_norm_matches_torch() -> None:
+    if not qkernel.load():
+        pytest.skip("kernel unavailable")
+    x, d, w = torch.randn(5, 96), torch.randn(5, 96), torch.randn(96)
+    want_x = x + d
+    want = torch.nn.functional.rms_norm(want_x, (96,), w, 1e-5)
+    out = torch.empty_like(x)
+    torch.ops.pagedkv_ops.add_rms_norm(x, d, w, 1e-5, out)
+    assert torch.equal(x, want_x) and torch.allclose(out, want, rtol=1e-5, atol=1e-6)
+
+
+# --- whole models -------------------------------------------------------------------------------
+
+
+def _write_quantized_tiny(hf: Any, path: Path) -> None:
+    """A tiny qwen2 GGUF whose matrices are Q8_0 / Q4_0 / Q4_1 blocks made by gguf's quantizer."""
+    import gguf
+    from test_model import _GGUF_LAYER_NAMES
+
+    c = hf.config
+    w = gguf.GGUFWriter(str(path), "qwen2")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    kinds = [Q.Q8_0, Q.Q4_0, Q.Q4_1]
+    for i, (name, t) in enumerate(hf.state_dict().items()):
+        if name == "lm_head.weight":
+            continue  # tied
+        if name == "model.embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gname = "output_norm.weight"
+        else:
+            _, _, li, *mid, kind = name.split(".")
+            gname = f"blk.{li}.{_GGUF_LAYER_NAMES['.'.join(mid)]}.{kind}"
+        arr = t.float().numpy()
+        if arr.ndim == 2:
+            qt = kinds[i % 3]
+            w.add_tensor(gname, quantize(arr, qt), raw_dtype=qt)
+        else:
+            w.add_tensor(gname, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_tiny_quantized_gguf_matches_transformers(tmp_path: Path) -> None:
+    from test_model import _tiny
+    from transformers import AutoModelForCausalLM
+
+    _write_quantized_tiny(_tiny("qwen2"), tmp_path / "q.gguf")
+    quant = load_model(tmp_path / "q.gguf")  # default: quantized
+    flat = load_model(tmp_path / "q.gguf", weights="float32")
+    assert quant.weights == "quantized" and flat.weights == "float32"
+    assert quant.weight_bytes < flat.weight_bytes / 2
+    ref = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="q.gguf", dtype=torch.float32)
+    seq = _tokens(21, seed=8)
+    out = run_paged(quant.model, [seq], prefill_then_decode(17, 21), block_size=16)
+    assert max_diff(out, [hf_logits(ref.eval(), seq)]) < F32_TOL
+    assert max_diff(out, run_paged(flat.model, [seq], prefill_then_decode(17, 21), 16)) < F32_TOL
+
+
+def test_weights_option_is_validated(tmp_path: Path) -> None:
+    from test_model import _tiny
+
+    hf = _tiny("qwen2")
+    with pytest.raises(ModelLoadError, match="GGUF"):
+        load_model(hf, weights="quantized")
+    with pytest.raises(ModelLoadError, match="unsupported weights"):
+        load_model(hf, weights="int3")
+    with pytest.raises(ModelLoadError, match="float32"):
+        load_model(hf, weights="quantized", dtype="bfloat16")
+    assert load_model(hf).weights == "float32"  # not a GGUF: float weights
+
+
+def test_smollm2_keeps_file_bytes(smollm2: Any) -> None:
+    """The default model stays as small as its file: Q4_1 layers, Q8_0 tied embeddings."""
+    assert smollm2.weights == "quantized"
+    m = smollm2.model
+    assert m.lm_head_q is m.embed_q and m.embed_q.parts[0][0] == Q.Q8_0
+    assert m.layers[0].gate_up_proj.q.parts[0][0] == Q.Q4_1
+    assert smollm2.weight_bytes < 100e6  # float32 weights would be ~538 MB
+
+
+def test_smollm2_quantized_logits_match_transformers(smollm2: Any, hf_smollm2: Any) -> None:
+    ids = torch.tensor(smollm2.tokenizer("The paged KV cache stores keys and values").input_ids)
+    out = run_paged(smollm2.model, [ids], prefill_then_decode(len(ids) - 3, len(ids)), 16)
+    assert max_diff(out, [hf_logits(hf_smollm2, ids)]) < F32_TOL
