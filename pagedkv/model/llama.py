@@ -26,9 +26,9 @@ from pagedkv.attention.metadata import AttentionMetadata
 from pagedkv.attention.paged import paged_attention
 from pagedkv.cache.storage import KVStorage
 from pagedkv.errors import ModelLoadError
+from pagedkv.model import qkernel
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.packed import linear as packed_linear
-from pagedkv.model import qkernel
 from pagedkv.model.packed import pack
 from pagedkv.model.quant import QPart, QWeight
 
