@@ -242,14 +242,8 @@ class LlamaModel(nn.Module):
         return self.lm_head_t.dtype
 
     def weight_bytes(self) -> int:
-        """Bytes held by the weights (parameters plus quantized blocks, a tied table once)."""
-        n = sum(p.numel() * p.element_size() for p in self.parameters())
-        qs = {id(q): q for q in self._qweights()}
-        return n + sum(q.nbytes for q in qs.values())
-
-    def _qweights(self) -> list[QWeight]:
-        out = [m.q for m in self.modules() if isinstance(m, Linear) and m.q is not None]
-        return out + [q for q in (self.embed_q, self.lm_head_q) if q is not None]
+        """Bytes held by the weights (quantized blocks are parameters too; a tied table once)."""
+        return sum(p.numel() * p.element_size() for p in self.parameters())
 
     def embedding_weight(self) -> torch.Tensor:
         """[V, H] input embeddings (a transposed view of the LM head when tied)."""
@@ -340,10 +334,15 @@ class LlamaModel(nn.Module):
             raise ModelLoadError(f"missing weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
 
     def _attach_quantized(self, pending: dict[int, tuple[Any, dict[int, QPart]]]) -> None:
-        """Build each QWeight from its parts (all present, in row order)."""
+        """Build each QWeight from its parts (all present, in row order). Its blocks are also
+        registered as uint8 parameters (`qpart0`, ...), so that everything that walks the
+        parameters (weight digests, byte counts, state_dict) sees the quantized weights."""
         for owner, parts in pending.values():
             k = next(iter(parts.values())).shape[1]
             qw = QWeight(k, [(parts[i].qtype, parts[i].data) for i in sorted(parts)])
+            module, prefix = (self, f"{owner}_") if isinstance(owner, str) else (owner, "")
+            for i, (_, data) in enumerate(qw.parts):
+                module.register_parameter(f"{prefix}qpart{i}", nn.Parameter(data, requires_grad=False))
             if owner == "embed":
                 self.embed_q = qw
                 if self.config.tie_word_embeddings:
