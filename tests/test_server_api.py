@@ -321,3 +321,43 @@ def test_chat_default_max_tokens_fits_a_small_cache(serve_fake: Any) -> None:  #
         model="fake", messages=[{"role": "user", "content": "hi"}])  # no max_tokens
     assert r.choices[0].finish_reason == "length"
     assert r.usage.prompt_tokens + r.usage.completion_tokens == 80
+
+
+def test_merged_stream_loses_nothing_when_a_wait_times_out() -> None:
+    """The server reads a prompt list under short timeouts (to poll for disconnects); a delta
+    a part had already handed over when the timeout struck must still come out."""
+    import asyncio
+    import random
+
+    from pagedkv.server.async_engine import RequestStream
+    from pagedkv.server.batch import MergedStream
+    from pagedkv.server.stream import Choice, Update
+
+    steps, rng = 60, random.Random(0)
+
+    async def main() -> dict[int, str]:
+        parts = [RequestStream(f"r-{i}") for i in range(3)]
+        merged = MergedStream("r", parts, n=1)
+
+        async def produce() -> None:
+            for k in range(steps):
+                for p in parts:
+                    last = k == steps - 1
+                    p._put(Update((Choice(0, f"{k},", (k,), "length" if last else None),),
+                                  last, 1, 0))
+                    await asyncio.sleep(rng.choice([0, 0, 1e-4]))
+
+        producer = asyncio.ensure_future(produce())
+        got = {0: "", 1: "", 2: ""}
+        while not merged.finished:
+            try:
+                update = await asyncio.wait_for(merged.get(), rng.choice([1e-5, 1e-4, 1e-3]))
+            except TimeoutError:
+                continue
+            for c in update.choices:
+                got[c.index] += c.text
+        await producer
+        return got
+
+    want = "".join(f"{k}," for k in range(steps))
+    assert asyncio.run(main()) == {0: want, 1: want, 2: want}

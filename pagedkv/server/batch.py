@@ -24,31 +24,45 @@ class MergedStream:
         self.n = n
         self.latest: list[Update | None] = [None] * len(self.parts)
         self._pending: dict[asyncio.Task, int] = {}
+        self._ready: list[int] = []  # parts whose newest delta is not yet returned
 
     @property
     def finished(self) -> bool:
         return all(u is not None and u.finished for u in self.latest)
 
     async def get(self) -> Update:
-        """Waits for at least one part to move on; returns the merged state."""
-        for i, part in enumerate(self.parts):
-            if not part.finished and i not in self._pending.values():
-                self._pending[asyncio.ensure_future(part.get())] = i
-        try:
-            done, _ = await asyncio.wait(self._pending, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            self.cancel()
-            raise
-        moved = []
-        for task in done:
-            i = self._pending.pop(task)
+        """Waits for at least one part to move on; returns the merged delta.
+
+        Cancellation (a disconnect, or a caller's timeout around this call) loses nothing: a
+        part's delta already taken is kept for the next call, and the waits still pending are
+        cancelled before they take anything (a part's get() takes its item only after its wait).
+        """
+        if not self._ready:
+            for i, part in enumerate(self.parts):
+                if not part.finished and i not in self._pending.values():
+                    self._pending[asyncio.ensure_future(part.get())] = i
             try:
-                self.latest[i] = task.result()
-            except BaseException:
-                self.cancel()
-                raise
-            moved.append(i)
-        return self._merged(sorted(moved))
+                await asyncio.wait(self._pending, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                self._harvest()
+        moved, self._ready = sorted(self._ready), []
+        return self._merged(moved)
+
+    def _harvest(self) -> None:
+        """Take the finished waits' results; cancel the rest (they have taken nothing)."""
+        error = None
+        for task, i in list(self._pending.items()):
+            if task.done() and not task.cancelled():
+                if task.exception() is not None:
+                    error = error or task.exception()
+                else:
+                    self.latest[i] = task.result()
+                    self._ready.append(i)
+            else:
+                task.cancel()
+        self._pending.clear()
+        if error is not None:
+            raise error
 
     def cancel(self) -> None:
         for task in self._pending:
