@@ -115,6 +115,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=positive_int, default=None,
                    help="context length (default: the model's)")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    p.add_argument("--kv-tier", default=None,
+                   help="second KV level shared across restarts/replicas: disk:DIR[?max_size=10GiB] "
+                        "or redis://host:port/db[?ttl=SECONDS]")
+    p.add_argument("--kv-snapshot", default=None, metavar="DIR",
+                   help="write every cached KV block here on shutdown, reload it at start")
+    p.add_argument("--kv-snapshot-interval", type=float, default=None, metavar="SECONDS",
+                   help="also snapshot new cached blocks every SECONDS, in the background")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="torch threads (default: the physical core count; more threads than "
                         "free cores slows every step down)")
@@ -126,6 +133,13 @@ def check_engine_args(args: argparse.Namespace) -> None:
     from pagedkv.preflight import check_model_source
 
     check_model_source(args.model)
+    if getattr(args, "kv_tier", None):
+        from pagedkv.cache.tiers import parse_spec
+
+        parse_spec(args.kv_tier)  # TierConfigError names what is wrong
+    if getattr(args, "kv_snapshot_interval", None) is not None and (
+            args.kv_snapshot_interval <= 0 or not args.kv_snapshot):
+        raise InvalidParamsError("--kv-snapshot-interval needs --kv-snapshot and a positive value")
     if args.num_blocks is None:
         try:
             budget = parse_size(args.kv_cache_memory)
@@ -166,6 +180,9 @@ def make_engine(args: argparse.Namespace):  # noqa: ANN201
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
         max_model_len=args.max_model_len,
+        kv_tier=args.kv_tier,
+        kv_snapshot=args.kv_snapshot,
+        kv_snapshot_interval=args.kv_snapshot_interval,
     )
     for line in engine_lines(engine, args.model, args.dtype):
         say(line)

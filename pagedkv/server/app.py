@@ -51,6 +51,7 @@ from pagedkv.server.guard import (
     TENANT_KEY,
     Guard,
 )
+from pagedkv.server.kv_tier import add_kv_routes, finish_engine
 from pagedkv.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.options import DEFAULT_MAX_REQUEST_BYTES, add_serve_args  # noqa: F401
@@ -396,6 +397,8 @@ def build_app(
     app.add_api_route("/metrics", server.metrics_endpoint, methods=["GET"])
     app.add_api_route("/v1/completions", server.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
+    add_kv_routes(app, server, admin_key=api_key if isinstance(api_key, str | None) else
+                  next(iter(api_key), None))
     add_utility_routes(app, server)
     add_dashboard(app, server)
     app.add_middleware(Guard, server=server)
@@ -586,6 +589,14 @@ def run_serve(
             print(f"pagedkv serve: error: {exc}", flush=True)
             return 2
     engine = engine_factory(args)
+    try:
+        _serve_with_args(engine, args)
+    finally:
+        finish_engine(engine)  # KV snapshot (--kv-snapshot), queued tier writes
+    return 0
+
+
+def _serve_with_args(engine: Any, args: argparse.Namespace) -> None:
     serve(
         engine,
         host=args.host,
@@ -603,4 +614,3 @@ def run_serve(
         log_level=args.log_level,
         log_stats_interval=args.log_stats_interval,
     )
-    return 0
