@@ -219,9 +219,11 @@ def test_d3_body_over_the_limit_is_413_unread(serve_fake: Any) -> None:
     ({"messages": [{"role": "user", "content": "x"}], "stop_token_ids": [5] * 1000},
      "stop_token_ids"),
 ])
-def test_d3_list_caps(fake: Running, body: dict, param: str) -> None:
-    r = httpx.post(fake.url + "/v1/chat/completions", json=body)
-    assert_openai_error(r, 400, param)
+def test_d3_list_caps(serve_fake: Any, body: dict, param: str) -> None:
+    server = serve_fake(FakeEngine(max_model_len=100_000))  # the context is not the limit
+    r = httpx.post(server.url + "/v1/chat/completions", json=body)
+    err = assert_openai_error(r, 400, param)
+    assert err["code"] != "context_length_exceeded"
 
 
 def test_d3_prompt_far_over_the_context_refused_without_tokenizing(serve_fake: Any) -> None:
@@ -520,6 +522,40 @@ def test_d9_loop_survives_exceptions_and_health_tells_the_truth(serve_fake: Any)
     assert wait_until(lambda: httpx.get(server.url + "/health").status_code == 503)
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "ab", "max_tokens": 2})
     assert_openai_error(r, 503)
+
+
+def test_d10_submit_racing_the_shutdown_never_hangs() -> None:
+    """submit() is preempted between its liveness check and its enqueue while the engine
+    thread shuts down and drains its queue: the command must still fail, not hang."""
+    import collections
+
+    preempt, thread_done = threading.Event(), threading.Event()
+
+    class PreemptedDeque(collections.deque):
+        def append(self, item: Any) -> None:
+            if preempt.is_set():
+                thread_done.wait(1.0)  # the engine thread runs its shutdown meanwhile
+            super().append(item)
+
+    async def main() -> None:
+        aengine = AsyncEngine(FakeEngine())
+        aengine._commands = PreemptedDeque()
+        aengine.start()
+        futures: list[Any] = []
+        preempt.set()
+        submitter = threading.Thread(target=lambda: futures.append(
+            aengine.submit(lambda e: e.stats())))
+        submitter.start()
+        await asyncio.sleep(0.1)  # it passed the liveness check and sits in append
+        aengine._stopping = True  # the thread stops (as on a crash or a stop())
+        aengine._wake.set()
+        await asyncio.to_thread(aengine._thread.join, 0.5)
+        thread_done.set()
+        submitter.join()
+        with pytest.raises(EngineDeadError):
+            futures[0].result(timeout=3)
+
+    asyncio.run(main())
 
 
 def test_d10_submit_after_shutdown_fails_fast() -> None:
