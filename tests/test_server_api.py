@@ -323,7 +323,8 @@ def test_chat_default_max_tokens_fits_a_small_cache(serve_fake: Any) -> None:  #
     assert r.usage.prompt_tokens + r.usage.completion_tokens == 80
 
 
-def test_merged_stream_loses_nothing_when_a_wait_times_out() -> None:
+@pytest.mark.parametrize("seed", range(8))
+def test_merged_stream_loses_nothing_when_a_wait_times_out(seed: int) -> None:
     """The server reads a prompt list under short timeouts (to poll for disconnects); a delta
     a part had already handed over when the timeout struck must still come out."""
     import asyncio
@@ -333,7 +334,7 @@ def test_merged_stream_loses_nothing_when_a_wait_times_out() -> None:
     from pagedkv.server.batch import MergedStream
     from pagedkv.server.stream import Choice, Update
 
-    steps, rng = 60, random.Random(0)
+    steps, rng = 60, random.Random(seed)
 
     async def main() -> dict[int, str]:
         parts = [RequestStream(f"r-{i}") for i in range(3)]

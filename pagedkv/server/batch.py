@@ -28,7 +28,8 @@ class MergedStream:
 
     @property
     def finished(self) -> bool:
-        return all(u is not None and u.finished for u in self.latest)
+        """Every part finished and every delta returned."""
+        return not self._ready and all(u is not None and u.finished for u in self.latest)
 
     async def get(self) -> Update:
         """Waits for at least one part to move on; returns the merged delta.
