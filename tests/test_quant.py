@@ -63,6 +63,7 @@ def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
             pytest.skip(f"kernel unavailable: {qkernel.info()['error']}")
     else:
         monkeypatch.setattr(qkernel, "load", lambda: False)
+        monkeypatch.setattr(qkernel, "qmatmul", lambda: None)
     return request.param
 
 

@@ -4,7 +4,12 @@
 // row: the residual add and the next RMSNorm cost one read of x instead of six torch ops. The
 // mean of squares is accumulated in float32, as transformers' LlamaRMSNorm does; the result
 // equals it up to summation order. Compiled together with qmatmul.cpp (pagedkv/model/qkernel.py)
-// and registered as torch.ops.pagedkv_ops.add_rms_norm.
+// and registered as torch.ops.pagedkv_ops.*.
+//
+// silu_mul(gu [T, 2I], out [T, I]): out = silu(gu[:, :I]) * gu[:, I:] (SwiGLU), one pass.
+// rope(x [T, H, D] rows of stride sx, cos [T, D], sin_signed [T, D], out [T, H, D] contiguous):
+//   out = x * cos + flip_halves(x) * sin_signed (the HF rotate_half layout), one pass over the
+//   q and k heads of a fused qkv row.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -46,12 +51,65 @@ void add_rms_norm(at::Tensor& x, const at::Tensor& delta, const at::Tensor& w, d
   });
 }
 
+void silu_mul(const at::Tensor& gu, at::Tensor& out) {
+  TORCH_CHECK(gu.dim() == 2 && gu.scalar_type() == at::kFloat && gu.is_contiguous() && gu.size(1) % 2 == 0,
+              "gu must be a contiguous float32 [T, 2I] tensor");
+  const int64_t T = gu.size(0), I = gu.size(1) / 2;
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 &&
+                  out.size(0) == T && out.size(1) == I,
+              "out must be a contiguous float32 [T, I] tensor");
+  const float* g = gu.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* gr = g + t * 2 * I;
+      const float* ur = gr + I;
+      float* orow = o + t * I;
+      for (int64_t i = 0; i < I; ++i) orow[i] = gr[i] / (1.0f + std::exp(-gr[i])) * ur[i];
+    }
+  });
+}
+
+void rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1 &&
+                  x.stride(1) == x.size(2) && x.size(2) % 2 == 0,
+              "x must be float32 [T, H, D] with contiguous heads");
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                  cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T * D &&
+                  sin.numel() == T * D,
+              "cos/sin must be contiguous float32 [T, D] tables");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.sizes() == x.sizes(),
+              "out must be a contiguous float32 tensor shaped like x");
+  const float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t sx = x.stride(0);
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* c = cp + t * D;
+      const float* s = sp + t * D;
+      for (int64_t h = 0; h < H; ++h) {
+        const float* xr = xp + t * sx + h * D;
+        float* orow = op + (t * H + h) * D;
+        for (int64_t i = 0; i < half; ++i) orow[i] = xr[i] * c[i] + xr[i + half] * s[i];
+        for (int64_t i = half; i < D; ++i) orow[i] = xr[i] * c[i] + xr[i - half] * s[i];
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pagedkv_ops, m) {
   m.def("add_rms_norm(Tensor(a!) x, Tensor delta, Tensor w, float eps, Tensor(b!) out) -> ()");
+  m.def("silu_mul(Tensor gu, Tensor(a!) out) -> ()");
+  m.def("rope(Tensor x, Tensor cos, Tensor sin, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedkv_ops, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("silu_mul", &silu_mul);
+  m.impl("rope", &rope);
 }

@@ -161,21 +161,33 @@ class DecoderLayer(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        fused: bool = False,
     ) -> torch.Tensor:
-        """h = input_norm(x) [T, H] -> the attention block's output [T, H]."""
+        """h = input_norm(x) [T, H] -> the attention block's output [T, H]. `fused`: use the
+        compiled elementwise ops (float32 only)."""
         t = h.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(h)  # [T, (Hq + 2 Hkv) D]
-        # q and k are rotated together: one set of RoPE ops instead of two
-        qk = RotaryEmbedding.rotate(qkv[:, : self.q_size + self.kv_size].view(t, hq + hkv, d), cos, sin)
+        # q and k are rotated together: one set of RoPE ops instead of two (one op when fused)
+        qk_in = qkv[:, : self.q_size + self.kv_size].view(t, hq + hkv, d)
+        if fused:
+            qk = torch.empty(t, hq + hkv, d)
+            torch.ops.pagedkv_ops.rope(qk_in, cos, sin, qk)
+        else:
+            qk = RotaryEmbedding.rotate(qk_in, cos, sin)
         q, k = qk[:, :hq], qk[:, hq:]  # [T, Hq, D], [T, Hkv, D]
         v = qkv[:, self.q_size + self.kv_size :].view(t, hkv, d)  # [T, Hkv, D]
         o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
         return self.o_proj(o.reshape(t, self.q_size))
 
-    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+    def mlp(self, h: torch.Tensor, fused: bool = False) -> torch.Tensor:
         """h = post_attention_norm(x) [T, H] -> the MLP's output [T, H]."""
-        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)  # [T, I] each
+        gu = self.gate_up_proj(h)  # [T, 2I]
+        if fused:
+            act = torch.empty(gu.shape[0], gu.shape[1] // 2)
+            torch.ops.pagedkv_ops.silu_mul(gu, act)
+            return self.down_proj(act)
+        gate, up = gu.chunk(2, dim=-1)  # [T, I] each
         return self.down_proj(F.silu(gate).mul_(up))  # SwiGLU
 
 
@@ -269,9 +281,9 @@ class LlamaModel(nn.Module):
         # each residual add is fused with the RMSNorm that follows it (fused_ops.cpp)
         h = F.rms_norm(x, x.shape[-1:], layers[0].input_norm, eps)
         for i, layer in enumerate(layers):
-            a = layer.attention(h, cos, sin, kv.k_cache(i), kv.v_cache(i), meta)
+            a = layer.attention(h, cos, sin, kv.k_cache(i), kv.v_cache(i), meta, fused)
             h = _add_rms_norm(x, a, layer.post_attention_norm, eps, fused)
-            m = layer.mlp(h)
+            m = layer.mlp(h, fused)
             if i + 1 < len(layers):
                 h = _add_rms_norm(x, m, layers[i + 1].input_norm, eps, fused)
             else:

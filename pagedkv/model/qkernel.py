@@ -38,6 +38,7 @@ class _Kernel:
         self.tried = False
         self.ok = False
         self.error: str | None = None
+        self.qmatmul = None  # the op's overload, once loaded
 
 
 _kernel = _Kernel()
@@ -101,12 +102,18 @@ def load() -> bool:
                 torch.ops.pagedkv_ops, "add_rms_norm"
             ):
                 raise RuntimeError("the library loaded but did not register its ops")
+            k.qmatmul = torch.ops.pagedkv_q.qmatmul.default
             k.ok = True
         except Exception as e:  # any build problem means "use the fallback"
             k.error = f"{type(e).__name__}: {e}"
             logger.warning("pagedkv: quantized matmul kernel unavailable (%s); using torch", k.error)
         k.tried = True
         return k.ok
+
+
+def qmatmul():  # noqa: ANN201
+    """torch.ops.pagedkv_q.qmatmul (the overload, cheapest to call) or None without the kernel."""
+    return _kernel.qmatmul if (_kernel.ok or load()) else None
 
 
 def info() -> dict[str, object]:

@@ -78,6 +78,9 @@ class QWeight:
             self.parts.append((qtype, data.contiguous()))
         self.n = sum(d.shape[0] for _, d in self.parts)
         self._float: torch.Tensor | None = None  # the fallback's float32 copy
+        # per-call arguments of the kernel, built once: (blocks, type id, first output column)
+        cols = np.cumsum([0] + [d.shape[0] for _, d in self.parts])
+        self._calls = [(d, int(q), int(c)) for (q, d), c in zip(self.parts, cols, strict=False)]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -106,18 +109,16 @@ class QWeight:
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, K] float32 -> x W^T [T, N] float32."""
-        if not qkernel.load():
+        op = qkernel.qmatmul()
+        if op is None:
             return F.linear(x, self._fallback())
         x = x.contiguous()
         out = torch.empty(x.shape[0], self.n, dtype=torch.float32)
         if x.shape[0] > TILED_ROWS:
             self._tiled(x, out)
             return out
-        col = 0
-        op = torch.ops.pagedkv_q.qmatmul
-        for qtype, data in self.parts:
-            op(x, data, int(qtype), out, col)
-            col += data.shape[0]
+        for data, qtype, col in self._calls:
+            op(x, data, qtype, out, col)
         return out
 
     def _tiled(self, x: torch.Tensor, out: torch.Tensor) -> None:
