@@ -732,4 +732,4 @@ def test_real_load_200_streams_quarter_disconnect(real: Running, offline: Any) -
 
 
 def _aborts(metrics: dict[str, float]) -> float:
-    return sum(v for k, v in metrics.items() if 'finish_reason="abort"' in k)
+    return sum(v for k, v in metrics.items() if 'finished_reason="abort"' in k)
