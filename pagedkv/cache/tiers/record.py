@@ -3,7 +3,9 @@
 Layout (little endian):
     b"PKVB" | u16 version | u32 header length | header (JSON) | payload | 16-byte blake2b digest
 
-The header names the model fingerprint, the block's chained hash and every part's name, dtype
+The header is padded with spaces so the payload starts at a multiple of ALIGN bytes (tensors
+read straight out of the buffer are aligned: no slow unaligned copies). The header names the
+model fingerprint, the block's chained hash and every part's name, dtype
 and shape; the payload is the parts' raw bytes in header order. The digest covers everything
 before it. `decode` returns the parts only when the digest, fingerprint, key, and each part's
 dtype and shape all match what the reader expects; anything else raises CorruptEntryError, so
@@ -24,6 +26,7 @@ MAGIC = b"PKVB"
 VERSION = 1
 _HEAD = struct.Struct("<4sHI")
 DIGEST = 16
+ALIGN = 64
 
 Layout = dict[str, tuple[torch.dtype, tuple[int, ...]]]  # part name -> (dtype, per-block shape)
 Parts = dict[str, torch.Tensor]
@@ -44,6 +47,7 @@ def encode(fingerprint: bytes, key: bytes, parts: Parts) -> bytes:
         "key": key.hex(),
         "parts": [[n, _dtype_name(t.dtype), list(t.shape)] for n, t in parts.items()],
     }, separators=(",", ":")).encode()
+    header += b" " * (-(_HEAD.size + len(header)) % ALIGN)
     chunks = [_HEAD.pack(MAGIC, VERSION, len(header)), header]
     chunks += [t.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes() for t in parts.values()]
     body = b"".join(chunks)
@@ -70,18 +74,20 @@ def decode(blob: bytes | bytearray, fingerprint: bytes, key: bytes, layout: Layo
     want = [(n, _dtype_name(dt), tuple(shape)) for n, (dt, shape) in layout.items()]
     if names != want:
         raise CorruptEntryError(f"layout {names} != expected {want}")
-    raw = bytearray(buf[_HEAD.size + hlen : -DIGEST])
+    # tensors alias a writable buffer: the caller's bytearray (no copy), else one copy
+    raw = blob if isinstance(blob, bytearray) else bytearray(blob)
+    start = off = _HEAD.size + hlen
+    end = len(raw) - DIGEST
     out: Parts = {}
-    off = 0
     for name, (dt, shape) in layout.items():
-        n = torch.empty((), dtype=dt).element_size()
+        item = torch.empty((), dtype=dt).element_size()
+        count = 1
         for s in shape:
-            n *= s
-        if off + n > len(raw):
+            count *= s
+        if off + count * item > end:
             raise CorruptEntryError("payload shorter than its layout")
-        out[name] = torch.frombuffer(raw, dtype=dt, count=n // torch.empty((), dtype=dt).element_size(),
-                                     offset=off).view(shape)
-        off += n
-    if off != len(raw):
-        raise CorruptEntryError("payload longer than its layout")
+        out[name] = torch.frombuffer(raw, dtype=dt, count=count, offset=off).view(shape)
+        off += count * item
+    if off != end or start % ALIGN:
+        raise CorruptEntryError("payload longer than its layout, or misaligned")
     return out
