@@ -20,8 +20,8 @@ from gguf.quants import dequantize, quantize
 from test_model import F32_TOL, _tokens, hf_logits, max_diff, prefill_then_decode, run_paged
 
 from pagedkv.errors import ModelLoadError, UnsupportedModelError
-from pagedkv.model import load_model, qkernel
-from pagedkv.model.quant import TILED_ROWS, QWeight
+from pagedkv.model import load_model, qkernel, quant
+from pagedkv.model.quant import QWeight
 
 KERNEL_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.F16, Q.BF16, Q.F32]
 K_QUANTS = {Q.Q4_K, Q.Q5_K, Q.Q6_K}
@@ -68,16 +68,18 @@ def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
 
 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda q: q.name)
-def test_rows_and_products_match_gguf(qtype: Q, path: str) -> None:
+def test_rows_and_products_match_gguf(qtype: Q, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     qw, ref = _case(qtype)
     ids = torch.tensor([5, 0, 71, 5])
     assert torch.equal(qw.rows(ids), ref[ids])  # bit-identical dequantization
     gen = torch.Generator().manual_seed(1)
-    for t in (1, 2, 3, 4, 5, 16, TILED_ROWS + 7):  # fused groups, remainders, the tiled path
-        x = torch.randn(t, qw.k, generator=gen)
-        got, want = qw.linear(x), x @ ref.t()
-        assert got.shape == (t, qw.n)
-        assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max()) + 1e-6
+    for limit in (1 << 30, 0):  # every row count through the streaming kernel, then the tiles
+        monkeypatch.setattr(quant, "TILED_ROWS", limit)
+        for t in (1, 2, 3, 4, 5, 7, 16, 41):  # fused groups of 4 and their remainders
+            x = torch.randn(t, qw.k, generator=gen)
+            got, want = qw.linear(x), x @ ref.t()
+            assert got.shape == (t, qw.n)
+            assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max()) + 1e-6
 
 
 def test_mixed_segments_and_output_columns(path: str) -> None:

@@ -124,7 +124,7 @@ def crossover(threads: int) -> dict:
     q = load_model(weights="quantized").model.layers[0].gate_up_proj.q
     saved, res = quant.TILED_ROWS, {}
     try:
-        for rows in (1, 4, 16, 32, 64, 128, 256):
+        for rows in (1, 4, 8, 16, 32, 64, 128, 256):
             x = torch.randn(rows, q.k)
             t = {}
             for mode, limit in (("kernel", 1 << 30), ("tiles", 0)):

@@ -36,9 +36,11 @@ Q = GGMLQuantizationType
 KERNEL_TYPES = frozenset(
     {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K}
 )
-# Measured on a 2-core AVX2 machine (bench decode, "crossover"): the row-streaming kernel wins up
-# to about this many activation rows; above it, dequantized tiles + BLAS matmul win.
-TILED_ROWS = 32
+# Measured (bench decode, "crossover_ms", SmolLM2 gate/up, 1 thread of a 2-core AVX2 machine):
+# the row-streaming kernel wins at 1-4 activation rows (0.19 vs 0.22 ms at 1, 0.29 vs 0.40 at 4),
+# dequantized tiles + BLAS from 16 rows on (0.79 vs 1.17 ms at 16; 2.5 vs 4.9 at 64). Both read
+# each weight byte once per call.
+TILED_ROWS = 8
 TILE_ELEMS = 1 << 20  # float32 elements per dequantized tile (4 MiB)
 
 
