@@ -110,6 +110,30 @@ def test_warpers_match_transformers(kw: dict) -> None:
     torch.testing.assert_close(ours, _hf_chain(x, p), atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("scale", [8.0, 0.3])  # peaked: the top-p window covers; flat: full sort
+def test_wide_vocabulary_top_p_window_and_fallback(scale: float) -> None:
+    x = logits(6, seed=12, vocab=5000) / 3 * scale
+    ps = [SamplingParams(top_p=0.9), SamplingParams(top_p=0.5, temperature=1.5),
+          SamplingParams(top_k=2000, top_p=0.95), SamplingParams(top_k=7),
+          SamplingParams(top_p=0.99, min_p=0.01), SamplingParams(top_p=0.3)]
+    ours = torch.softmax(warp(x, ps), dim=-1)
+    for i, p in enumerate(ps):
+        torch.testing.assert_close(ours[i:i + 1], _hf_chain(x[i:i + 1], p), atol=1e-6,
+                                   rtol=1e-4)
+
+
+def test_seeded_token_does_not_depend_on_the_candidate_window() -> None:
+    x = logits(1, seed=13, vocab=5000)
+    p = SamplingParams(top_p=0.9, seed=5)
+    alone = Sampler()(x, [seq(p, [1])])[0]
+    flat = logits(1, seed=14, vocab=5000) * 0.01  # forces a full sort for its row
+    wide = [SamplingParams(top_k=3000), SamplingParams(top_p=0.99)]
+    for other in wide:
+        got = Sampler()(torch.cat([flat, x]), [seq(other, [1]), seq(p, [1])])
+        assert got[1] == alone
+    assert Sampler()(x, [seq(SamplingParams(top_p=0.9, top_k=4000, seed=5), [1])])[0] == alone
+
+
 def test_mixed_rows_warp_like_each_alone() -> None:
     x = logits(4, seed=5)
     ps = [SamplingParams(top_k=3), SamplingParams(top_p=0.5), SamplingParams(temperature=0.3),

@@ -59,6 +59,7 @@ class _History:
     """Per-sequence sampler state, updated incrementally: which tokens the prompt + output hold
     (`seen`), how often each was generated (`counts`), and the request's constant tensors."""
 
+    seq: SampledSeq  # keeps id(seq) from being reused while the history lives
     seen: torch.Tensor  # [V] bool, prompt + output
     counts: torch.Tensor  # [V] float32, output only
     n: int  # token_ids[:n] are accounted for
@@ -72,13 +73,13 @@ class Sampler:
 
     def __init__(self, eos_ids: Iterable[int] = ()) -> None:
         self.eos_ids = sorted(set(eos_ids))
-        self._hist: dict[SampledSeq, _History] = {}
+        self._hist: dict[int, _History] = {}  # by id(seq); the history holds the seq itself
 
     def __call__(self, logits: torch.Tensor, seqs: Sequence[SampledSeq]) -> list[int]:
         params = [s.request.params for s in seqs]
         x = self.adjust(logits, seqs)
-        ok = torch.isfinite(x.amax(dim=-1))
-        tokens = x.argmax(dim=-1)
+        tokens = x.argmax(dim=-1)  # NaN and +inf count as the maximum: their rows fail below
+        ok = torch.isfinite(x.gather(1, tokens[:, None])[:, 0])
         rand = [i for i, p in enumerate(params) if not p.greedy]
         if rand:
             rows = torch.tensor(rand)
@@ -123,9 +124,9 @@ class Sampler:
             x.index_put_((torch.cat(r), torch.cat(c)), torch.cat(v), accumulate=True)
 
     def _history(self, s: SampledSeq, vocab: int) -> _History:
-        h = self._hist.get(s)
+        h = self._hist.get(id(s))
         if h is None or h.n > len(s.token_ids) or h.seen.numel() != vocab:
-            h = self._hist[s] = self._new_history(s, vocab)
+            h = self._hist[id(s)] = self._new_history(s, vocab)
         if h.n < len(s.token_ids):
             new = torch.tensor(s.token_ids[h.n:])
             h.seen[new] = True
@@ -139,6 +140,7 @@ class Sampler:
         ids = [t for t in p.logit_bias if t < vocab]
         banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_ids))
         return _History(
+            seq=s,
             seen=torch.zeros(vocab, dtype=torch.bool),
             counts=torch.zeros(vocab),
             n=0,
@@ -148,8 +150,8 @@ class Sampler:
         )
 
     def _forget_finished(self) -> None:
-        for s in [s for s in self._hist if s.finished]:
-            del self._hist[s]
+        for key in [key for key, h in self._hist.items() if h.seq.finished]:
+            del self._hist[key]
 
 
 def _before_min_tokens(s: SampledSeq, p: SamplingParams) -> bool:
@@ -179,52 +181,109 @@ def _penalize(x: torch.Tensor, rows: list[int], hist: list[_History],
 def _draw(x: torch.Tensor, params: list[SamplingParams],
           gens: list[torch.Generator | None]) -> torch.Tensor:
     """One token per row of adjusted logits x [R, V] (a row without a finite maximum gives an
-    arbitrary token: the caller fails it)."""
-    probs = torch.softmax(warp(x, params), dim=-1)
-    q = torch.empty_like(probs).exponential_()
+    arbitrary token: the caller fails it). Rows that truncate sample among their candidates
+    only; a seeded row's noise is drawn over the whole vocabulary and read by token id, so its
+    token does not depend on how wide the batch's candidate window was."""
+    x = _scale(x, params)
+    tokens = torch.empty(x.shape[0], dtype=torch.long)
+    trunc = [i for i, p in enumerate(params) if _truncates(p, x.shape[-1])]
+    whole = [i for i, p in enumerate(params) if not _truncates(p, x.shape[-1])]
+    if whole:
+        rows = torch.tensor(whole)
+        q = _noise(len(whole), x.shape[-1], [gens[i] for i in whole])
+        tokens[rows] = (torch.softmax(x[rows], dim=-1) / q).argmax(dim=-1)
+    for pos, vals, idx in _candidates(x, trunc, params):
+        q = _noise(len(pos), x.shape[-1], [gens[i] for i in pos], idx)
+        pick = (torch.softmax(vals, dim=-1) / q).argmax(dim=-1, keepdim=True)
+        tokens[torch.tensor(pos)] = idx.gather(1, pick)[:, 0]
+    return tokens
+
+
+def _noise(rows: int, vocab: int, gens: list[torch.Generator | None],
+           idx: torch.Tensor | None = None) -> torch.Tensor:
+    """Exp(1) noise [rows, vocab] (or at the token ids `idx` [rows, K]); a seeded row's comes
+    from its own generator, always vocab draws."""
+    width = vocab if idx is None else idx.shape[-1]
+    q = torch.empty(rows, width).exponential_()
     for i, g in enumerate(gens):
         if g is not None:
-            q[i].exponential_(generator=g)
-    return (probs / q.clamp_min_(torch.finfo(q.dtype).tiny)).argmax(dim=-1)
+            full = torch.empty(vocab).exponential_(generator=g)
+            q[i] = full if idx is None else full[idx[i]]
+    return q.clamp_min_(torch.finfo(q.dtype).tiny)
 
 
-def warp(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Temperature, min_p, top-k, top-p: the logits to sample from, with the maximum at 0 and
-    dropped tokens at -inf."""
+def _truncates(p: SamplingParams, vocab: int) -> bool:
+    return 0 < p.top_k < vocab or p.top_p < 1
+
+
+def _scale(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature and min_p: the maximum shifted to 0 first, so dividing by a tiny temperature
+    cannot overflow; then p_i < min_p * p_max  <=>  x_i < log(min_p)."""
     temp = torch.tensor([[p.temperature] for p in params])
-    # shift first: the maximum becomes 0, so dividing by a tiny temperature cannot overflow
     x = (x - x.amax(dim=-1, keepdim=True)) / temp
-    if any(p.min_p > 0 for p in params):  # p_i < min_p * p_max  <=>  x_i < log(min_p)
+    if any(p.min_p > 0 for p in params):
         log_min_p = torch.tensor([[math.log(p.min_p) if p.min_p > 0 else _NEG_INF]
                                   for p in params])
         x.masked_fill_(x < log_min_p, _NEG_INF)
-    vocab = x.shape[-1]
-    trunc = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1]
-    if trunc:
-        rows = torch.tensor(trunc)
-        x[rows] = _top_k_top_p(x[rows], [params[i] for i in trunc])
     return x
 
 
-def _top_k_top_p(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def warp(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, min_p, top-k, top-p over whole rows: the logits the sampler draws from
+    (maximum 0, dropped tokens -inf). The reference the sampler's tests compare."""
+    x = _scale(x, params)
+    trunc = [i for i, p in enumerate(params) if _truncates(p, x.shape[-1])]
+    for pos, vals, idx in _candidates(x, trunc, params):
+        x[torch.tensor(pos)] = torch.full((len(pos), x.shape[-1]), _NEG_INF).scatter_(1, idx, vals)
+    return x
+
+
+TOP_P_WINDOW = 1024  # top-p looks at the most likely this-many tokens first
+
+
+def _candidates(x: torch.Tensor, rows: list[int], params: list[SamplingParams]
+                ) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
     """Top-k (ties with the k-th kept), then top-p over what is left (the most likely token
-    always stays), in one sort: over the largest k only when every row has a top-k."""
+    always stays), for the given rows: groups of (row positions, logits [n, K] in descending
+    order with dropped ones at -inf, their token ids [n, K]). One top-k of width K = max(window,
+    largest top_k) serves every row whose kept set provably lies inside it; the rest (top-p only,
+    the window's mass below top_p) take one full sort."""
+    if not rows:
+        return []
     vocab = x.shape[-1]
-    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    kmax = max(ks)
-    if kmax < vocab:
-        vals, idx = x.topk(kmax, dim=-1)
-    else:
-        vals, idx = x.sort(dim=-1, descending=True)
-    kth = vals.gather(1, torch.tensor(ks).sub_(1)[:, None])
-    vals = vals.masked_fill(vals < kth, _NEG_INF)
-    top_p = torch.tensor([[p.top_p] for p in params])
-    if (top_p < 1).any():
-        probs = torch.softmax(vals, dim=-1)
-        drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p  # mass before reaches top_p
-        drop[:, 0] = False
-        vals = vals.masked_fill(drop, _NEG_INF)
-    return torch.full_like(x, _NEG_INF).scatter_(1, idx, vals)
+    ks = [params[i].top_k if 0 < params[i].top_k < vocab else vocab for i in rows]
+    width = min(vocab, max([TOP_P_WINDOW] + [k for k in ks if k < vocab]))
+    sub = x[torch.tensor(rows)]
+    vals, idx = sub.topk(width, dim=-1) if width < vocab else sub.sort(dim=-1, descending=True)
+    k = torch.tensor(ks)[:, None]
+    vals = vals.masked_fill(vals < vals.gather(1, k.clamp(max=width) - 1), _NEG_INF)
+    # top-p normalizes over what top-k kept: the window for top-k rows, else the whole row
+    norm = torch.where(k < vocab, vals.logsumexp(-1, keepdim=True),
+                       sub.logsumexp(-1, keepdim=True))
+    top_p = torch.tensor([[params[i].top_p] for i in rows])
+    vals, mass = _top_p(vals, norm, top_p)
+    covered = ((k < vocab) | (mass >= top_p))[:, 0].tolist()
+    if width == vocab or all(covered):
+        return [(rows, vals, idx)]
+    inside = [j for j, c in enumerate(covered) if c]
+    full = [rows[j] for j, c in enumerate(covered) if not c]
+    fvals, fidx = x[torch.tensor(full)].sort(dim=-1, descending=True)
+    fvals, _ = _top_p(fvals, fvals.logsumexp(-1, keepdim=True), top_p[[not c for c in covered]])
+    groups = [(full, fvals, fidx)]
+    if inside:
+        groups.append(([rows[j] for j in inside], vals[inside], idx[inside]))
+    return groups
+
+
+def _top_p(vals: torch.Tensor, norm: torch.Tensor, top_p: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drop each token once the mass before it reaches top_p (the first always stays), on
+    descending logits normalized by `norm`; also returns the mass the columns hold [n, 1]."""
+    probs = (vals - norm).exp()
+    cum = probs.cumsum(dim=-1)
+    drop = (cum - probs) >= top_p
+    drop[:, 0] = False
+    return vals.masked_fill(drop, _NEG_INF), cum[:, -1:]
 
 
 def top_logprobs(logits_row: torch.Tensor, token: int, k: int) -> dict[int, float]:
