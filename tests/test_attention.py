@@ -28,6 +28,7 @@ from pagedkv.attention.paged import (
     paged_decode_attention,
     paged_prefill_attention,
 )
+from pagedkv.cache.storage import LayerKV
 from pagedkv.errors import StorageMismatchError
 
 BACKENDS = ("kernel", "torch")
@@ -96,6 +97,10 @@ class Case:
     meta: AttentionMetadata
     ref: torch.Tensor  # [T, Hq, D] float32
 
+    @property
+    def layer(self) -> LayerKV:
+        return LayerKV(self.k_cache, self.v_cache)
+
 
 def _blocks_to_slots(ids: torch.Tensor, positions: torch.Tensor, bs: int) -> torch.Tensor:
     return ids[positions // bs] * bs + positions % bs
@@ -160,7 +165,7 @@ def build_case(spec: Spec, dtype: torch.dtype) -> Case:
 
 
 def run_and_check(case: Case, scale: float, atol: float, rtol: float) -> None:
-    out = paged_attention(case.q, case.k, case.v, case.k_cache, case.v_cache, case.meta, scale)
+    out = paged_attention(case.q, case.k, case.v, case.layer, case.meta, scale)
     assert out.shape == case.q.shape and out.dtype == case.q.dtype
     torch.testing.assert_close(out.float(), case.ref, atol=atol, rtol=rtol)
     # every new token's K/V landed at its slot
@@ -304,7 +309,7 @@ def test_slots_minus_one_are_not_written(name: str) -> None:
     case.meta.slot_mapping[skip] = -1
     with backend(name):
         out = paged_attention(
-            case.q, case.k, case.v, case.k_cache, case.v_cache, case.meta, spec.scale
+            case.q, case.k, case.v, case.layer, case.meta, spec.scale
         )
     torch.testing.assert_close(out, case.ref, atol=1e-5, rtol=1e-5)
     h, d = case.k.shape[1:]
@@ -336,7 +341,7 @@ def test_prefill_chunks_match_one_shot() -> None:
         scale=0.125,
     )
     one = build_case(spec_one, torch.float32)
-    full = paged_attention(one.q, one.k, one.v, one.k_cache, one.v_cache, one.meta, 0.125)
+    full = paged_attention(one.q, one.k, one.v, one.layer, one.meta, 0.125)
     tables = one.meta.prefill_block_tables
     outs = []
     for start, stop in [(0, 20), (20, 21), (21, 50)]:
@@ -363,7 +368,7 @@ def test_metadata_mismatch_raises() -> None:
     case = build_case(spec, torch.float32)
     with pytest.raises(StorageMismatchError):
         paged_attention(
-            case.q[:-1], case.k[:-1], case.v[:-1], case.k_cache, case.v_cache, case.meta, 0.3
+            case.q[:-1], case.k[:-1], case.v[:-1], case.layer, case.meta, 0.3
         )
 
 

@@ -43,7 +43,7 @@ def test_dtype_names(name, dtype):
     assert KVStorage(1, 1, 1, 1, 1, name).dtype is dtype
 
 
-@pytest.mark.parametrize("bad", ["int8", "float64", torch.float64, torch.int32])
+@pytest.mark.parametrize("bad", ["int4", "float64", torch.float64, torch.int32, "auto"])
 def test_unsupported_dtype_is_typed(bad):
     with pytest.raises(CacheConfigError):
         KVStorage(1, 1, 1, 1, 1, bad)

@@ -238,6 +238,7 @@ def kernel_info() -> dict[str, object]:
 def decode_op():
     """The registered decode op's overload (only valid after load_kernel() returned True).
 
-    Called as op(q, k_cache, v_cache, block_tables, seq_lens, scale, out) -> None.
+    Called as op(q, k_cache, v_cache, block_tables, seq_lens, scale, out, k_scale, v_scale)
+    -> None; the scales ([N, bs, Hkv] float32) are None for float caches.
     """
     return DECODE.op

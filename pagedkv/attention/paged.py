@@ -3,6 +3,9 @@
 Shapes (T new tokens this step, prefills first, then one token per decode sequence):
     q [T, Hq, D], k/v [T, Hkv, D], k_cache/v_cache [num_blocks, block_size, Hkv, D]
 Hq is a multiple of Hkv; query head h reads kv head h // (Hq // Hkv) (GQA/MQA).
+Quantized caches (int8, fp8_e4m3) come with k_scale/v_scale [num_blocks, block_size, Hkv] float32
+(one scale per token and kv head, see cache/quant.py); every reader dequantizes only what it
+reads: the kernel row by row in registers, prefill the gathered blocks, the fallback one chunk.
 
 Prefill uses torch's scaled_dot_product_attention per sequence (a few per step). Decode, the hot
 path (every layer, every step), uses the compiled CPU kernel in paged_decode.cpp, which reads the
@@ -20,7 +23,8 @@ import torch.nn.functional as F
 
 from pagedkv.attention import kernel as _kernel
 from pagedkv.attention.metadata import AttentionMetadata
-from pagedkv.cache.storage import write_kv
+from pagedkv.cache.quant import QUANT_DTYPES, is_quantized
+from pagedkv.cache.storage import LayerKV, gather_blocks, write_layer
 from pagedkv.errors import StorageMismatchError
 
 __all__ = [
@@ -42,14 +46,13 @@ def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    cache: LayerKV,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
     """Write k/v at meta.slot_mapping, then attend; returns [T, Hq, D] in q's dtype.
 
-    q [T, Hq, D]; k, v [T, Hkv, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D].
+    q [T, Hq, D]; k, v [T, Hkv, D]; `cache` one layer's views (KVStorage.layer(i)).
     """
     num_tokens = q.shape[0]
     num_prefill = meta.num_prefill_tokens
@@ -59,31 +62,35 @@ def paged_attention(
             f"but q has {num_tokens} and k {k.shape[0]}"
         )
     if num_tokens:
-        write_kv(k_cache, v_cache, meta.slot_mapping, k, v)
+        write_layer(cache, meta.slot_mapping, k, v)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, D], contiguous
     if meta.num_prefills:
         paged_prefill_attention(
             q[:num_prefill],
             k[:num_prefill],
             v[:num_prefill],
-            k_cache,
-            v_cache,
+            cache.k,
+            cache.v,
             meta.prefill_query_lens,
             meta.prefill_context_lens,
             meta.prefill_block_tables,
             scale,
             out=out[:num_prefill],
+            k_scale=cache.k_scale,
+            v_scale=cache.v_scale,
         )
     if meta.num_decodes:
         paged_decode_attention(
             q[num_prefill:],
-            k_cache,
-            v_cache,
+            cache.k,
+            cache.v,
             meta.decode_block_tables,
             meta.decode_seq_lens,
             scale,
             max_seq_len=meta.max_decode_seq_len or None,
             out=out[num_prefill:],
+            k_scale=cache.k_scale,
+            v_scale=cache.v_scale,
         )
     return out
 
@@ -139,6 +146,8 @@ def paged_prefill_attention(
     scale: float,
     *,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for prefill sequences whose new tokens are concatenated in q/k/v.
 
@@ -146,8 +155,10 @@ def paged_prefill_attention(
     New token j of sequence i sees the sequence's context_lens[i] cached tokens (read from
     k_cache/v_cache [N, bs, Hkv, D] through block_tables[i]) and new tokens 0..j. The new tokens'
     K/V are taken from k/v, not from the cache, so this does not depend on them being written.
+    Quantized caches (k_scale/v_scale [N, bs, Hkv] given) are dequantized block by gathered block.
     Returns [P, Hq, D] (written into `out` when given).
     """
+    _check_scales(k_cache, v_cache, k_scale, v_scale)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     bs = k_cache.shape[1]
@@ -164,10 +175,11 @@ def paged_prefill_attention(
             # prefix-cache hit or a later chunk: gather the cached context by whole blocks
             nb = -(-ctx // bs)
             ids = block_tables[i, :nb].to(device=k_cache.device, dtype=torch.int64)
-            kc = k_cache.index_select(0, ids).flatten(0, 1)[:ctx]  # [ctx, Hkv, D]
-            vc = v_cache.index_select(0, ids).flatten(0, 1)[:ctx]
-            kk = torch.cat([kc, ki.to(kc.dtype)])  # [ctx + n, Hkv, D]
-            vv = torch.cat([vc, vi.to(vc.dtype)])
+            kc = gather_blocks(k_cache, k_scale, ids, ctx, q.dtype)  # [ctx, Hkv, D]
+            vc = gather_blocks(v_cache, v_scale, ids, ctx, q.dtype)
+            # the chunk's own K/V join at full precision (they are not read back from the cache)
+            kk = torch.cat([kc.to(ki.dtype), ki])  # [ctx + n, Hkv, D]
+            vv = torch.cat([vc.to(vi.dtype), vi])
             # offset-causal: query j sits at absolute position ctx + j
             qpos = torch.arange(n, device=q.device).unsqueeze(1) + ctx
             kpos = torch.arange(ctx + n, device=q.device).unsqueeze(0)
@@ -196,48 +208,85 @@ def paged_decode_attention(
     *,
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence over its paged K/V; returns [B, Hq, D] in q's dtype.
 
     q [B, Hq, D]; k_cache/v_cache [N, bs, Hkv, D]; block_tables [B, max_blocks] int32;
     seq_lens [B] int32 (tokens to attend, the new one included, already written).
     `max_seq_len` (optional, >= max(seq_lens)) spares the fallback a device sync.
+    Quantized caches (int8/fp8) need k_scale/v_scale [N, bs, Hkv] float32.
 
     On CPU this runs the compiled kernel, which reads K/V in place through the block table.
     The pure-torch fallback (other devices, PAGEDKV_NO_KERNEL=1, or no compiler) gathers the
     blocks of a chunk of ~512 positions for the whole batch at a time and merges chunks with an
     online softmax, so it never materializes a full sequence either.
     """
+    _check_scales(k_cache, v_cache, k_scale, v_scale)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.shape[0] == 0:
         return out
-    if _use_kernel(q, k_cache, v_cache, out):
+    if _use_kernel(q, k_cache, v_cache, out, k_scale):
         if block_tables.dtype != torch.int32 or not block_tables.is_contiguous():
             block_tables = block_tables.to(torch.int32).contiguous()
         if seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous():
             seq_lens = seq_lens.to(torch.int32).contiguous()
         if q.stride(-1) != 1:
             q = q.contiguous()
-        _kernel.decode_op()(q, k_cache, v_cache, block_tables, seq_lens, float(scale), out)
+        _kernel.decode_op()(
+            q, k_cache, v_cache, block_tables, seq_lens, float(scale), out, k_scale, v_scale
+        )
         return out
-    out.copy_(_decode_torch(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len))
+    out.copy_(
+        _decode_torch(
+            q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, k_scale, v_scale
+        )
+    )
     return out
 
 
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_KERNEL_DTYPES = (*_FLOAT_DTYPES, *QUANT_DTYPES.values())
+
+
+def _check_scales(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> None:
+    quant = is_quantized(k_cache.dtype)
+    if quant != (k_scale is not None) or quant != (v_scale is not None):
+        raise StorageMismatchError(
+            f"a {k_cache.dtype} cache needs {'both' if quant else 'no'} k_scale/v_scale"
+        )
+    if v_cache.dtype != k_cache.dtype:
+        raise StorageMismatchError(f"k_cache {k_cache.dtype} != v_cache {v_cache.dtype}")
+    if quant and (
+        k_scale.shape != k_cache.shape[:-1]
+        or v_scale.shape != v_cache.shape[:-1]
+        or k_scale.dtype != torch.float32
+        or v_scale.dtype != torch.float32
+    ):
+        raise StorageMismatchError("k_scale/v_scale must be float32 [N, block_size, Hkv]")
 
 
 def _use_kernel(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    k_scale: torch.Tensor | None,
 ) -> bool:
     # Cheapest tests first: this runs for every layer of every decode step.
     if not (q.is_cpu and k_cache.is_cpu and _kernel.CONFIG.use_kernel):
         return False
     return (
-        q.dtype in _KERNEL_DTYPES
+        q.dtype in _FLOAT_DTYPES
         and k_cache.dtype in _KERNEL_DTYPES
-        and v_cache.dtype == k_cache.dtype
+        and (k_scale is None or k_scale.is_contiguous())
         # a non-contiguous cache would need a full copy first, defeating the point
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
@@ -254,8 +303,11 @@ def _decode_torch(
     seq_lens: torch.Tensor,
     scale: float,
     max_seq_len: int | None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Pure-torch paged decode: per-chunk block gather + float32 online softmax (any device)."""
+    """Pure-torch paged decode: per-chunk block gather + float32 online softmax (any device).
+    Quantized chunks are dequantized right after their gather."""
     b, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     g = hq // hkv
@@ -272,8 +324,12 @@ def _decode_torch(
         ids = tables[:, j0 : j0 + step]  # [B, c]
         c = ids.shape[1]
         # gather only this chunk's blocks: [B, c, bs, Hkv, D] -> [B, Hkv, c*bs, D]
-        kc = k_cache[ids].reshape(b, c * bs, hkv, d).transpose(1, 2).float()
-        vc = v_cache[ids].reshape(b, c * bs, hkv, d).transpose(1, 2).float()
+        kc = k_cache[ids].reshape(b, c * bs, hkv, d).float()
+        vc = v_cache[ids].reshape(b, c * bs, hkv, d).float()
+        if k_scale is not None:
+            kc = kc * k_scale[ids].reshape(b, c * bs, hkv, 1)
+            vc = vc * v_scale[ids].reshape(b, c * bs, hkv, 1)
+        kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)
         s = torch.matmul(qf, kc.transpose(-1, -2))  # [B, Hkv, G, c*bs]
         pos = torch.arange(j0 * bs, (j0 + c) * bs, device=dev)
         s = s.masked_fill((pos.unsqueeze(0) >= lens)[:, None, None, :], -math.inf)

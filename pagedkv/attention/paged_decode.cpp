@@ -6,7 +6,9 @@
 // tiles of TILE rows: each K row is loaded from memory once and scored against the G = Hq / Hkv
 // query heads of each kv head (GQA); an online softmax (running max m, sum l) is updated per
 // query head; then each V row is loaded once and accumulated into the G outputs of its kv head.
-// Everything is float32 inside; bf16/fp16 rows are widened on load.
+// Everything is float32 inside; bf16/fp16 rows are widened on load, and quantized rows (int8 or
+// fp8 e4m3, one float32 scale per token and kv head) are dequantized on load into the same small
+// per-tile buffer (TILE rows, in L1): the sequence is never copied or dequantized as a whole.
 //
 // Built by pagedkv/attention/kernel.py with torch.utils.cpp_extension.load_inline and only the
 // light headers below (no torch/extension.h, no pybind11) to keep the first compile short; the op
@@ -25,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -72,6 +75,48 @@ inline void widen(const c10::Half* src, float* dst, int64_t n) {
   }
 #endif
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// Quantized rows: dst[i] = src[i] * s. fp8 e4m3 bytes become IEEE half bits by moving the sign
+// to bit 15 and the exponent/mantissa up by 7 (exact, subnormals included); the half value is
+// then 2^-8 of the fp8 value, so the caller passes s * 256 (see FP8_SCALE).
+struct Fp8 {
+  uint8_t bits;
+};
+constexpr float FP8_SCALE = 256.0f;
+
+inline void widen_scaled(const int8_t* src, float s, float* dst, int64_t n) {
+  int64_t i = 0;
+#ifdef PKV_AVX2
+  const __m256 vs = _mm256_set1_ps(s);
+  for (; i + 8 <= n; i += 8) {
+    __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i));
+    __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    _mm256_storeu_ps(dst + i, _mm256_mul_ps(f, vs));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]) * s;
+}
+
+inline uint16_t fp8_half_bits(uint8_t b) {
+  return static_cast<uint16_t>(((b & 0x80u) << 8) | ((b & 0x7Fu) << 7));
+}
+
+inline void widen_scaled(const Fp8* src, float s, float* dst, int64_t n) {
+  const uint8_t* b = reinterpret_cast<const uint8_t*>(src);
+  s *= FP8_SCALE;
+  int64_t i = 0;
+#if defined(PKV_AVX2) && defined(__F16C__)
+  const __m256 vs = _mm256_set1_ps(s);
+  const __m128i sign = _mm_set1_epi16(0x80), mag = _mm_set1_epi16(0x7F);
+  for (; i + 8 <= n; i += 8) {
+    __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + i)));
+    __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(x, sign), 8),
+                             _mm_slli_epi16(_mm_and_si128(x, mag), 7));
+    _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtph_ps(h), vs));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = c10::detail::fp16_ieee_to_fp32_value(fp8_half_bits(b[i])) * s;
 }
 
 // Query rows and outputs are touched once per work item, so a runtime dtype switch is enough.
@@ -302,6 +347,8 @@ struct Problem {
   int64_t q_sb, q_sh;  // strides in elements
   const void* k;  // [N, bs, Hkv, D] contiguous
   const void* v;
+  const float* k_scale;  // [N, bs, Hkv] for quantized caches, else nullptr
+  const float* v_scale;
   const int32_t* block_tables;  // [B, max_blocks] contiguous
   int64_t bt_stride;
   const int32_t* seq_lens;  // [B]
@@ -327,19 +374,30 @@ struct Scratch {
         vptr(TILE) {}
 };
 
-// Float pointers to a tile's rows: the cache itself for float32, else a widened copy.
 template <typename T>
-inline void tile_rows(const T* cache, const int64_t* rows, int64_t n, int64_t row_len,
-                      float* buf, const float** ptr) {
+constexpr bool kQuantized = std::is_same<T, int8_t>::value || std::is_same<T, Fp8>::value;
+
+// Float pointers to a tile's rows: the cache itself for float32, else a widened copy (quantized
+// rows times their per-(token, kv head) scale; a row's scales start at element rows[i] / D).
+template <typename T>
+inline void tile_rows(const T* cache, const float* scales, const int64_t* rows, int64_t n,
+                      int64_t Hkv, int64_t D, float* buf, const float** ptr) {
+  const int64_t row_len = Hkv * D;
   for (int64_t i = 0; i < n; ++i) {
-    widen(cache + rows[i], buf + i * row_len, row_len);
-    ptr[i] = buf + i * row_len;
+    float* dst = buf + i * row_len;
+    if constexpr (kQuantized<T>) {
+      const float* s = scales + rows[i] / D;
+      for (int64_t h = 0; h < Hkv; ++h) widen_scaled(cache + rows[i] + h * D, s[h], dst + h * D, D);
+    } else {
+      widen(cache + rows[i], dst, row_len);
+    }
+    ptr[i] = dst;
   }
 }
 
 template <>
-inline void tile_rows<float>(const float* cache, const int64_t* rows, int64_t n, int64_t,
-                             float*, const float** ptr) {
+inline void tile_rows<float>(const float* cache, const float*, const int64_t* rows, int64_t n,
+                             int64_t, int64_t, float*, const float** ptr) {
   for (int64_t i = 0; i < n; ++i) ptr[i] = cache + rows[i];
 }
 
@@ -389,6 +447,10 @@ void attend_range(const Problem& p, int64_t b, int64_t t0, int64_t t1, Scratch& 
         prefetch(kp + c);
         prefetch(vp + c);
       }
+      if constexpr (kQuantized<T>) {
+        prefetch(p.k_scale + rows[i] / D);
+        prefetch(p.v_scale + rows[i] / D);
+      }
     }
   };
   int64_t* cur = sc.rows.data();
@@ -398,7 +460,7 @@ void attend_range(const Problem& p, int64_t b, int64_t t0, int64_t t1, Scratch& 
     const int64_t n = std::min<int64_t>(TILE, t1 - pos);
     if (pos + n < t1) next_rows(nxt, std::min<int64_t>(TILE, t1 - pos - n));
     // scores: each K row is read from memory once (then from L1 for the other query heads)
-    tile_rows<T>(kc, cur, n, row_len, sc.ktile.data(), sc.kptr.data());
+    tile_rows<T>(kc, p.k_scale, cur, n, p.Hkv, D, sc.ktile.data(), sc.kptr.data());
     for (int64_t hq = 0; hq < Hq; ++hq) {
       score_tile(sc.qf.data() + hq * D, sc.kptr.data(), (hq / G) * D, n, D,
                  sc.scores.data() + hq * TILE);
@@ -415,7 +477,7 @@ void attend_range(const Problem& p, int64_t b, int64_t t0, int64_t t1, Scratch& 
       sc.m[hq] = m_new;
     }
     // values: each V row read once from memory, accumulated into the G outputs of its group
-    tile_rows<T>(vc, cur, n, row_len, sc.vtile.data(), sc.vptr.data());
+    tile_rows<T>(vc, p.v_scale, cur, n, p.Hkv, D, sc.vtile.data(), sc.vptr.data());
     for (int64_t hq = 0; hq < Hq; ++hq) {
       pv_tile(sc.scores.data() + hq * TILE, sc.vptr.data(), (hq / G) * D, n, D,
               sc.acc.data() + hq * D);
@@ -515,7 +577,8 @@ void decode_impl(const Problem& p, at::Tensor& out, int64_t max_len, int64_t tot
 // out[b, hq] = softmax(scale * q[b, hq] . K[b, :len_b, hq // G]) V[b, :len_b, hq // G]
 void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                  at::Tensor& out) {
+                  at::Tensor& out, const std::optional<at::Tensor>& k_scale,
+                  const std::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, Hq, D] with a contiguous last dim");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes() &&
@@ -532,6 +595,20 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   TORCH_CHECK(k_cache.size(3) == D, "head_dim mismatch between q and the cache");
   TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "Hq must be a multiple of Hkv");
   TORCH_CHECK(block_tables.size(0) == B && seq_lens.size(0) == B, "batch size mismatch");
+  const at::ScalarType kv_type = k_cache.scalar_type();
+  const bool quantized = kv_type == at::kChar || kv_type == at::kFloat8_e4m3fn;
+  const float* ks = nullptr;
+  const float* vs = nullptr;
+  if (quantized) {
+    for (const auto* sc : {&k_scale, &v_scale}) {
+      TORCH_CHECK(sc->has_value() && (*sc)->scalar_type() == at::kFloat && (*sc)->is_contiguous() &&
+                      (*sc)->dim() == 3 && (*sc)->size(0) == N && (*sc)->size(1) == bs &&
+                      (*sc)->size(2) == Hkv,
+                  "a quantized cache needs contiguous float32 [N, bs, Hkv] k_scale and v_scale");
+    }
+    ks = k_scale->data_ptr<float>();
+    vs = v_scale->data_ptr<float>();
+  }
   if (B == 0) return;
 
   // Validate every block id a sequence will touch before going parallel: a bad id would
@@ -553,9 +630,9 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   }
 
   Problem p{q.data_ptr(), q.scalar_type(), q.stride(0), q.stride(1), k_cache.data_ptr(),
-            v_cache.data_ptr(), bt, max_blocks, lens, B, Hq, Hkv, Hq / Hkv, D, bs,
+            v_cache.data_ptr(), ks, vs, bt, max_blocks, lens, B, Hq, Hkv, Hq / Hkv, D, bs,
             static_cast<float>(scale)};
-  switch (k_cache.scalar_type()) {
+  switch (kv_type) {
     case at::kFloat:
       decode_impl<float>(p, out, max_len, total_len);
       break;
@@ -564,6 +641,12 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
       break;
     case at::kHalf:
       decode_impl<c10::Half>(p, out, max_len, total_len);
+      break;
+    case at::kChar:
+      decode_impl<int8_t>(p, out, max_len, total_len);
+      break;
+    case at::kFloat8_e4m3fn:
+      decode_impl<Fp8>(p, out, max_len, total_len);
       break;
     default:
       TORCH_CHECK(false, "paged_decode: unsupported cache dtype ", k_cache.scalar_type());
@@ -575,7 +658,8 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
 TORCH_LIBRARY(pagedkv_attn, m) {
   m.def(
       "paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor seq_lens, float scale, Tensor(a!) out) -> ()");
+      "Tensor seq_lens, float scale, Tensor(a!) out, Tensor? k_scale=None, "
+      "Tensor? v_scale=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedkv_attn, CPU, m) {

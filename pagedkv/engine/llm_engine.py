@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedkv.cache import KVStorage, PagedKVCache
+from pagedkv.cache.quant import resolve_kv_cache_dtype
 from pagedkv.cache.storage import num_blocks_for_budget
 from pagedkv.engine.model_runner import ModelRunner
 from pagedkv.engine.sampler import FAILED, Sampler, generator_for, top_logprobs
@@ -76,6 +77,7 @@ class LLMEngine:
         block_size: int = 16,
         num_blocks: int | None = None,
         kv_cache_memory: str | int = "1GiB",
+        kv_cache_dtype: str = "auto",
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
@@ -87,6 +89,8 @@ class LLMEngine:
     ) -> None:
         from pagedkv.model.loader import LoadedModel, load_model
 
+        # checked before the model loads: a typo fails fast, naming the supported values
+        kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype)
         self.loaded = (
             model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, weights=weights)
         )
@@ -94,11 +98,12 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         self.model_name = self.loaded.name
         wdtype = next(self.loaded.model.parameters()).dtype
+        kv_dtype = kv_dtype or wdtype  # "auto": the model's dtype
         if num_blocks is None:
             num_blocks = num_blocks_for_budget(parse_size(kv_cache_memory), cfg.num_layers,
-                                               block_size, cfg.num_kv_heads, cfg.head_dim, wdtype)
+                                               block_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
         self.storage = KVStorage(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads,
-                                 cfg.head_dim, wdtype)
+                                 cfg.head_dim, kv_dtype)
         # not capped by the cache: a request that could never fit it is rejected instead
         self.max_model_len = max_model_len or cfg.max_position_embeddings
         if cfg.sliding_window:  # no windowed attention: stay where full attention is exact

@@ -24,7 +24,7 @@ from torch import nn
 
 from pagedkv.attention.metadata import AttentionMetadata
 from pagedkv.attention.paged import paged_attention
-from pagedkv.cache.storage import KVStorage
+from pagedkv.cache.storage import KVStorage, LayerKV
 from pagedkv.errors import ModelLoadError
 from pagedkv.model import qkernel
 from pagedkv.model.config import ModelConfig
@@ -158,8 +158,7 @@ class DecoderLayer(nn.Module):
         h: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        cache: LayerKV,
         meta: AttentionMetadata,
         fused: bool = False,
     ) -> torch.Tensor:
@@ -177,7 +176,7 @@ class DecoderLayer(nn.Module):
             qk = RotaryEmbedding.rotate(qk_in, cos, sin)
         q, k = qk[:, :hq], qk[:, hq:]  # [T, Hq, D], [T, Hkv, D]
         v = qkv[:, self.q_size + self.kv_size :].view(t, hkv, d)  # [T, Hkv, D]
-        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
+        o = paged_attention(q, k, v, cache, meta, self.scale)  # [T, Hq, D]
         return self.o_proj(o.reshape(t, self.q_size))
 
     def mlp(self, h: torch.Tensor, fused: bool = False) -> torch.Tensor:
@@ -281,7 +280,7 @@ class LlamaModel(nn.Module):
         # each residual add is fused with the RMSNorm that follows it (fused_ops.cpp)
         h = F.rms_norm(x, x.shape[-1:], layers[0].input_norm, eps)
         for i, layer in enumerate(layers):
-            a = layer.attention(h, cos, sin, kv.k_cache(i), kv.v_cache(i), meta, fused)
+            a = layer.attention(h, cos, sin, kv.layers[i], meta, fused)
             h = _add_rms_norm(x, a, layer.post_attention_norm, eps, fused)
             m = layer.mlp(h, fused)
             if i + 1 < len(layers):
@@ -297,10 +296,13 @@ class LlamaModel(nn.Module):
             return packed_linear(x, self.lm_head_t.t(), self._lm_head_packed).float()  # [B, V]
         return torch.mm(x, self.lm_head_t).float()  # [B, vocab]
 
-    def make_kv_storage(self, num_blocks: int, block_size: int) -> KVStorage:
-        """A KVStorage shaped for this model, in the model's dtype."""
+    def make_kv_storage(
+        self, num_blocks: int, block_size: int, kv_cache_dtype: str | torch.dtype = "auto"
+    ) -> KVStorage:
+        """A KVStorage shaped for this model, in `kv_cache_dtype` ("auto": the model's dtype)."""
         c = self.config
-        return KVStorage(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, self.dtype)
+        dt = self.dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+        return KVStorage(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, dt)
 
     # --- weights ------------------------------------------------------------------------------
 
