@@ -25,8 +25,16 @@ def snapshot(cache: PagedKVCache) -> tuple:
         cache._tables.tolist(),
         list(cache._free_rows),
         (cache.cow_copies, cache.prefix_queries, cache.prefix_hits),
-        None if cache.storage is None else cache.storage.kv.clone(),
+        None if cache.storage is None else _storage_bytes(cache.storage),
     )
+
+
+def _storage_bytes(storage) -> torch.Tensor:  # noqa: ANN001
+    """K/V and scales (quantized storages) as one uint8 tensor (fp8 has no torch.equal)."""
+    parts = [storage.kv.reshape(-1).view(torch.uint8)]
+    if storage.scales is not None:
+        parts.append(storage.scales.reshape(-1).view(torch.uint8))
+    return torch.cat(parts)
 
 
 def same_state(a: tuple, b: tuple) -> bool:
