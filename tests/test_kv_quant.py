@@ -18,7 +18,7 @@ from pagedkv.cache.quant import (
     resolve_kv_cache_dtype,
     supported_kv_cache_dtypes,
 )
-from pagedkv.cache.storage import BlockData, LayerKV
+from pagedkv.cache.storage import LayerKV
 from pagedkv.errors import CacheConfigError, InvalidBlockError, StorageMismatchError
 
 QDTYPES = list(QUANT_DTYPES.values())
@@ -162,27 +162,49 @@ def test_block_export_import_round_trip(name):
     raw = a.block_bytes(3)
     assert isinstance(raw, bytes) and len(raw) == a.bytes_per_block
     b.write_block_bytes(1, raw)
-    data = a.read_block(2)
-    assert isinstance(data, BlockData) and (data.scales is None) == (not a.quantized)
-    b.write_block(5, data)
+    parts = a.export_blocks([2, 4])
+    assert set(parts) == set(a.block_layout()) == ({"kv", "scales"} if a.quantized else {"kv"})
+    b.import_blocks([5, 0], parts)
     assert a.layout == b.layout and name in a.layout
     for layer in range(L):
         for o in range(BS):
-            for src, dst in ((3, 1), (2, 5)):
+            for src, dst in ((3, 1), (2, 5), (4, 0)):
                 x, y = a.read(layer, src * BS + o), b.read(layer, dst * BS + o)
                 assert torch.equal(x[0], y[0]) and torch.equal(x[1], y[1])
     # every other block of b is untouched
-    assert bool((b.kv[:, :, [0, 2, 3, 4]].view(torch.uint8) == 0).all())
+    assert bool((b.kv[:, :, [2, 3, 4]].view(torch.uint8) == 0).all())
     # wrong sizes / layouts are typed errors and change nothing
     snap = b.kv.clone().view(torch.uint8)
     with pytest.raises(StorageMismatchError):
         b.write_block_bytes(0, raw[:-1])
     other = KVStorage(L, N, BS, H, D, "float16" if name != "float16" else "float32")
     with pytest.raises(StorageMismatchError):
-        b.write_block(0, other.read_block(0))
+        b.import_blocks([0], other.export_blocks([0]))
+    if a.quantized:
+        with pytest.raises(StorageMismatchError):  # K/V without their scales
+            b.import_blocks([0], {"kv": parts["kv"][:1]})
     with pytest.raises(InvalidBlockError):
-        b.write_block(N, data)
+        b.import_blocks([N], a.export_blocks([0]))
     assert torch.equal(b.kv.view(torch.uint8), snap)
+
+
+@pytest.mark.parametrize("dtype", QDTYPES)
+def test_move_slots_and_key_rewrites_keep_scales(dtype):
+    s = KVStorage(L, N, BS, H, D, dtype)
+    for layer in range(L):
+        k = torch.randn(N * BS, H, D) * (layer + 2)
+        s.write(layer, torch.arange(N * BS), k, k + 1)
+    before = [s.read(1, slot) for slot in (3, 9)]
+    s.move_slots([3, 9], [9, 20])
+    assert torch.equal(s.read(1, 9)[0], before[0][0]) and torch.equal(s.read(1, 20)[1], before[1][1])
+    rot = s.rotated_keys(torch.tensor([5]), lambda k, delta: -k * delta, 2)
+    assert rot.dtype == torch.float32
+    torch.testing.assert_close(rot[1, 0], -2 * s.read(1, 5)[0])
+    v_before = s.read(0, 5)[1]
+    s.write_keys(torch.tensor([5]), rot)
+    got = s.read(1, 5)[0]
+    assert bool(((got - rot[1, 0]).abs() <= quant_bound(rot[1, 0], dtype)).all())
+    assert torch.equal(s.read(0, 5)[1], v_before)
 
 
 @pytest.mark.parametrize("dtype", QDTYPES)
