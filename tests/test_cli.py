@@ -53,6 +53,8 @@ def _one_line_error(r: subprocess.CompletedProcess, *words: str) -> None:
         (("generate",), ("prompt",)),
         (("bench", "nonsense"), ("invalid choice",)),
         (("serve", "--port", "99999"), ("--port",)),
+        (("serve", "--kv-cache-dtype", "q4_0"), ("q4_0", "int8", "fp8_e4m3")),
+        (("generate", "--kv-cache-dtype", "int4", "hi"), ("int4", "bfloat16")),
     ],
 )
 def test_bad_command_is_one_line_and_nonzero(args: tuple[str, ...], words: tuple[str, ...]) -> None:

@@ -195,7 +195,7 @@ def run(args) -> dict:
     t0 = time.perf_counter()
     loaded = load_model(None, dtype=torch.float32)
     cfg = loaded.config
-    res: dict = {"model": loaded.name, "threads": torch.get_num_threads(),
+    res: dict = {"model": loaded.name, "threads": torch.get_num_threads(), "quick": args.quick,
                  "scale_granularity": "one float32 scale per (token, kv head)"}
     res["capacity"] = capacity(cfg)
     _log("decode attention timing")
