@@ -362,3 +362,24 @@ def test_int8_perplexity_within_half_a_percent_of_float32(smollm2):
     ref = perplexity(smollm2.model, ids, torch.float32, chunk=160)
     got = perplexity(smollm2.model, ids, torch.int8, chunk=160)
     assert abs(got / ref - 1) < 0.005, (ref, got)
+
+
+@pytest.mark.parametrize("dtype", QDTYPES)
+def test_prefix_cache_hit_serves_the_quantized_blocks_with_their_scales(dtype):
+    st_ = KVStorage(L, 8, 4, H, D, dtype)
+    c = PagedKVCache(8, 4, storage=st_)
+    prompt = list(range(50, 59))  # two full blocks and one partial
+    c.create("a", prompt)
+    slots = c.slot_mapping(["a"], [len(prompt)])
+    for layer in range(L):
+        k = torch.randn(len(prompt), H, D)
+        st_.write(layer, slots, k, -k)
+    full = c.block_ids("a")[:2]
+    written = [[st_.read(layer, b * 4 + o) for b in full for o in range(4)] for layer in range(L)]
+    c.free("a")
+    assert c.create("b", prompt) == 8  # the two full blocks are prefix hits
+    assert c.block_ids("b")[:2] == full
+    for layer in range(L):
+        for i, (b, o) in enumerate((b, o) for b in full for o in range(4)):
+            got = st_.read(layer, b * 4 + o)
+            assert torch.equal(got[0], written[layer][i][0]) and torch.equal(got[1], written[layer][i][1])
