@@ -187,3 +187,19 @@ def test_warm_restart_from_snapshot(smollm2, cold, tmp_path: Path) -> None:  # n
     assert out.token_ids == cold[1]
     assert out.num_cached_tokens >= 160 and out.num_tier_cached_tokens == 0  # device hits
     restarted.engine.cache.check_invariants()
+
+
+def test_int8_kv_blocks_round_trip_through_the_tier(smollm2, tmp_path: Path) -> None:  # noqa: ANN001
+    """Quantized blocks travel with their scales; an int8 entry is never read by float32."""
+    ref = LLM(smollm2, kv_cache_dtype="int8", enable_prefix_caching=False, **ENGINE)
+    want = run(ref, QUESTIONS[1]).token_ids
+    llm = LLM(smollm2, kv_cache_dtype="int8", kv_tier=f"disk:{tmp_path}", **ENGINE)
+    run(llm, QUESTIONS[0])
+    drain(llm)
+    llm.engine.reset_prefix_cache()
+    out = run(llm, QUESTIONS[1])
+    assert out.token_ids == want and out.num_tier_cached_tokens >= 160
+    fp32 = LLM(smollm2, kv_tier=f"disk:{tmp_path}", **ENGINE)  # another fingerprint
+    assert run(fp32, QUESTIONS[1]).num_tier_cached_tokens == 0
+    llm.engine.close()
+    fp32.engine.close()
