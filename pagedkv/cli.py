@@ -125,6 +125,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="write every cached KV block here on shutdown, reload it at start")
     p.add_argument("--kv-snapshot-interval", type=float, default=None, metavar="SECONDS",
                    help="also snapshot new cached blocks every SECONDS, in the background")
+    p.add_argument("--no-dedup-inflight-prefixes", action="store_true",
+                   help="admit requests that share a prefix with a running prefill at once, "
+                        "instead of holding them until the shared blocks are cached")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="torch threads (default: the physical core count; more threads than "
                         "free cores slows every step down)")
@@ -186,6 +189,7 @@ def make_engine(args: argparse.Namespace):  # noqa: ANN201
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
+        dedup_inflight_prefixes=not args.no_dedup_inflight_prefixes,
         max_model_len=args.max_model_len,
         kv_tier=args.kv_tier,
         kv_snapshot=args.kv_snapshot,

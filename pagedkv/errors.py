@@ -82,13 +82,6 @@ class RequestTooLongError(PagedKVError, ValueError):
     """A request that can never fit: prompt + max_tokens over the context or the whole cache."""
 
 
-class UnknownRequestError(PagedKVError, KeyError):
-    """A request id the engine does not know."""
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else "unknown request"
-
-
 class RequestFailedError(PagedKVError, RuntimeError):
     """A step failed for some requests only (say a row that cannot be sampled).
 

@@ -731,3 +731,39 @@ def test_create_reserve_keeps_headroom_or_changes_nothing() -> None:
     cache.create("b", list(range(100, 108)), reserve=1)
     assert cache.num_free_blocks == 1
     cache.check_invariants()
+
+
+def test_decode_fast_path_counts_one_copy_when_every_sharer_writes():
+    # three blocks (the last partial), a fork, one free block: the first writer copies, the
+    # last holder writes in place, so the batch fits exactly as appending one by one does
+    c = PagedKVCache(4, 4)
+    c.create("a", list(range(9)))
+    c.fork("a", "b")
+    assert c.num_free_blocks == 1
+    assert c.blocks_needed_one_each(["a", "b"]) == 1
+    c.append_one_each(["a", "b"], [1, 2])
+    assert c.num_free_blocks == 0 and c.cow_copies == 1
+    c.fork("a", "x")
+    c.fork("a", "y")  # a's tail now has three holders; two of them in the batch need copies
+    assert c.blocks_needed_one_each(["a", "x"]) == 2
+    c.check_invariants()
+
+
+def test_shared_ids_are_referenced_not_copied():
+    c = PagedKVCache(8, 4)
+    ids = list(range(6))
+    c.create("a", ids, share_ids=True, computed=False)
+    ids.append(6)  # the owner appends first; the cache grows by a count
+    c.append_one_each(["a"], computed=False)
+    assert c.num_tokens("a") == 7 and c.lookup(ids) == 0  # nothing hashed before mark_computed
+    c.mark_computed("a", 7)
+    assert c.lookup(ids + [9]) == 4
+    child = list(ids)
+    c.fork("a", "b", token_ids=child)
+    child.append(8)
+    c.append("b", 1)
+    c.check_invariants()
+    with pytest.raises(CacheConfigError):
+        c.append("b", [5])  # ids come from the owner, not from the call
+    with pytest.raises(CacheConfigError):
+        c.append_one_each(["a"])  # the owner holds no id beyond the cache's

@@ -167,3 +167,59 @@ def test_kv_budget_sizing(smollm2) -> None:  # noqa: ANN001
     assert eng.cache.num_blocks == 64 * 1024**2 // per_block
     assert eng.storage.memory_bytes <= 64 * 1024**2
     assert eng.storage.kv.dtype == torch.float32
+
+
+class _FailingModel:
+    """The real model, except that call number `fail_at` (0-based) raises: an injected fault."""
+
+    def __init__(self, model, fail_at: int) -> None:  # noqa: ANN001
+        self.model, self.fail_at, self.calls = model, fail_at, 0
+
+    def __call__(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN204
+        self.calls += 1
+        if self.calls - 1 == self.fail_at:
+            raise RuntimeError("injected forward failure")
+        return self.model(*args, **kwargs)
+
+
+@pytest.mark.parametrize("fail_at", [0, 3])  # in the prefill step, in a decode step
+def test_failed_forward_registers_no_prefix_hash(smollm2, reference, fail_at) -> None:  # noqa: ANN001
+    eng = LLMEngine(smollm2, num_blocks=256)
+    real = eng.runner.model
+    eng.runner.model = _FailingModel(real, fail_at)
+    eng.add_request("a", PROMPTS[2], GREEDY)
+    eng.add_request("b", PROMPTS[4], GREEDY)
+    for _ in range(fail_at):
+        eng.step()
+    hashed = dict(eng.cache.pool.hash_to_block)
+    with pytest.raises(RuntimeError, match="injected"):
+        eng.step()
+    # nothing of the failed step is findable: only blocks written by earlier steps keep hashes
+    assert eng.cache.pool.hash_to_block == hashed
+    assert eng.cache.stats().used_blocks == 0  # the step's sequences wait to be recomputed
+    eng.cache.check_invariants()
+    done = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o.token_ids
+    assert [done["a"], done["b"]] == [reference[2], reference[4]]
+    eng.cache.check_invariants()
+
+
+def test_inflight_prefix_dedup_keeps_outputs(smollm2) -> None:  # noqa: ANN001
+    system = {"role": "system", "content": "You answer questions about rivers, briefly. " * 8}
+    prompts = [[system, {"role": "user", "content": q}]
+               for q in ("Name a river.", "How long is the Nile?", "Where is the Rhine?",
+                         "What is a delta?")]
+    on = _llm(smollm2)
+    off = _llm(smollm2, dedup_inflight_prefixes=False)
+    outs_on = on.generate(prompts, GREEDY)
+    outs_off = off.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs_on] == [o.token_ids for o in outs_off]
+    st = on.engine.stats()
+    assert st.dedup_requests_held == 3 and st.dedup_tokens_saved >= 3 * 64
+    assert [o.num_cached_tokens >= 64 for o in outs_on] == [False, True, True, True]
+    assert off.engine.stats().dedup_requests_held == 0
+    assert all(o.num_cached_tokens == 0 for o in outs_off)
+    on.engine.cache.check_invariants()

@@ -15,9 +15,10 @@ from typing import Any
 
 import pytest
 import torch
+from step_layout import SeqStep, assign_blocks, build_step
 
 from pagedkv.errors import ModelLoadError, UnsupportedModelError
-from pagedkv.model import LlamaModel, ModelConfig, SeqStep, assign_blocks, build_step, load_model
+from pagedkv.model import LlamaModel, ModelConfig, load_model
 
 F32_TOL = 1e-3  # max abs logit difference allowed in float32
 

@@ -6,9 +6,15 @@ partly filled, and only it is ever written by an append; if it is shared, the wr
 a private copy (copy-on-write), so no sequence ever sees another's later writes.
 
 Hashes: a sequence's full block gets its chained hash once its K/V are computed (`computed=True`
-on create/append, or `mark_computed` for chunked prefill). A full block never changes again
-unless `truncate` makes it a partial last block again: then, if no one else holds it, its hash is
+on create/append, or `mark_computed` after the forward pass that wrote them): a block is never
+findable by a prefix lookup before its K/V exist. A full block never changes again unless
+`truncate` makes it a partial last block again: then, if no one else holds it, its hash is
 dropped before it can be overwritten.
+
+Token ids: by default the cache keeps its own copy of a sequence's ids (direct users). With
+`share_ids=True` (the engine) it keeps a reference to the caller's list instead: the caller owns
+it, only ever appends to it, and grows the cache by counts; the cache reads the first
+`num_tokens` ids for hashing and never writes the list.
 
 Block tables live in a persistent int32 buffer [rows, max_blocks] (one row per live sequence),
 updated in place when a block is added, copied or moved; the batched tensors of a step are
@@ -23,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from operator import attrgetter, index
+from operator import index
 
 import numpy as np
 import torch
@@ -58,6 +64,7 @@ class SeqState:
     extra_key: object = None
     hash_limit: int | None = None  # blocks from here on were edited (seq_ops): never hashed
     tier_tokens: int = 0  # prompt tokens whose K/V were loaded from the KV tier at creation
+    shared_ids: bool = False  # token_ids is the owner's list (read only here, may run ahead)
 
 
 @dataclass(slots=True)
@@ -84,9 +91,6 @@ class CacheStats:
     prefix_hit_rate: float
     memory_used_bytes: int
     memory_total_bytes: int
-
-
-_token_ids_of = attrgetter("token_ids")
 
 
 def _as_list(values: object) -> list:
@@ -236,11 +240,13 @@ class PagedKVCache(SeqOpsMixin):
         extra_key: object = None,
         computed: bool = True,
         reserve: int = 0,
+        share_ids: bool = False,
     ) -> int:
         """Add a sequence holding `token_ids` (or a count of unknown tokens).
 
         `reserve`: fail unless this many free blocks remain afterwards (a scheduler's headroom
-        for the sequences already running).
+        for the sequences already running). `share_ids`: keep a reference to `token_ids` (a
+        list the caller owns) instead of a copy.
 
         Reuses cached blocks of the longest cached prefix (capped at len - 1 tokens, so the last
         token is always computed for its logits) and allocates the rest. With a KV tier
@@ -249,15 +255,39 @@ class PagedKVCache(SeqOpsMixin):
         tokens served from the prefix cache (device + tier; `seq(id).tier_tokens` says how many
         came from the tier). All-or-nothing: OutOfBlocksError changes nothing.
         """
+        out = self.try_create(seq_id, token_ids, extra_key=extra_key, computed=computed,
+                              reserve=reserve, share_ids=share_ids)
+        if isinstance(out, OutOfBlocksError):
+            raise out
+        return out
+
+    def try_create(
+        self,
+        seq_id: SeqId,
+        token_ids: Sequence[int] | int,
+        *,
+        extra_key: object = None,
+        computed: bool = True,
+        reserve: int = 0,
+        share_ids: bool = False,
+    ) -> int | OutOfBlocksError:
+        """`create`, except that not fitting is an expected outcome: it returns the
+        OutOfBlocksError (nothing changed) instead of raising it. Bad arguments still raise."""
         self._check_new(seq_id)
-        ids = self._as_ids(token_ids)
+        if share_ids:
+            if not isinstance(token_ids, list):
+                raise CacheConfigError("share_ids needs the owner's list of token ids")
+            _check_ids(token_ids)  # validates only: the owner's list is kept as it is
+            ids: list[int] | None = token_ids
+        else:
+            ids = self._as_ids(token_ids)
         n = len(ids) if ids is not None else int(token_ids)  # type: ignore[arg-type]
         hits, hashes = self._find_cached(ids, n, extra_key)
         needed = _cdiv(n, self.block_size) - len(hits)
         revived = sum(1 for b in hits if b.ref_cnt == 0)  # touching them takes them off the queue
         available = self.pool.num_free - revived - reserve
         if needed > available:
-            raise OutOfBlocksError(needed, available, f"sequence {seq_id!r}")
+            return OutOfBlocksError(needed, available, f"sequence {seq_id!r}")
         loaded = self.tier.fetch(hashes[len(hits):]) if self.tier and hashes[len(hits):] else []
         for b in hits:
             self.pool.touch(b)
@@ -268,6 +298,7 @@ class PagedKVCache(SeqOpsMixin):
                 self.pool.set_hash(b, h)
         s = SeqState(seq_id, self._take_row(), hits + fresh, ids, n)
         s.extra_key = extra_key
+        s.shared_ids = share_ids
         s.block_hashes = hashes[: len(hits) + len(loaded)]
         s.num_computed = cached = (len(hits) + len(loaded)) * self.block_size
         s.tier_tokens = len(loaded) * self.block_size
@@ -283,6 +314,7 @@ class PagedKVCache(SeqOpsMixin):
     def append(self, seq_id: SeqId, token_ids: Sequence[int] | int, *, computed: bool = True) -> None:
         """Append tokens, allocating blocks as needed; a shared last block is copied first.
 
+        A sequence created with `share_ids` grows by a count: its owner appended the ids already.
         All-or-nothing: OutOfBlocksError changes nothing.
         """
         s = self.seq(seq_id)
@@ -290,7 +322,12 @@ class PagedKVCache(SeqOpsMixin):
         k = len(ids) if ids is not None else int(token_ids)  # type: ignore[arg-type]
         if k == 0:
             return
-        if (ids is None) != (s.token_ids is None):
+        if s.shared_ids:
+            if ids is not None:
+                raise CacheConfigError("a sequence sharing its owner's ids grows by a count")
+            if s.num_tokens + k > len(s.token_ids):  # type: ignore[arg-type]
+                raise PositionError(f"{seq_id!r}: the owner holds only {len(s.token_ids)} ids")
+        elif (ids is None) != (s.token_ids is None):
             raise CacheConfigError("mixing known token ids and bare counts in one sequence")
         grow = _cdiv(s.num_tokens + k, self.block_size) - len(s.blocks)
         cow = self._needs_cow(s)
@@ -304,32 +341,44 @@ class PagedKVCache(SeqOpsMixin):
             first = len(s.blocks)
             s.blocks.extend(self.pool.allocate(grow))
             self._write_row(s, first)
-        if ids is not None:
+        if ids is not None and not s.shared_ids:
             s.token_ids.extend(ids)  # type: ignore[union-attr]
         s.num_tokens += k
         if computed:
             self.mark_computed(seq_id, s.num_tokens)
 
-    def append_one_each(self, seq_ids: Sequence[SeqId], token_ids: Sequence[int]) -> None:
-        """Decode fast path: append one known token to each sequence (all-or-nothing).
+    def append_one_each(
+        self,
+        seq_ids: Sequence[SeqId],
+        token_ids: Sequence[int] | None = None,
+        *,
+        computed: bool = True,
+    ) -> None:
+        """Decode fast path: append one token to each sequence (all-or-nothing).
 
+        `token_ids` None: every sequence shares its owner's ids, which already hold the token.
+        `computed=False` (the engine): the new tokens' K/V are not written yet; the caller calls
+        `mark_computed` after the forward pass, so no hash ever names unwritten K/V.
         Every argument is checked before anything changes: each id known and listed once, one
         token per sequence, and only sequences that track their token ids.
         """
         bs = self.block_size
         seqs = self._seqs_of(seq_ids)
-        token_ids = _check_ids(_as_list(token_ids))
-        if len(token_ids) != len(seqs):
-            raise CacheConfigError(f"{len(token_ids)} tokens for {len(seqs)} sequences")
         if len(set(seq_ids)) != len(seqs):
             raise CacheConfigError("a sequence is listed twice in one decode step")
-        if None in map(_token_ids_of, seqs):
-            raise CacheConfigError("append_one_each needs sequences with known token ids")
-        # a new block at a block boundary, else a copy if the partial last block is shared
-        need = sum(1 for s in seqs if s.num_tokens % bs == 0 or s.blocks[-1].ref_cnt > 1)
+        if token_ids is None:
+            if not all(s.shared_ids and len(s.token_ids) > s.num_tokens for s in seqs):  # type: ignore[arg-type]
+                raise CacheConfigError("append_one_each without ids needs owners one id ahead")
+        else:
+            token_ids = _check_ids(_as_list(token_ids))
+            if len(token_ids) != len(seqs):
+                raise CacheConfigError(f"{len(token_ids)} tokens for {len(seqs)} sequences")
+            if any(s.token_ids is None or s.shared_ids for s in seqs):
+                raise CacheConfigError("append_one_each needs sequences with known token ids")
+        need = self._one_each_need(seqs)
         if need > self.pool.num_free:
             raise OutOfBlocksError(need, self.pool.num_free, "decode step")
-        for s, t in zip(seqs, token_ids, strict=True):
+        for i, s in enumerate(seqs):
             if s.num_tokens % bs == 0:
                 s.blocks.append(self.pool.allocate(1)[0])
                 self._write_row(s, len(s.blocks) - 1)
@@ -337,12 +386,35 @@ class PagedKVCache(SeqOpsMixin):
                 self._copy_on_write(s)
             elif s.blocks[-1].hash is not None:
                 self.pool.drop_hash(s.blocks[-1])  # see _drop_stale_tail_hash
-            s.token_ids.append(t)  # type: ignore[union-attr]
+            if token_ids is not None:
+                s.token_ids.append(token_ids[i])  # type: ignore[union-attr]
             s.num_tokens += 1
+            if not computed:
+                continue
             if s.num_tokens % bs == 0:
                 self.mark_computed(s.seq_id, s.num_tokens)
             else:
                 s.num_computed = s.num_tokens
+
+    def blocks_needed_one_each(self, seq_ids: Sequence[SeqId]) -> int:
+        """Free blocks `append_one_each(seq_ids)` takes: a new block for each sequence at a block
+        boundary, and a copy for each writer of a shared partial block except the last holder
+        (when every holder of the block is in the batch, the last writes it in place)."""
+        return self._one_each_need(self._seqs_of(seq_ids))
+
+    def _one_each_need(self, seqs: list[SeqState]) -> int:
+        bs = self.block_size
+        need = 0
+        sharers: dict[int, int] = {}  # shared partial block id -> holders in this batch
+        for s in seqs:
+            if s.num_tokens % bs == 0:
+                need += 1
+            elif s.blocks[-1].ref_cnt > 1:
+                bid = s.blocks[-1].block_id
+                sharers[bid] = sharers.get(bid, 0) + 1
+        for bid, k in sharers.items():
+            need += k - (k == self.pool.blocks[bid].ref_cnt)
+        return need
 
     def mark_computed(self, seq_id: SeqId, num_tokens: int) -> None:
         """Record that the first `num_tokens` tokens' K/V are written; hash the full blocks."""
@@ -363,15 +435,26 @@ class PagedKVCache(SeqOpsMixin):
             if self.tier is not None:
                 self.tier.offer(h, s.blocks[i].block_id)
 
-    def fork(self, src: SeqId, dst: SeqId) -> None:
-        """`dst` shares every block of `src` (ref counts + 1); writes copy on demand."""
+    def fork(self, src: SeqId, dst: SeqId, token_ids: list[int] | None = None) -> None:
+        """`dst` shares every block of `src` (ref counts + 1); writes copy on demand.
+
+        `token_ids`: the owner's list for `dst` (starting with src's tokens), referenced as with
+        `share_ids`; otherwise dst gets a copy of src's ids.
+        """
         s = self.seq(src)
         self._check_new(dst)
+        if token_ids is not None and (not isinstance(token_ids, list)
+                                      or len(token_ids) < s.num_tokens):
+            raise CacheConfigError(f"fork {dst!r}: the owner's ids must hold src's tokens")
         for b in s.blocks:
             self.pool.touch(b)
-        t = SeqState(dst, self._take_row(), list(s.blocks),
-                     None if s.token_ids is None else list(s.token_ids), s.num_tokens,
-                     s.num_computed, list(s.block_hashes), s.extra_key, hash_limit=s.hash_limit)
+        if token_ids is None:
+            ids = None if s.token_ids is None else list(s.token_ids[: s.num_tokens])
+        else:
+            ids = token_ids
+        t = SeqState(dst, self._take_row(), list(s.blocks), ids, s.num_tokens,
+                     s.num_computed, list(s.block_hashes), s.extra_key, hash_limit=s.hash_limit,
+                     shared_ids=token_ids is not None)
         self.seqs[dst] = t
         self._write_row(t, 0)
 
@@ -394,7 +477,7 @@ class PagedKVCache(SeqOpsMixin):
         self.pool.free(reversed(dropped))
         del s.blocks[keep:]
         self._tables[s.row, keep:].zero_()
-        if s.token_ids is not None:
+        if s.token_ids is not None and not s.shared_ids:
             del s.token_ids[num_tokens:]
         s.num_tokens = num_tokens
         s.num_computed = min(s.num_computed, num_tokens)
@@ -652,7 +735,10 @@ class PagedKVCache(SeqOpsMixin):
             assert s.row not in rows, f"row {s.row} shared"
             rows.add(s.row)
             assert len(s.blocks) == _cdiv(s.num_tokens, bs), f"{s.seq_id!r}: block count"
-            assert s.token_ids is None or len(s.token_ids) == s.num_tokens
+            if s.shared_ids:  # the owner may hold ids the cache has not grown to yet
+                assert len(s.token_ids) >= s.num_tokens  # type: ignore[arg-type]
+            else:
+                assert s.token_ids is None or len(s.token_ids) == s.num_tokens
             assert 0 <= s.num_computed <= s.num_tokens
             assert len(s.block_hashes) <= s.num_tokens // bs
             row = self._tables[s.row, : len(s.blocks)].tolist()

@@ -6,7 +6,6 @@ import itertools
 import re
 import sys
 import time
-from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -15,6 +14,7 @@ import torch
 from pagedkv.cache import KVStorage, PagedKVCache
 from pagedkv.cache.quant import resolve_kv_cache_dtype
 from pagedkv.cache.storage import num_blocks_for_budget
+from pagedkv.engine.detokenizer import find_stop
 from pagedkv.engine.model_runner import ModelRunner
 from pagedkv.engine.sampler import FAILED, Sampler, generator_for, top_logprobs
 from pagedkv.engine.sampling_params import SamplingParams
@@ -51,6 +51,11 @@ class EngineStats:
     fork_saved_bytes: int  # the KV memory that sharing saved
     gen_tokens_per_s: float  # generated tokens / busy seconds, over the engine's life
     evictions: int = 0  # cached prefix blocks reused for new data (LRU)
+    step_seconds: float = 0.0  # wall time inside step(), over the engine's life
+    forward_seconds: float = 0.0  # of which in the model's forward pass
+    overhead_share: float = 0.0  # 1 - forward / step: scheduling, tensors, sampling, detokenizing
+    dedup_requests_held: int = 0  # requests held for a prefix another prefill was computing
+    dedup_tokens_saved: int = 0  # prompt tokens those requests got as hits instead of computing
 
 
 def parse_size(size: str | int) -> int:
@@ -86,6 +91,7 @@ class LLMEngine:
         kv_tier_queue: int = 256,
         kv_snapshot: str | None = None,
         kv_snapshot_interval: float | None = None,
+        dedup_inflight_prefixes: bool = True,
     ) -> None:
         from pagedkv.model.loader import LoadedModel, load_model
 
@@ -111,8 +117,10 @@ class LLMEngine:
         self.cache = PagedKVCache(num_blocks, block_size, storage=self.storage,
                                   enable_prefix_caching=enable_prefix_caching,
                                   max_seq_len=self.max_model_len)
-        self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens)
-        self.runner = ModelRunner(self.loaded.model, self.cache, self.storage)
+        self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens,
+                                   max_model_len=self.max_model_len,
+                                   dedup_inflight_prefixes=dedup_inflight_prefixes)
+        self.runner = ModelRunner(self.loaded.model, self.storage)
         self.tiers = EngineTiers(self.loaded, self.cache, kv_tier=kv_tier, queue=kv_tier_queue,
                                  snapshot=kv_snapshot, snapshot_interval=kv_snapshot_interval)
         self.eos_ids = set(cfg.eos_token_ids or [])
@@ -125,6 +133,7 @@ class LLMEngine:
         self._prompt_tokens = 0
         self._gen_tokens = 0
         self._busy_s = 0.0
+        self._forward_s = 0.0
         self._fork_shared = 0
 
     # --- requests -----------------------------------------------------------------------------
@@ -174,8 +183,11 @@ class LLMEngine:
                 f"prompt ({len(ids)}) + max_tokens ({params.max_tokens}) exceeds the KV cache "
                 f"({capacity} tokens)"
             )
+        stop_ids = frozenset(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= self.eos_ids
         req = Request(request_id, ids, params, prompt if isinstance(prompt, str) else None,
-                      cache_salt=cache_salt)
+                      cache_salt=cache_salt, stop_ids=stop_ids)
         req.seqs.append(self._new_seq(req, 0, list(ids)))
         self.requests[request_id] = req
         self.scheduler.add(req.seqs[0])
@@ -196,8 +208,7 @@ class LLMEngine:
             return
         for s in req.seqs:
             if not s.finished:
-                self.scheduler.finish(s)
-                s.finish_reason = "abort"
+                self.scheduler.finish(s, "abort")
         req.finish_time = time.monotonic()
 
     def has_unfinished_requests(self) -> bool:
@@ -206,78 +217,88 @@ class LLMEngine:
     # --- one step -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward pass, sample; return the requests that progressed."""
+        """Schedule, run one forward pass, sample; return the requests that progressed.
+
+        If the forward pass raises, the step's sequences go back to the queue with nothing of
+        this step cached (no prefix hash over unwritten K/V), and the error propagates.
+        """
         t0 = time.perf_counter()
-        plan = self.scheduler.schedule()
+        sched = self.scheduler
+        plan = sched.schedule()
         if plan.empty:
             return []
-        logits, samplers = self.runner.run(plan)
-        self.tiers.after_step()
-        tokens = self.sampler(logits, samplers)
+        tf = time.perf_counter()
+        try:
+            logits = self.runner.run(plan)
+        except BaseException:
+            sched.undo(plan)
+            raise
+        t1 = time.perf_counter()
+        self._forward_s += t1 - tf
+        sched.commit(plan)
+        self.tiers.after_step()  # blocks that became full this step go to the KV tier
+        seqs = plan.samplers
+        tokens = self.sampler(logits, seqs)
+        rows = list(range(len(seqs)))
+        for row, s in enumerate(plan.samplers):
+            if s.request.params.n > 1 and not s.request.forked:
+                seqs, tokens, rows = self._fork_samples(s, logits[row], row, seqs, tokens, rows)
+        sched.postprocess(seqs, tokens)
         touched: dict[str, Request] = {}
-        for row, (s, tok) in enumerate(zip(samplers, tokens, strict=True)):
+        now = time.monotonic()
+        for s, row, tok in zip(seqs, rows, tokens, strict=True):
             req = s.request
-            if req.params.n > 1 and not req.forked:
-                self._fork_samples(s, logits[row])
-            self._accept(s, tok, logits[row])
             touched[req.request_id] = req
+            if tok == FAILED:  # this row could not be sampled: its sequence ended alone
+                continue
+            if req.first_token_time is None:
+                req.first_token_time = now
+            if s.logprobs is not None:
+                s.logprobs.append(top_logprobs(logits[row], s.token_ids[-1], req.params.logprobs or 0))
+            self._detokenize(s)
+        self._gen_tokens += sum(t != FAILED for t in tokens)
         for r in touched.values():
             if r.finished:
-                r.finish_time = time.monotonic()
+                r.finish_time = now
                 self.requests.pop(r.request_id, None)
                 self._finished += 1
         outs = [self._output(r) for r in touched.values()]
         self._busy_s += time.perf_counter() - t0
         return outs
 
-    def _fork_samples(self, parent: Sequence, row: torch.Tensor) -> None:
+    def _fork_samples(
+        self, parent: Sequence, row: torch.Tensor, r: int,
+        seqs: list[Sequence], tokens: list[int], rows: list[int],
+    ) -> tuple[list[Sequence], list[int], list[int]]:
         """n > 1: the other samples share the prompt's blocks (copy-on-write) and each draw their
         first token from the same logits."""
         req = parent.request
         req.forked = True
+        seqs, tokens, rows = list(seqs), list(tokens), list(rows)
         for i in range(1, req.params.n):
             child = self._new_seq(req, i, list(parent.token_ids))
-            child.num_computed = parent.num_computed
-            self.cache.fork(parent.seq_id, child.seq_id)
-            self._fork_shared += len(self.cache.seq(child.seq_id).blocks)
-            self.scheduler.add_running(child)
+            self._fork_shared += self.scheduler.fork(parent, child)
             req.seqs.append(child)
-            tok = self.sampler(row[None], [child])[0]
-            self._accept(child, tok, row)
+            seqs.append(child)
+            tokens.append(self.sampler(row[None], [child])[0])
+            rows.append(r)
+        return seqs, tokens, rows
 
-    def _accept(self, s: Sequence, tok: int, row: torch.Tensor) -> None:
-        req = s.request
-        p = req.params
-        if tok == FAILED:  # this row's logits could not be sampled: this sequence ends alone
-            s.finish_reason = "error"
-            self.scheduler.finish(s)
-            return
-        now = time.monotonic()
-        if req.first_token_time is None:
-            req.first_token_time = now
-        s.token_ids.append(tok)
-        self._gen_tokens += 1
-        if s.logprobs is not None:
-            s.logprobs.append(top_logprobs(row, tok, p.logprobs or 0))
-        n_out = len(s.token_ids) - s.num_prompt
-        reason = None
-        if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
-            reason = "stop"
-        elif n_out >= p.max_tokens or len(s.token_ids) >= self.max_model_len:
-            reason = "length"
-        s.text = self._detok(s, final=reason is not None)
-        if p.stop and n_out >= p.min_tokens:
-            cut = _find_stop(s.text, p.stop)
+    def _detokenize(self, s: Sequence) -> None:
+        """Extend the text by the new token's; a stop string cuts it and finishes the sequence."""
+        final = s.finish_reason is not None
+        old = len(s.text)
+        s.text += s.detok.step(self.tokenizer, s.token_ids, final)  # type: ignore[union-attr]
+        p = s.request.params
+        stops = p.stop
+        if stops and len(s.token_ids) - s.num_prompt >= p.min_tokens:
+            cut = find_stop(s.text, stops, old)
             if cut is not None:
-                s.text, reason = s.text[:cut], "stop"
-        if reason is not None:
-            s.finish_reason = reason
-            self.scheduler.finish(s)
-
-    def _detok(self, s: Sequence, final: bool) -> str:
-        text = self.tokenizer.decode(s.output_ids, skip_special_tokens=True)
-        # an incomplete UTF-8 sequence decodes to U+FFFD: hold it back until it completes
-        return text if final else text.rstrip("\ufffd")
+                s.text = s.text[:cut]
+                if s.status is Status.FINISHED:
+                    s.finish_reason = "stop"
+                else:
+                    self.scheduler.finish(s, "stop")
 
     def _output(self, r: Request) -> RequestOutput:
         outs = [CompletionOutput(s.index, s.text, list(s.output_ids), s.finish_reason,
@@ -312,6 +333,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         c = self.cache.stats()
+        inflight = self.scheduler.inflight
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -332,12 +354,12 @@ class LLMEngine:
             fork_saved_bytes=self._fork_shared * self.storage.bytes_per_block,
             gen_tokens_per_s=self._gen_tokens / self._busy_s if self._busy_s else 0.0,
             evictions=c.evictions,
+            step_seconds=self._busy_s,
+            forward_seconds=self._forward_s,
+            overhead_share=1 - self._forward_s / self._busy_s if self._busy_s else 0.0,
+            dedup_requests_held=inflight.requests_held if inflight else 0,
+            dedup_tokens_saved=inflight.tokens_saved if inflight else 0,
         )
-
-
-def _find_stop(text: str, stops: Iterable[str]) -> int | None:
-    cuts = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(cuts) if cuts else None
 
 
 class LLM:

@@ -1,116 +1,133 @@
-"""Continuous batching: which sequences run this step, and how many tokens each computes.
+"""Continuous batching: the engine's only client of the KV cache.
 
-Each step: (1) every running sequence in decode gets one token, preempting the newest running
-sequences (recompute: blocks freed, back to the front of the queue) until the blocks they need
-are free; (2) running sequences still in prefill continue in chunks; (3) waiting sequences are
-admitted first-come-first-served while their prompt's blocks are free, under `max_num_seqs` and a
-token budget of `max_num_batched_tokens` per step (a long prompt is chunked, so it never stalls
-the decodes already running).
+Each step, `schedule()`: (1) every running sequence in decode gets one token slot, preempting the
+newest running sequences (recompute: blocks freed, back to the front of the queue) until the
+blocks they need are free; (2) running sequences still in prefill continue in chunks; (3) waiting
+sequences are admitted first-come-first-served while their prompt's blocks are free, under
+`max_num_seqs` and a token budget of `max_num_batched_tokens` per step (a long prompt is chunked,
+so it never stalls the decodes already running). A waiting prompt that shares a full block with a
+prefill still in flight is held until that block is computed, then admitted as a prefix hit
+(`dedup_inflight_prefixes`, see `inflight.py`). The result is a `StepPlan`: everything the
+model runner needs, built once.
+
+After the forward pass, `commit(plan)` records the K/V as written (only now do full blocks get
+their prefix hashes), and `postprocess(seqs, tokens)` appends the sampled tokens, finishes
+sequences on a stop token or a length limit and frees their blocks. If the forward pass fails,
+`undo(plan)` puts the step's sequences back in the queue with nothing of theirs cached.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
 from pagedkv.cache import PagedKVCache
+from pagedkv.engine.inflight import InflightPrefixes
+from pagedkv.engine.sampler import FAILED
 from pagedkv.engine.sequence import Sequence, Status
-from pagedkv.errors import OutOfBlocksError
-
-
-@dataclass(slots=True)
-class ScheduledPrefill:
-    seq: Sequence
-    start: int  # first position computed this step
-    end: int  # one past the last
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    prefills: list[ScheduledPrefill] = field(default_factory=list)
-    decodes: list[Sequence] = field(default_factory=list)
-
-    @property
-    def empty(self) -> bool:
-        return not self.prefills and not self.decodes
+from pagedkv.engine.step_plan import ScheduledPrefill, StepPlan, build_plan
 
 
 class Scheduler:
+    """Owns the waiting queue and the running set; drives `PagedKVCache` for both.
+
+    Invariants between steps: a running sequence is in the cache with `len(token_ids) - 1` tokens
+    (decode: the newest token is not computed yet) or fewer (prefill); its `num_computed` counts
+    the tokens whose K/V are written. A waiting sequence holds no blocks.
+    """
+
     def __init__(
-        self, cache: PagedKVCache, max_num_seqs: int, max_num_batched_tokens: int
+        self,
+        cache: PagedKVCache,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        *,
+        max_model_len: int | None = None,
+        dedup_inflight_prefixes: bool = True,
     ) -> None:
         self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max(max_num_batched_tokens, max_num_seqs)
+        self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last is the newest
         self.num_preemptions = 0
-        self._admissions = 0
+        dedup = dedup_inflight_prefixes and cache.enable_prefix_caching
+        self.inflight = InflightPrefixes(cache) if dedup else None
+
+    # --- queue --------------------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def add_running(self, seq: Sequence) -> None:
-        """A sequence already in the cache (a fork) joins the running set."""
-        seq.status = Status.RUNNING
-        self.running.append(seq)
+    def fork(self, parent: Sequence, child: Sequence) -> int:
+        """`child` (a copy of parent's tokens) shares parent's blocks and joins the running set.
+        Returns the number of blocks shared."""
+        self.cache.fork(parent.seq_id, child.seq_id, token_ids=child.token_ids)
+        child.num_computed = parent.num_computed
+        child.status = Status.RUNNING
+        self.running.append(child)
+        return len(self.cache.block_ids(child.seq_id))
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+    # --- one step -----------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+    def schedule(self) -> StepPlan:
         budget = self.max_num_batched_tokens
         decodes = self._reserve_decodes()
         if decodes:
-            self.cache.append_one_each([s.seq_id for s in decodes], [s.token_ids[-1] for s in decodes])
+            self.cache.append_one_each([s.seq_id for s in decodes], computed=False)
             for s in decodes:
                 s.num_computed = len(s.token_ids)
-            out.decodes = decodes
             budget -= len(decodes)
+        prefills: list[ScheduledPrefill] = []
         for s in self.running:
             if budget <= 0:
                 break
             if s.is_prefill:
-                budget -= self._schedule_chunk(s, budget, out)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            if not self._admit(self.waiting[0]):
+                budget -= self._schedule_chunk(s, budget, prefills)
+        if self.inflight is not None:
+            self.inflight.begin_step()
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            s = self.waiting[i]
+            if self.inflight is not None and self.inflight.hold(s):
+                i += 1  # keeps its place in line; later prompts that share nothing go ahead
+                continue
+            if not self._admit(s):
                 break
-            s = self.waiting.popleft()
-            budget -= self._schedule_chunk(s, budget, out)
-        return out
+            del self.waiting[i]
+            budget -= self._schedule_chunk(s, budget, prefills)
+        return build_plan(self.cache, prefills, decodes)
 
     def _reserve_decodes(self) -> list[Sequence]:
         """Decoding sequences, after preempting the newest until their new blocks fit."""
         cache = self.cache
         while True:
             decodes = [s for s in self.running if not s.is_prefill]
-            need = sum(cache.blocks_needed(1, s.seq_id) for s in decodes)
+            need = cache.blocks_needed_one_each([s.seq_id for s in decodes])
             if need <= cache.num_free_blocks or len(self.running) <= 1:
                 return decodes
             self.preempt(self.running[-1])
 
-    def _schedule_chunk(self, s: Sequence, budget: int, out: SchedulerOutput) -> int:
+    def _schedule_chunk(self, s: Sequence, budget: int, out: list[ScheduledPrefill]) -> int:
         n = min(len(s.token_ids) - s.num_computed, budget)
-        out.prefills.append(ScheduledPrefill(s, s.num_computed, s.num_computed + n))
+        out.append(ScheduledPrefill(s, s.num_computed, s.num_computed + n))
         s.num_computed += n
-        self.cache.mark_computed(s.seq_id, s.num_computed)
         return n
 
     def _admit(self, s: Sequence) -> bool:
         """Allocate the blocks of a waiting sequence's tokens; False (nothing changed) if short."""
-        try:
-            cached = self.cache.create(s.seq_id, s.token_ids, extra_key=s.request.cache_salt,
-                                       computed=False, reserve=self._headroom())
-        except OutOfBlocksError:
+        cached = self.cache.try_create(s.seq_id, s.token_ids, extra_key=s.request.cache_salt,
+                                       computed=False, reserve=self._headroom(), share_ids=True)
+        if not isinstance(cached, int):
             return False
+        if self.inflight is not None:
+            self.inflight.admitted(s, cached)
+            self.inflight.add_leader(s)
         if s.request.first_token_time is None and s.index == 0:
             s.request.num_cached_tokens = cached
             s.request.num_tier_cached_tokens = self.cache.seq(s.seq_id).tier_tokens
         s.num_computed = cached
         s.status = Status.RUNNING
-        self._admissions += 1
-        s.admitted = self._admissions
         self.running.append(s)
         return True
 
@@ -122,21 +139,71 @@ class Scheduler:
             return 0
         return min(len(self.running) // self.cache.block_size + 1, self.cache.num_blocks // 100 + 1)
 
-    def preempt(self, s: Sequence) -> None:
+    # --- after the forward pass ---------------------------------------------------------------
+
+    def commit(self, plan: StepPlan) -> None:
+        """The plan's K/V are written: full blocks get their prefix hashes now, not before."""
+        bs = self.cache.block_size
+        mark = self.cache.mark_computed
+        for p in plan.prefills:
+            if p.seq.status is Status.RUNNING:
+                mark(p.seq.seq_id, p.end)
+        for s in plan.decodes:
+            n = len(s.token_ids)
+            if n % bs == 0:  # a block just filled (partial blocks are never hashed)
+                mark(s.seq_id, n)
+
+    def postprocess(self, seqs: list[Sequence], tokens: list[int]) -> list[Sequence]:
+        """Append each sampled token; finish (and free) sequences that hit a stop token or a
+        length limit, setting `finish_reason`. Returns the sequences that finished."""
+        done = []
+        cap = self.max_model_len
+        for s, tok in zip(seqs, tokens, strict=True):
+            if tok == FAILED:  # its logits could not be sampled: it ends alone, nothing appended
+                self.finish(s, "error")
+                done.append(s)
+                continue
+            s.token_ids.append(tok)
+            req = s.request
+            reason = None
+            if tok in req.stop_ids:
+                reason = "stop"
+            elif len(s.token_ids) - s.num_prompt >= req.params.max_tokens or (
+                cap is not None and len(s.token_ids) >= cap
+            ):
+                reason = "length"
+            if reason is not None:
+                self.finish(s, reason)
+                done.append(s)
+        return done
+
+    def undo(self, plan: StepPlan) -> None:
+        """The forward pass failed: the plan's sequences go back to the front of the queue with
+        their blocks freed (nothing of this step was hashed), to be recomputed."""
+        planned = {id(p.seq) for p in plan.prefills} | {id(s) for s in plan.decodes}
+        for s in reversed(self.running):
+            if id(s) in planned:
+                self.preempt(s, count=False)
+
+    # --- leaving ------------------------------------------------------------------------------
+
+    def preempt(self, s: Sequence, *, count: bool = True) -> None:
         """Recompute preemption: free the blocks, requeue at the front."""
         self.running.remove(s)
         self.cache.free(s.seq_id)
         s.num_computed = 0
         s.status = Status.WAITING
         self.waiting.appendleft(s)
-        self.num_preemptions += 1
+        self.num_preemptions += count
 
-    def finish(self, s: Sequence) -> None:
+    def finish(self, s: Sequence, reason: str) -> None:
         """A finished or aborted sequence leaves; its blocks go back at once."""
-        if s in self.running:
+        if s.status is Status.RUNNING:
             self.running.remove(s)
-        elif s in self.waiting:
-            self.waiting.remove(s)
-        if s.seq_id in self.cache:
             self.cache.free(s.seq_id)
+        elif s.status is Status.WAITING:
+            self.waiting.remove(s)
+            if self.inflight is not None:
+                self.inflight.forget(s)
         s.status = Status.FINISHED
+        s.finish_reason = reason

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedkv.engine.detokenizer import IncrementalDetokenizer
 from pagedkv.engine.sampling_params import SamplingParams
 
 
@@ -19,8 +20,9 @@ class Status(enum.Enum):
 
 @dataclass(slots=True, eq=False)
 class Sequence:
-    """One stream of tokens. `token_ids` = prompt + generated; the cache holds the K/V of the
-    first `num_computed` of them. In decode, exactly the newest token is not computed yet."""
+    """One stream of tokens. `token_ids` = prompt + generated, owned here (the cache references
+    this list for prefix hashing and never writes it); the cache holds the K/V of the first
+    `num_computed` of them. In decode, exactly the newest token is not computed yet."""
 
     seq_id: int
     request: Request
@@ -32,7 +34,11 @@ class Sequence:
     text: str = ""
     logprobs: list[dict[int, float]] | None = None
     generator: torch.Generator | None = None
-    admitted: float = 0.0  # admission order, for "preempt the newest"
+    detok: IncrementalDetokenizer | None = None  # text of the output so far, step by step
+
+    def __post_init__(self) -> None:
+        if self.detok is None:
+            self.detok = IncrementalDetokenizer.at(len(self.token_ids))
 
     @property
     def num_prompt(self) -> int:
@@ -65,6 +71,7 @@ class Request:
     num_tier_cached_tokens: int = 0  # of those, the ones loaded from the KV tier
     forked: bool = False  # n > 1: samples forked off the first sequence after its prefill
     cache_salt: str | None = None  # prefix-cache extra key: tenants never share blocks
+    stop_ids: frozenset[int] = frozenset()  # token ids that finish a sequence (eos + stop ids)
 
     @property
     def finished(self) -> bool:

@@ -1,6 +1,6 @@
 """Build a step's positions + AttentionMetadata from explicit block tables.
 
-For tests, benchmarks and tools that drive the model without the cache manager: each sequence
+For tests that drive the model without the engine or the cache manager: each sequence
 owns a list of block ids; a step feeds `num_new` tokens after `context_len` cached ones.
 """
 

@@ -1,0 +1,101 @@
+"""StepPlan: the complete plan of one engine step, built once by the scheduler.
+
+The model runner reads only this: the flattened token ids and positions of the step's new
+tokens (prefill chunks first, then one token per decode), the attention metadata (slot mapping,
+block tables, context lengths), the logits rows to compute, and which sequence samples from each
+row. Built with a few vectorized reads of the cache's persistent block-table buffer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedkv.attention.metadata import AttentionMetadata
+from pagedkv.cache import PagedKVCache
+from pagedkv.engine.sequence import Sequence
+
+_EMPTY_TABLE = torch.zeros((0, 1), dtype=torch.int32)
+_EMPTY_I64 = torch.zeros(0, dtype=torch.int64)
+_EMPTY_I32 = torch.zeros(0, dtype=torch.int32)
+
+
+@dataclass(slots=True)
+class ScheduledPrefill:
+    seq: Sequence
+    start: int  # first position computed this step
+    end: int  # one past the last
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """Invariants: `input_ids`, `positions` and `meta.slot_mapping` have one entry per new
+    token; `logits_indices` has one row per sampler (or one dummy row when nothing samples, so
+    the forward pass still writes the chunk's K/V); row i of the logits belongs to `samplers[i]`."""
+
+    prefills: list[ScheduledPrefill] = field(default_factory=list)
+    decodes: list[Sequence] = field(default_factory=list)
+    input_ids: torch.Tensor = _EMPTY_I64  # [T] int64
+    positions: torch.Tensor = _EMPTY_I64  # [T] int64
+    meta: AttentionMetadata | None = None
+    logits_indices: torch.Tensor = _EMPTY_I64  # [max(R, 1)] int64
+    samplers: list[Sequence] = field(default_factory=list)  # R sequences that sample this step
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+# The old name: a scheduler's output is the step plan.
+SchedulerOutput = StepPlan
+
+
+def build_plan(
+    cache: PagedKVCache, prefills: list[ScheduledPrefill], decodes: list[Sequence]
+) -> StepPlan:
+    """Tensors of one step from the cache's tables (the decodes already grown by one token)."""
+    plan = StepPlan(prefills, decodes)
+    if plan.empty:
+        return plan
+    ids: list[int] = []
+    pos: list[torch.Tensor] = []
+    slots: list[torch.Tensor] = []
+    rows: list[int] = []
+    for p in prefills:
+        s = p.seq
+        ids.extend(s.token_ids[p.start : p.end])
+        pos.append(torch.arange(p.start, p.end, dtype=torch.int64))
+        slots.append(cache.slots(s.seq_id, p.start, p.end))
+        if p.end == len(s.token_ids):  # prompt done: its last token's logits sample
+            rows.append(len(ids) - 1)
+            plan.samplers.append(s)
+    prefill_tables = _EMPTY_TABLE
+    if any(p.start > 0 for p in prefills):
+        prefill_tables = cache.block_tables([p.seq.seq_id for p in prefills])[0]
+    dec_tables, dec_lens = _EMPTY_TABLE, _EMPTY_I32
+    if decodes:
+        dec_slots, dec_tables, dec_lens = cache.decode_tensors([s.seq_id for s in decodes])
+        first = len(ids)
+        ids.extend([s.token_ids[-1] for s in decodes])
+        pos.append(dec_lens.to(torch.int64) - 1)
+        slots.append(dec_slots)
+        rows.extend(range(first, first + len(decodes)))
+        plan.samplers.extend(decodes)
+    plan.meta = AttentionMetadata(
+        slot_mapping=torch.cat(slots),
+        prefill_query_lens=[p.end - p.start for p in prefills],
+        prefill_context_lens=[p.start for p in prefills],
+        prefill_block_tables=prefill_tables,
+        decode_block_tables=dec_tables,
+        decode_seq_lens=dec_lens,
+        max_decode_seq_len=int(dec_lens.max()) if decodes else 0,
+    )
+    plan.input_ids = torch.tensor(ids, dtype=torch.int64)
+    plan.positions = torch.cat(pos)
+    plan.logits_indices = torch.tensor(rows or [len(ids) - 1], dtype=torch.int64)
+    return plan
