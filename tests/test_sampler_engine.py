@@ -53,12 +53,12 @@ def test_a_row_that_cannot_be_sampled_fails_only_its_request(smollm2) -> None:  
     run = eng.runner.run
 
     def poisoned(plan):  # noqa: ANN001, ANN202
-        logits, seqs = run(plan)
-        for row, s in enumerate(seqs):
+        logits = run(plan)
+        for row, s in enumerate(plan.samplers):
             if s.request.request_id == "bad" and len(s.output_ids) == 2:
                 logits = logits.clone()
                 logits[row] = float("nan")
-        return logits, seqs
+        return logits
 
     eng.runner.run = poisoned
     eng.add_request("bad", "Tell me a story", SamplingParams(temperature=0.8, max_tokens=8))

@@ -7,6 +7,10 @@ Three workloads, one run, SmolLM2 in float32:
 2. 32 requests sharing a ~500-token system prompt: prefix caching on against off.
 3. The first workload with a KV cache of a quarter of what it needs: preemptions, throughput,
    and whether the outputs are unchanged.
+4. Engine overhead: the 64 chat requests at once (batch 64), ignore_eos, at 128 and 1,024 new
+   tokens: output tok/s and the share of step time spent outside the model's forward pass
+   (scheduling, step tensors, sampling, detokenizing). Target <= 10%, not growing with length.
+   `--overhead-lengths` picks the lengths (the 1,024 run is the longest part of the benchmark).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ def _run_pagedkv(loaded, prompt_ids, max_tokens, **kw) -> tuple[list[list[int]],
     llm.engine.cache.check_invariants()
     st = llm.engine.stats()
     return [o.token_ids for o in outs], dt, {
+        "overhead_share": round(st.overhead_share, 4),
         "preemptions": st.num_preemptions,
         "prefix_hit_rate": round(st.prefix_hit_rate, 4),
         "num_blocks": st.num_blocks,
@@ -63,7 +68,29 @@ def _diverge(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
-def run_throughput_bench(quick: bool = False, max_tokens: int = 128) -> dict:
+def _overhead(loaded, prompt_ids: list[list[int]], lengths: list[int]) -> dict:  # noqa: ANN001
+    """Batch of len(prompt_ids) (all admitted at once), fixed output lengths."""
+    from pagedkv.engine import LLM, SamplingParams
+
+    out = {"batch": len(prompt_ids), "target_share": 0.10}
+    for n in lengths:
+        _log(f"overhead: batch {len(prompt_ids)}, {n} new tokens each")
+        llm = LLM(loaded, max_num_seqs=len(prompt_ids))
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompt_ids, params, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        st = llm.engine.stats()
+        toks = sum(len(o.token_ids) for o in outs)
+        out[str(n)] = {"seconds": round(dt, 2), "output_tok_s": round(toks / dt, 1),
+                       "step_seconds": round(st.step_seconds, 2),
+                       "forward_seconds": round(st.forward_seconds, 2),
+                       "outside_forward_share": round(st.overhead_share, 4)}
+    return out
+
+
+def run_throughput_bench(quick: bool = False, max_tokens: int = 128,
+                         overhead_lengths: tuple[int, ...] = (128, 1024)) -> dict:
     from pagedkv.bench.peers import hf_continuous, hf_static, load_hf
     from pagedkv.model.loader import load_model
 
@@ -137,6 +164,8 @@ def run_throughput_bench(quick: bool = False, max_tokens: int = 128) -> dict:
         "num_blocks": small, "blocks_needed": need, "preemptions": pre_info["preemptions"],
         "outputs_unchanged": pre == outs, "blocks_in_use_after": pre_info["blocks_in_use_after"],
     }
+    lengths = [16, 64] if quick else list(overhead_lengths)
+    res["overhead"] = _overhead(loaded, prompt_ids, lengths)
     return res
 
 
@@ -148,5 +177,11 @@ def _common_prefix(seqs: list[list[int]]) -> int:
     return n
 
 
+def add_args(p) -> None:  # noqa: ANN001
+    p.add_argument("--overhead-lengths", default="128,1024",
+                   help="new tokens per request for the overhead runs (comma-separated)")
+
+
 def run(args) -> dict:
-    return run_throughput_bench(quick=args.quick)
+    lengths = tuple(int(x) for x in str(args.overhead_lengths).split(",") if x)
+    return run_throughput_bench(quick=args.quick, overhead_lengths=lengths)

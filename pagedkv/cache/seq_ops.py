@@ -264,6 +264,8 @@ class SeqOpsMixin:
 
     def _range(self, seq_id: SeqId, start: int, end: int) -> tuple[SeqState, int, int]:
         s = self.seq(seq_id)
+        if s.shared_ids:  # its ids belong to the engine's Sequence: edits go through the owner
+            raise CacheConfigError(f"{seq_id!r} references its owner's token ids; edit those")
         start, end = _int(start, "start"), _int(end, "end")
         n = s.num_tokens
         if not 0 <= start <= end <= n:
