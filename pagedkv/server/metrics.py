@@ -49,6 +49,10 @@ ENGINE_COUNTERS = (
     ("kv_cache_fork_shared_blocks", "fork_shared_blocks",
      "Blocks n > 1 samples shared with their parent instead of copying."),
     ("kv_cache_fork_saved_bytes", "fork_saved_bytes", "KV memory that fork sharing saved."),
+    ("prefix_dedup_requests_held", "dedup_requests_held",
+     "Requests held until a prefix another prefill was computing was cached."),
+    ("prefix_dedup_tokens_saved", "dedup_tokens_saved",
+     "Prompt tokens held requests got from the prefix cache instead of computing."),
 )
 
 
