@@ -383,3 +383,21 @@ def test_prefix_cache_hit_serves_the_quantized_blocks_with_their_scales(dtype):
         for i, (b, o) in enumerate((b, o) for b in full for o in range(4)):
             got = st_.read(layer, b * 4 + o)
             assert torch.equal(got[0], written[layer][i][0]) and torch.equal(got[1], written[layer][i][1])
+
+
+@pytest.mark.parametrize("name", ["kernel", "torch"])
+@pytest.mark.parametrize("dtype", QDTYPES)
+@pytest.mark.parametrize("head_dim", [12, 20, 72])  # not a multiple of 8: the scalar tails
+def test_decode_quantized_any_head_dim(name, dtype, head_dim):
+    spec = Spec(hkv=2, group=3, head_dim=head_dim, block_size=4, prefills=[],
+                decodes=[1, 13, 150], seed=9, scale=0.2)
+    case = build_case(spec, torch.float32)
+    quant, twin = _dequantized_twin(case, dtype)
+    m = case.meta
+    with backend(name):
+        got = paged_decode_attention(case.q, quant.k, quant.v, m.decode_block_tables,
+                                     m.decode_seq_lens, 0.2, k_scale=quant.k_scale,
+                                     v_scale=quant.v_scale)
+    want = paged_decode_attention(case.q, twin.k, twin.v, m.decode_block_tables,
+                                  m.decode_seq_lens, 0.2)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)

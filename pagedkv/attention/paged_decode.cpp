@@ -6,9 +6,10 @@
 // tiles of TILE rows: each K row is loaded from memory once and scored against the G = Hq / Hkv
 // query heads of each kv head (GQA); an online softmax (running max m, sum l) is updated per
 // query head; then each V row is loaded once and accumulated into the G outputs of its kv head.
-// Everything is float32 inside; bf16/fp16 rows are widened on load, and quantized rows (int8 or
-// fp8 e4m3, one float32 scale per token and kv head) are dequantized on load into the same small
-// per-tile buffer (TILE rows, in L1): the sequence is never copied or dequantized as a whole.
+// Everything is float32 inside; bf16/fp16 rows are widened on load into a per-tile buffer, and
+// quantized rows (int8 or fp8 e4m3, one float32 scale per token and kv head) are converted in
+// registers, 8 values at a time, with the scales applied to scores and softmax weights: the
+// sequence is never copied or dequantized as a whole.
 //
 // Built by pagedkv/attention/kernel.py with torch.utils.cpp_extension.load_inline and only the
 // light headers below (no torch/extension.h, no pybind11) to keep the first compile short; the op
@@ -77,46 +78,16 @@ inline void widen(const c10::Half* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-// Quantized rows: dst[i] = src[i] * s. fp8 e4m3 bytes become IEEE half bits by moving the sign
-// to bit 15 and the exponent/mantissa up by 7 (exact, subnormals included); the half value is
-// then 2^-8 of the fp8 value, so the caller passes s * 256 (see FP8_SCALE).
+// fp8 e4m3 bytes become IEEE half bits by moving the sign to bit 15 and the exponent/mantissa up
+// by 7 (exact, subnormals included); the half value is then 2^-8 of the fp8 value, so FP8_SCALE
+// is multiplied into the row's scale.
 struct Fp8 {
   uint8_t bits;
 };
 constexpr float FP8_SCALE = 256.0f;
 
-inline void widen_scaled(const int8_t* src, float s, float* dst, int64_t n) {
-  int64_t i = 0;
-#ifdef PKV_AVX2
-  const __m256 vs = _mm256_set1_ps(s);
-  for (; i + 8 <= n; i += 8) {
-    __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i));
-    __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-    _mm256_storeu_ps(dst + i, _mm256_mul_ps(f, vs));
-  }
-#endif
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]) * s;
-}
-
 inline uint16_t fp8_half_bits(uint8_t b) {
   return static_cast<uint16_t>(((b & 0x80u) << 8) | ((b & 0x7Fu) << 7));
-}
-
-inline void widen_scaled(const Fp8* src, float s, float* dst, int64_t n) {
-  const uint8_t* b = reinterpret_cast<const uint8_t*>(src);
-  s *= FP8_SCALE;
-  int64_t i = 0;
-#if defined(PKV_AVX2) && defined(__F16C__)
-  const __m256 vs = _mm256_set1_ps(s);
-  const __m128i sign = _mm_set1_epi16(0x80), mag = _mm_set1_epi16(0x7F);
-  for (; i + 8 <= n; i += 8) {
-    __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + i)));
-    __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(x, sign), 8),
-                             _mm_slli_epi16(_mm_and_si128(x, mag), 7));
-    _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtph_ps(h), vs));
-  }
-#endif
-  for (; i < n; ++i) dst[i] = c10::detail::fp16_ieee_to_fp32_value(fp8_half_bits(b[i])) * s;
 }
 
 // Query rows and outputs are touched once per work item, so a runtime dtype switch is enough.
@@ -340,6 +311,106 @@ inline void pv_tile(const float* p, const float* const* rows, int64_t off, int64
 }
 
 // ---------------------------------------------------------------------------------------------
+// Quantized tiles (int8, fp8): K and V rows are read as bytes and converted to float in
+// registers, 8 values at a time; the per-(token, kv head) scales are applied to the 8-token
+// score vector (K) and folded into the softmax weights (V), never to the rows themselves.
+
+template <typename T>
+struct QLoad;
+
+template <>
+struct QLoad<int8_t> {
+  static float one(const int8_t* p) { return static_cast<float>(*p); }
+#ifdef PKV_AVX2
+  static constexpr bool kVec = true;
+  static __m256 eight(const int8_t* p) {
+    return _mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+#endif
+};
+
+template <>
+struct QLoad<Fp8> {
+  // the value / FP8_SCALE (the caller multiplies FP8_SCALE into the scale)
+  static float one(const Fp8* p) { return c10::detail::fp16_ieee_to_fp32_value(fp8_half_bits(p->bits)); }
+#if defined(PKV_AVX2) && defined(__F16C__)
+  static constexpr bool kVec = true;
+  static __m256 eight(const Fp8* p) {
+    __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x80)), 8),
+                             _mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x7F)), 7));
+    return _mm256_cvtph_ps(h);
+  }
+#elif defined(PKV_AVX2)
+  static constexpr bool kVec = false;
+  static __m256 eight(const Fp8*) { return _mm256_setzero_ps(); }  // never called
+#endif
+};
+
+// s[i] = q . rows[i][off : off + D] (raw, unscaled) for i < n
+template <typename T>
+inline void score_tile_q(const float* q, const T* const* rows, int64_t off, int64_t n, int64_t D,
+                         float* s) {
+  int64_t i = 0;
+#ifdef PKV_AVX2
+  if constexpr (QLoad<T>::kVec) {
+    if (D % 8 == 0) {
+      for (; i + 8 <= n; i += 8) {
+        __m256 a[8];
+        for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8) {
+          const __m256 qv = _mm256_loadu_ps(q + d);
+          for (int j = 0; j < 8; ++j) {
+            a[j] = _mm256_fmadd_ps(qv, QLoad<T>::eight(rows[i + j] + off + d), a[j]);
+          }
+        }
+        _mm256_storeu_ps(s + i, hsum8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]));
+      }
+    }
+  }
+#endif
+  for (; i < n; ++i) {
+    const T* r = rows[i] + off;
+    float acc = 0.0f;
+    for (int64_t d = 0; d < D; ++d) acc += q[d] * QLoad<T>::one(r + d);
+    s[i] = acc;
+  }
+}
+
+#ifdef PKV_AVX2
+template <typename T, int R>
+inline void pv_block_q(const float* p, const T* const* rows, int64_t off, int64_t n, float* acc) {
+  __m256 c[R];
+  for (int r = 0; r < R; ++r) c[r] = _mm256_loadu_ps(acc + 8 * r);
+  for (int64_t i = 0; i < n; ++i) {
+    const __m256 pi = _mm256_set1_ps(p[i]);
+    const T* v = rows[i] + off;
+    for (int r = 0; r < R; ++r) c[r] = _mm256_fmadd_ps(pi, QLoad<T>::eight(v + 8 * r), c[r]);
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc + 8 * r, c[r]);
+}
+#endif
+
+// acc[0 : D] += sum_i w[i] * rows[i][off : off + D] (raw values; w carries the scales)
+template <typename T>
+inline void pv_tile_q(const float* w, const T* const* rows, int64_t off, int64_t n, int64_t D,
+                      float* acc) {
+  int64_t d = 0;
+#ifdef PKV_AVX2
+  if constexpr (QLoad<T>::kVec) {
+    for (; d + 64 <= D; d += 64) pv_block_q<T, 8>(w, rows, off + d, n, acc + d);
+    for (; d + 32 <= D; d += 32) pv_block_q<T, 4>(w, rows, off + d, n, acc + d);
+    for (; d + 8 <= D; d += 8) pv_block_q<T, 1>(w, rows, off + d, n, acc + d);
+  }
+#endif
+  for (int64_t i = 0; i < n && d < D; ++i) {
+    const T* v = rows[i] + off;
+    for (int64_t e = d; e < D; ++e) acc[e] += w[i] * QLoad<T>::one(v + e);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 
 struct Problem {
   const void* q;  // [B, Hq, D], last dim contiguous
@@ -361,6 +432,9 @@ struct Scratch {
   std::vector<float> qf, acc, scores, ktile, vtile, m, l;
   std::vector<int64_t> rows;
   std::vector<const float*> kptr, vptr;
+  // quantized tiles: raw row pointers, scales [Hkv][TILE], weighted probabilities [TILE]
+  std::vector<const void*> kraw, vraw;
+  std::vector<float> ks, vs, w;
   Scratch(int64_t Hq, int64_t Hkv, int64_t D, bool widen_rows)
       : qf(Hq * D),
         acc(Hq * D),
@@ -371,34 +445,49 @@ struct Scratch {
         l(Hq),
         rows(2 * TILE),
         kptr(TILE),
-        vptr(TILE) {}
+        vptr(TILE),
+        kraw(TILE),
+        vraw(TILE),
+        ks(Hkv * TILE),
+        vs(Hkv * TILE),
+        w(TILE) {}
 };
 
 template <typename T>
 constexpr bool kQuantized = std::is_same<T, int8_t>::value || std::is_same<T, Fp8>::value;
 
-// Float pointers to a tile's rows: the cache itself for float32, else a widened copy (quantized
-// rows times their per-(token, kv head) scale; a row's scales start at element rows[i] / D).
+// Float pointers to a tile's rows: the cache itself for float32, else a widened copy.
 template <typename T>
-inline void tile_rows(const T* cache, const float* scales, const int64_t* rows, int64_t n,
-                      int64_t Hkv, int64_t D, float* buf, const float** ptr) {
-  const int64_t row_len = Hkv * D;
+inline void tile_rows(const T* cache, const int64_t* rows, int64_t n, int64_t row_len,
+                      float* buf, const float** ptr) {
   for (int64_t i = 0; i < n; ++i) {
-    float* dst = buf + i * row_len;
-    if constexpr (kQuantized<T>) {
-      const float* s = scales + rows[i] / D;
-      for (int64_t h = 0; h < Hkv; ++h) widen_scaled(cache + rows[i] + h * D, s[h], dst + h * D, D);
-    } else {
-      widen(cache + rows[i], dst, row_len);
-    }
-    ptr[i] = dst;
+    widen(cache + rows[i], buf + i * row_len, row_len);
+    ptr[i] = buf + i * row_len;
   }
 }
 
 template <>
-inline void tile_rows<float>(const float* cache, const float*, const int64_t* rows, int64_t n,
-                             int64_t, int64_t, float*, const float** ptr) {
+inline void tile_rows<float>(const float* cache, const int64_t* rows, int64_t n, int64_t,
+                             float*, const float** ptr) {
   for (int64_t i = 0; i < n; ++i) ptr[i] = cache + rows[i];
+}
+
+// A quantized tile's raw K/V row pointers and its scales, transposed to [Hkv][TILE] so a kv
+// head's scales are contiguous (fp8 scales carry FP8_SCALE, see QLoad<Fp8>).
+template <typename T>
+inline void quant_tile_setup(const Problem& p, const int64_t* rows, int64_t n, Scratch& sc) {
+  const float f = std::is_same<T, Fp8>::value ? FP8_SCALE : 1.0f;
+  const T* kc = static_cast<const T*>(p.k);
+  const T* vc = static_cast<const T*>(p.v);
+  for (int64_t i = 0; i < n; ++i) {
+    sc.kraw[i] = kc + rows[i];
+    sc.vraw[i] = vc + rows[i];
+    const int64_t at = rows[i] / p.D;  // the row's first scale
+    for (int64_t h = 0; h < p.Hkv; ++h) {
+      sc.ks[h * TILE + i] = p.k_scale[at + h] * f;
+      sc.vs[h * TILE + i] = p.v_scale[at + h] * f;
+    }
+  }
 }
 
 // Online softmax of sequence b's Hq query heads over its tokens [t0, t1). Leaves the
@@ -460,10 +549,21 @@ void attend_range(const Problem& p, int64_t b, int64_t t0, int64_t t1, Scratch& 
     const int64_t n = std::min<int64_t>(TILE, t1 - pos);
     if (pos + n < t1) next_rows(nxt, std::min<int64_t>(TILE, t1 - pos - n));
     // scores: each K row is read from memory once (then from L1 for the other query heads)
-    tile_rows<T>(kc, p.k_scale, cur, n, p.Hkv, D, sc.ktile.data(), sc.kptr.data());
-    for (int64_t hq = 0; hq < Hq; ++hq) {
-      score_tile(sc.qf.data() + hq * D, sc.kptr.data(), (hq / G) * D, n, D,
-                 sc.scores.data() + hq * TILE);
+    if constexpr (kQuantized<T>) {
+      quant_tile_setup<T>(p, cur, n, sc);
+      const T* const* krows = reinterpret_cast<const T* const*>(sc.kraw.data());
+      for (int64_t hq = 0; hq < Hq; ++hq) {
+        float* s = sc.scores.data() + hq * TILE;
+        const float* ks = sc.ks.data() + (hq / G) * TILE;
+        score_tile_q<T>(sc.qf.data() + hq * D, krows, (hq / G) * D, n, D, s);
+        for (int64_t i = 0; i < n; ++i) s[i] *= ks[i];
+      }
+    } else {
+      tile_rows<T>(kc, cur, n, row_len, sc.ktile.data(), sc.kptr.data());
+      for (int64_t hq = 0; hq < Hq; ++hq) {
+        score_tile(sc.qf.data() + hq * D, sc.kptr.data(), (hq / G) * D, n, D,
+                   sc.scores.data() + hq * TILE);
+      }
     }
     // online softmax update per query head
     for (int64_t hq = 0; hq < Hq; ++hq) {
@@ -477,10 +577,20 @@ void attend_range(const Problem& p, int64_t b, int64_t t0, int64_t t1, Scratch& 
       sc.m[hq] = m_new;
     }
     // values: each V row read once from memory, accumulated into the G outputs of its group
-    tile_rows<T>(vc, p.v_scale, cur, n, p.Hkv, D, sc.vtile.data(), sc.vptr.data());
-    for (int64_t hq = 0; hq < Hq; ++hq) {
-      pv_tile(sc.scores.data() + hq * TILE, sc.vptr.data(), (hq / G) * D, n, D,
-              sc.acc.data() + hq * D);
+    if constexpr (kQuantized<T>) {
+      const T* const* vrows = reinterpret_cast<const T* const*>(sc.vraw.data());
+      for (int64_t hq = 0; hq < Hq; ++hq) {
+        const float* pr = sc.scores.data() + hq * TILE;
+        const float* vs = sc.vs.data() + (hq / G) * TILE;
+        for (int64_t i = 0; i < n; ++i) sc.w[i] = pr[i] * vs[i];
+        pv_tile_q<T>(sc.w.data(), vrows, (hq / G) * D, n, D, sc.acc.data() + hq * D);
+      }
+    } else {
+      tile_rows<T>(vc, cur, n, row_len, sc.vtile.data(), sc.vptr.data());
+      for (int64_t hq = 0; hq < Hq; ++hq) {
+        pv_tile(sc.scores.data() + hq * TILE, sc.vptr.data(), (hq / G) * D, n, D,
+                sc.acc.data() + hq * D);
+      }
     }
     std::swap(cur, nxt);
   }
@@ -511,7 +621,7 @@ void decode_impl(const Problem& p, at::Tensor& out, int64_t max_len, int64_t tot
   const int64_t elem = at::elementSize(out_dtype);
   char* out_base = static_cast<char*>(out.data_ptr());
   auto out_row = [&](int64_t b, int64_t hq) { return out_base + (b * Hq + hq) * D * elem; };
-  constexpr bool kWiden = !std::is_same<T, float>::value;
+  constexpr bool kWiden = !std::is_same<T, float>::value && !kQuantized<T>;
 
   // Split sequences along their length only when the batch is too small to keep every thread
   // busy with whole sequences (a single stream, say); each split must still span a few tiles
