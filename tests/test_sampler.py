@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers.generation.logits_process import (
     MinNewTokensLengthLogitsProcessor,
     MinPLogitsWarper,
@@ -221,3 +223,46 @@ def test_history_is_incremental_and_forgotten() -> None:
     s.finished = True
     live.adjust(logits(1), [seq(SamplingParams(), [1])])
     assert not live._hist
+
+
+def _reference_adjust(x: torch.Tensor, s: Seq, eos: list[int]) -> torch.Tensor:
+    """Shadow model: the adjustments computed from scratch with plain Python counting."""
+    p = s.request.params
+    out = x.clone()
+    prompt, gen = s.token_ids[:s.num_prompt], s.token_ids[s.num_prompt:]
+    for t, b in p.logit_bias.items():
+        out[0, t] += b
+    if len(gen) < p.min_tokens:
+        for t in set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos)):
+            out[0, t] = float("-inf")
+    for t in set(prompt) | set(gen):
+        v = out[0, t]
+        out[0, t] = v / p.repetition_penalty if v > 0 else v * p.repetition_penalty
+    for t in set(gen):
+        out[0, t] -= p.frequency_penalty * gen.count(t) + p.presence_penalty
+    return out
+
+
+@given(
+    rep=st.sampled_from([1.0, 0.5, 1.7]), freq=st.sampled_from([0.0, -1.0, 1.5]),
+    pres=st.sampled_from([0.0, 0.4, -2.0]), min_tokens=st.integers(0, 4),
+    bias=st.dictionaries(st.integers(0, V - 1), st.floats(-100, 100), max_size=4),
+    prompt=st.lists(st.integers(0, V - 1), min_size=1, max_size=6),
+    chunks=st.lists(st.lists(st.integers(0, V - 1), max_size=3), min_size=1, max_size=6),
+)
+@settings(max_examples=60, deadline=None)
+def test_incremental_history_matches_a_shadow_model(rep, freq, pres, min_tokens, bias, prompt,
+                                                    chunks) -> None:  # noqa: ANN001
+    p = SamplingParams(repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres,
+                       min_tokens=min_tokens, logit_bias=bias, stop_token_ids=[7],
+                       max_tokens=16)
+    sampler = Sampler([EOS])
+    s = seq(p, prompt)
+    other = seq(SamplingParams(presence_penalty=1.0), [1, 2])
+    for step, chunk in enumerate(chunks):
+        x = logits(2, seed=step)
+        got = sampler.adjust(x, [s, other])
+        torch.testing.assert_close(got[:1], _reference_adjust(x[:1], s, [EOS]))
+        torch.testing.assert_close(got[1:], _reference_adjust(x[1:], other, [EOS]))
+        s.token_ids.extend(chunk)  # one token per step, or several (e.g. after a fork)
+        other.token_ids.append(step % V)

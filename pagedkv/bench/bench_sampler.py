@@ -53,7 +53,7 @@ class _Seq:
 
 def add_args(ap) -> None:  # noqa: ANN001
     ap.add_argument("--batch", type=int, default=BATCH)
-    ap.add_argument("--steps", type=int, default=20, help="timed steps per mix")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per mix")
 
 
 def _seqs(params: list[SamplingParams], out_len: int, g: torch.Generator) -> list[_Seq]:
