@@ -19,7 +19,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pagedkv.cache.snapshot import unrle
 from pagedkv.plot import CACHED_RGB, FREE_RGB, OWNED_PALETTE, SHARED_MAX, shared_rgb
+from pagedkv.server import ServerThread, build_app
+from pagedkv.server.dashboard import COLORS
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts"
@@ -226,11 +229,46 @@ def _hover_owned(page) -> str | None:
         for (let i = 0; i < s.length; i++) if (s[i] === 2) return i;
         return -1;
     }""")
-    if i < 0:
-        return None
+    return None if i < 0 else _hover_cell(page, i)
+
+
+def _hover_cell(page, i: int) -> str | None:
+    """Moves the mouse over cell i and returns the tooltip."""
     layout = page.evaluate("window.pagedkv.layout")
     box = page.locator("#map").bounding_box()
     x = box["x"] + 1 + (i % layout["cols"]) * layout["cell"] + layout["cell"] / 2
     y = box["y"] + 1 + (i // layout["cols"]) * layout["cell"] + layout["cell"] / 2
     page.mouse.move(x, y)
     return page.text_content("#tip")
+
+
+def test_other_tenants_blocks_are_anonymous_in_the_page(browser) -> None:
+    """Tenant B's page draws tenant A's blocks in the neutral colour and never names A's
+    request (the deterministic engine holding real blocks: no model needed)."""
+    from test_dashboard_api import CachedFake, running
+
+    with ServerThread(build_app(CachedFake(), api_key=["admin", "key-a", "key-b"])) as srv, \
+            running(srv.url, "key-a", "A" * 21) as a_id, running(srv.url, "key-b", "B" * 9) as b_id:
+        full = httpx.get(f"{srv.url}/v1/cache/blocks", headers=auth("admin")).json()
+        owner = unrle(full["owner"])
+        a_cells = [int(i) for i in (owner == full["owners"].index(a_id)).nonzero()[0]]
+        b_cells = [int(i) for i in (owner == full["owners"].index(b_id)).nonzero()[0]]
+        page = browser.new_page(viewport={"width": 1200, "height": 900})
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(f"{srv.url}/dashboard")
+        page.wait_for_selector("#keyform", state="visible", timeout=10_000)
+        page.fill("#key", "key-b")
+        page.click("#keyform button")
+        page.wait_for_function("window.pagedkv.polls >= 1", timeout=10_000)
+        cells = _cells(page)
+        assert {cells[i] for i in a_cells} == {tuple(COLORS["other"])}
+        assert len({cells[i] for i in b_cells}) == 1 and cells[b_cells[0]] in OWNED_PALETTE
+        seqs = page.text_content("#seqs")
+        assert b_id in seqs and "other tenants' requests: 6 own blocks" in seqs
+        tip = _hover_cell(page, a_cells[0])
+        assert tip == f"block {a_cells[0]}: owned by another tenant's request"
+        seen = page.content() + json.dumps(page.evaluate("window.pagedkv.snap"))
+        assert a_id not in seen and b_id in seen
+        assert not errors, errors
+        page.close()

@@ -270,11 +270,12 @@ class OpenAIServer:
     async def _add_one(self, request: Request, request_id: str, req: Any, prompt: Any
                        ) -> RequestStream:
         stops = req.stop_list()
-        salt = cache_salt(request.scope.get(TENANT_KEY), req.cache_salt)
+        tenant = request.scope.get(TENANT_KEY)
+        salt = cache_salt(tenant, req.cache_salt)
         try:
             stream = await self.engine.add(
                 request_id, prompt, self._params_factory(req), cache_salt=salt,
-                holdback=max((len(s) for s in stops), default=1) - 1,
+                holdback=max((len(s) for s in stops), default=1) - 1, tenant=tenant,
             )
         except RequestTooLongError as exc:
             param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"

@@ -129,10 +129,11 @@ class AsyncEngine:
 
     async def add(
         self, request_id: str, prompt: Prompt, make_params: Callable[[int], Any], *,
-        cache_salt: str | None = None, holdback: int = 0,
+        cache_salt: str | None = None, holdback: int = 0, tenant: str | None = None,
     ) -> RequestStream:
         """Tokenizes (off the engine thread), checks the limits, then adds the request;
-        make_params(prompt_len) builds its SamplingParams. Errors (InvalidParamsError,
+        make_params(prompt_len) builds its SamplingParams; `tenant` is the submitter's tenant
+        id (the server's own record, never from the body: see `tenant_of`). Errors (InvalidParamsError,
         RequestTooLongError...) are raised here, before any output."""
         if self._draining is not None:
             raise self._draining
@@ -152,6 +153,7 @@ class AsyncEngine:
                 f"({params.max_tokens}) would need {n + params.max_tokens}"
             )
         stream = RequestStream(request_id, holdback=holdback, limit=self.stream_queue_limit)
+        stream.tenant = tenant
         await self.call(lambda engine: self._add_on_thread(engine, stream, ids, params,
                                                            cache_salt))
         return stream
@@ -210,6 +212,12 @@ class AsyncEngine:
             engine.add_request(stream.request_id, ids, params, cache_salt=cache_salt)
         stream.prompt_tokens = len(ids)
         self._streams[stream.request_id] = stream
+
+    def tenant_of(self, request_id: str) -> str | None:
+        """Engine thread only: the tenant that submitted a live request (None: no keys, or a
+        request this server did not submit or no longer tracks)."""
+        stream = self._streams.get(request_id)
+        return None if stream is None else stream.tenant
 
     def _abort_on_thread(self, engine: Any, request_id: str) -> None:
         if self._streams.pop(request_id, None) is not None:

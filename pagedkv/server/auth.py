@@ -29,6 +29,11 @@ class ApiKeys:
         if not self._keys:
             raise ValueError("no API key given")
 
+    @property
+    def admin(self) -> str:
+        """The admin's tenant id: the first key's."""
+        return self._keys[0][1]
+
     def tenant(self, authorization: bytes | None) -> str | None:
         """Tenant of an `Authorization: Bearer KEY` header value (scheme case-insensitive,
         RFC 7235), or None."""

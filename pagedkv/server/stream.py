@@ -86,6 +86,7 @@ class RequestStream:
         self.queued = 0
         self.taken = 0
         self.on_drop: Callable[[], None] | None = None  # set by the server: drop the client
+        self.tenant: str | None = None  # the submitter's tenant id, as the server's guard saw it
         self._items: collections.deque[Update | BaseException] = collections.deque()
         self._waiter: Any = None  # asyncio.Future while get() waits
         self._sent: dict[int, _Sent] = {}  # engine thread only
