@@ -433,7 +433,7 @@ class PagedKVCache(SeqOpsMixin):
             s.block_hashes.append(h)
             self.pool.set_hash(s.blocks[i], h)
             if self.tier is not None:
-                self.tier.offer(h, s.blocks[i].block_id)
+                self.tier.offer(h, s.blocks[i])
 
     def fork(self, src: SeqId, dst: SeqId, token_ids: list[int] | None = None) -> None:
         """`dst` shares every block of `src` (ref counts + 1); writes copy on demand.

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pagedkv.cache.block_pool import Block
 from pagedkv.cache.storage import KVStorage
 from pagedkv.cache.tiers.base import BlockTier
 from pagedkv.cache.tiers.record import Parts
@@ -62,17 +63,25 @@ class TierConnector:
 
     # --- writes -------------------------------------------------------------------------------
 
-    def offer(self, h: bytes, block_id: int) -> None:
-        """A block just became full (its K/V are written by the end of this step)."""
+    def offer(self, h: bytes, block: Block) -> None:
+        """A block was just registered under hash `h` (its K/V written by the end of the step)."""
         if self.writer is not None:
-            self._pending.append((h, block_id))
+            self._pending.append((h, block))
 
     def flush(self) -> None:
-        """Copy the offered blocks out (one gather) and queue them; never waits on I/O."""
+        """Copy the offered blocks out (one gather) and queue them; never waits on I/O.
+
+        Only blocks that still hold their hash are copied: the pool drops a block's hash before
+        its contents can change (eviction, truncation, an in-place write), so `hash == h` at
+        this moment means the data read now is h's, whenever the cache registered it.
+        """
         if not self._pending:
             return
-        pending, self._pending = self._pending, []
-        data = self.storage.export_blocks([b for _, b in pending])
+        pending = [(h, b) for h, b in self._pending if b.hash == h]
+        self._pending = []
+        if not pending:
+            return
+        data = self.storage.export_blocks([b.block_id for _, b in pending])
         self.writer.submit([(h, {n: t[i] for n, t in data.items()})  # type: ignore[union-attr]
                             for i, (h, _) in enumerate(pending)])
 
