@@ -12,6 +12,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	# the paged decode kernel compiles once (about a minute) here rather than on first use
 	$(PY) -c 'from pagedkv.attention.kernel import load_kernel; load_kernel()'
+	# and the model's kernels (quantized matmul, fused per-layer ops)
+	$(PY) -c 'from pagedkv.model import qkernel; qkernel.load()'
 	touch $(STAMP)
 
 demo: $(STAMP)

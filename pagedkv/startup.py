@@ -38,6 +38,22 @@ def prepare_kernel() -> None:
     ok = kernel.load_kernel()
     if not built and ok:
         say(f"decode kernel compiled in {kernel.kernel_info()['load_s']:.0f} s")
+    prepare_model_kernel()
+
+
+def prepare_model_kernel() -> None:
+    """The same for the quantized-matmul / fused-ops kernel (pagedkv/model/qkernel.py)."""
+    import time
+
+    from pagedkv.attention import kernel
+    from pagedkv.model import qkernel
+
+    if not any((kernel.cache_root() / "kernels").glob("pagedkv_qmatmul*/*.so")):
+        say("compiling the quantized matmul kernel, once, about a minute ...")
+        t0 = time.perf_counter()
+        if qkernel.load():
+            say(f"quantized matmul kernel compiled in {time.perf_counter() - t0:.0f} s")
+    qkernel.load()
 
 
 def model_format(source: Any) -> str:
