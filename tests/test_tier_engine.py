@@ -203,3 +203,13 @@ def test_int8_kv_blocks_round_trip_through_the_tier(smollm2, tmp_path: Path) -> 
     assert run(fp32, QUESTIONS[1]).num_tier_cached_tokens == 0
     llm.engine.close()
     fp32.engine.close()
+
+
+def test_periodic_snapshot_writes_in_the_background(smollm2, tmp_path: Path) -> None:  # noqa: ANN001
+    llm = LLM(smollm2, kv_snapshot=str(tmp_path), kv_snapshot_interval=0.001, **ENGINE)
+    run(llm, QUESTIONS[0])
+    llm.engine.tiers.snap_writer.flush()
+    files = len(list(tmp_path.rglob("*.kvb")))
+    assert files >= 10
+    assert llm.engine.snapshot() <= 1  # SIGTERM-time snapshot: almost nothing left to write
+    llm.engine.close()
