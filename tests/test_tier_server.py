@@ -50,6 +50,7 @@ def test_reset_endpoint_metrics_and_tier_hits(smollm2, tmp_path: Path) -> None: 
         assert r.status_code == 200 and r.json()["device_blocks"] > 0
         second = complete(url)  # the device cache is empty: the prefix comes from the tier
         assert cached(second) >= 64
+        assert second["usage"]["prompt_tokens_details"]["tier_cached_tokens"] == cached(second)
         assert second["choices"][0]["text"] == first["choices"][0]["text"]
         metrics = httpx.get(url + "/metrics", headers=AUTH).text
         hit = [ln for ln in metrics.splitlines() if ln.startswith("pagedkv:kv_tier_hit_tokens_total")]
@@ -105,3 +106,4 @@ def test_serve_snapshot_on_sigterm_and_warm_restart(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=300)
     assert cached(again) >= 64 and again["choices"][0]["text"] == first["choices"][0]["text"]
+    assert "tier_cached_tokens" not in again["usage"]["prompt_tokens_details"]  # device hits

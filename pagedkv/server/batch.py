@@ -79,4 +79,5 @@ class MergedStream:
             finished=self.finished,
             prompt_tokens=sum(u.prompt_tokens for _, u in seen),
             cached_tokens=sum(u.cached_tokens for _, u in seen),
+            tier_cached_tokens=sum(u.tier_cached_tokens for _, u in seen),
         )

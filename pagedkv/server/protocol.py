@@ -256,6 +256,8 @@ def usage(update: Update) -> dict[str, Any]:
     }
     if update.cached_tokens:
         out["prompt_tokens_details"] = {"cached_tokens": update.cached_tokens}
+        if update.tier_cached_tokens:  # pagedkv extension: of those, loaded from the KV tier
+            out["prompt_tokens_details"]["tier_cached_tokens"] = update.tier_cached_tokens
     return out
 
 

@@ -60,6 +60,7 @@ class Update:
     finished: bool
     prompt_tokens: int
     cached_tokens: int
+    tier_cached_tokens: int = 0  # of cached_tokens, loaded from the KV tier
 
 
 @dataclass
@@ -145,7 +146,7 @@ class RequestStream:
             if first or text or ids or sent.done:
                 choices.append(Choice(c.index, text, ids, c.finish_reason, logprobs))
         return Update(tuple(choices), bool(out.finished), len(out.prompt_token_ids),
-                      int(out.num_cached_tokens))
+                      int(out.num_cached_tokens), int(getattr(out, "num_tier_cached_tokens", 0)))
 
     def _new_logprobs(self, c: Any, sent: _Sent, tokenizer: Any) -> tuple[TokenLogprob, ...] | None:
         raw = getattr(c, "logprobs", None)
@@ -201,4 +202,5 @@ class Accumulator:
             for i, a in sorted(self._choices.items())
         )
         last = self.last
-        return Update(choices, last.finished, last.prompt_tokens, last.cached_tokens)
+        return Update(choices, last.finished, last.prompt_tokens, last.cached_tokens,
+                      last.tier_cached_tokens)
