@@ -2,7 +2,7 @@
 
 Order (as vLLM): logit_bias and min_tokens masks -> repetition, frequency, presence penalties ->
 greedy rows take the argmax -> the other rows: temperature -> min_p -> top-k -> top-p -> one
-exponential race (argmax of p / q, q ~ Exp(1)), which samples from p exactly.
+float64 CDF per row inverted at one uniform draw (exact up to float64 rounding).
 
 Invariants:
 - A row that cannot be sampled (NaN or +inf logits, or nothing left to sample) yields FAILED and
@@ -180,36 +180,18 @@ def _penalize(x: torch.Tensor, rows: list[int], hist: list[_History],
 
 def _draw(x: torch.Tensor, params: list[SamplingParams],
           gens: list[torch.Generator | None]) -> torch.Tensor:
-    """One token per row of adjusted logits x [R, V] (a row without a finite maximum gives an
-    arbitrary token: the caller fails it). Rows that truncate sample among their candidates
-    only; a seeded row's noise is drawn over the whole vocabulary and read by token id, so its
-    token does not depend on how wide the batch's candidate window was."""
-    x = _scale(x, params)
-    tokens = torch.empty(x.shape[0], dtype=torch.long)
-    trunc = [i for i, p in enumerate(params) if _truncates(p, x.shape[-1])]
-    whole = [i for i, p in enumerate(params) if not _truncates(p, x.shape[-1])]
-    if whole:
-        rows = torch.tensor(whole)
-        q = _noise(len(whole), x.shape[-1], [gens[i] for i in whole])
-        tokens[rows] = (torch.softmax(x[rows], dim=-1) / q).argmax(dim=-1)
-    for pos, vals, idx in _candidates(x, trunc, params):
-        q = _noise(len(pos), x.shape[-1], [gens[i] for i in pos], idx)
-        pick = (torch.softmax(vals, dim=-1) / q).argmax(dim=-1, keepdim=True)
-        tokens[torch.tensor(pos)] = idx.gather(1, pick)[:, 0]
-    return tokens
-
-
-def _noise(rows: int, vocab: int, gens: list[torch.Generator | None],
-           idx: torch.Tensor | None = None) -> torch.Tensor:
-    """Exp(1) noise [rows, vocab] (or at the token ids `idx` [rows, K]); a seeded row's comes
-    from its own generator, always vocab draws."""
-    width = vocab if idx is None else idx.shape[-1]
-    q = torch.empty(rows, width).exponential_()
+    """One token per row of adjusted logits x [R, V] by inverting the CDF (float64, in token-id
+    order) at one uniform per row; a seeded row's uniform comes from its own generator, so its
+    token depends only on its own logits. A row without a finite maximum gives an arbitrary
+    in-range token: the caller fails it."""
+    cdf = torch.softmax(warp(x, params), dim=-1).double().cumsum_(dim=-1)
+    u = torch.rand(x.shape[0], 1, dtype=torch.float64)
     for i, g in enumerate(gens):
         if g is not None:
-            full = torch.empty(vocab).exponential_(generator=g)
-            q[i] = full if idx is None else full[idx[i]]
-    return q.clamp_min_(torch.finfo(q.dtype).tiny)
+            u[i] = torch.rand(1, generator=g, dtype=torch.float64)
+    # the first token whose CDF exceeds u * total: tokens of probability 0 are never taken
+    picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0]
+    return picked.clamp_(max=x.shape[-1] - 1)
 
 
 def _truncates(p: SamplingParams, vocab: int) -> bool:
@@ -252,7 +234,8 @@ def _candidates(x: torch.Tensor, rows: list[int], params: list[SamplingParams]
         return []
     vocab = x.shape[-1]
     ks = [params[i].top_k if 0 < params[i].top_k < vocab else vocab for i in rows]
-    width = min(vocab, max([TOP_P_WINDOW] + [k for k in ks if k < vocab]))
+    window = [TOP_P_WINDOW] if vocab in ks else []  # rows without top-k: top-p only
+    width = min(vocab, max(window + [k for k in ks if k < vocab]))
     sub = x[torch.tensor(rows)]
     vals, idx = sub.topk(width, dim=-1) if width < vocab else sub.sort(dim=-1, descending=True)
     k = torch.tensor(ks)[:, None]
