@@ -257,3 +257,15 @@ def test_rope_shift_equals_rope_at_the_new_positions(scaling, delta):
     torch.testing.assert_close(rope.shift_keys(stored, delta), fresh, **tol)
     # any leading dims ([L, T, H, D] as the cache passes them)
     torch.testing.assert_close(rope.shift_keys(stored[None], delta)[0], fresh, **tol)
+
+
+def test_remove_from_a_table_listing_a_block_twice_keeps_ref_counts():
+    """Regression (found by the state machine): an aligned copy of a sequence's own first block
+    onto its end lists that block twice; removing the first copy must drop one reference."""
+    c = filled(4, block_size=2)
+    c.fork("a", "b")
+    c.copy("b", "a", 0, 2)
+    assert c.block_ids("a")[0] == c.block_ids("a")[2]
+    c.remove("a", 0, 2)
+    c.check_invariants()
+    assert read_values(c, "a") == [12, 13, 10, 11]

@@ -20,6 +20,7 @@ context shift and leaves K exactly as RoPE at the new positions would have produ
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -114,8 +115,14 @@ class SeqOpsMixin:
                     dst.append(new_blocks[i].block_id * bs + p % bs)
         if self.storage is not None and src:
             self.storage.move_slots(src, dst)  # reads every source before writing
-        kept = {id(b) for b in new_blocks}
-        self.pool.free(reversed([b for b in s.blocks[first:] if id(b) not in kept]))
+        kept = Counter(map(id, new_blocks))  # a table can list a block twice (aligned copy)
+        dropped = []
+        for b in s.blocks[first:]:
+            if kept[id(b)]:
+                kept[id(b)] -= 1
+            else:
+                dropped.append(b)
+        self.pool.free(reversed(dropped))
         s.blocks[first:] = new_blocks
         self._tables[s.row, first:].zero_()
         self._write_row(s, first)
