@@ -17,6 +17,7 @@ _LAZY = {
     "LLM": "pagedkv.engine",
     "LLMEngine": "pagedkv.engine",
     "SamplingParams": "pagedkv.engine",
+    "BeamSearchParams": "pagedkv.engine",
     "RequestOutput": "pagedkv.engine",
     "CompletionOutput": "pagedkv.engine",
     "KVStorage": "pagedkv.cache",
@@ -25,6 +26,7 @@ _LAZY = {
 
 __all__ = [
     "LLM",
+    "BeamSearchParams",
     "CompletionOutput",
     "KVStorage",
     "LLMEngine",
@@ -36,7 +38,14 @@ __all__ = [
 
 if TYPE_CHECKING:  # pragma: no cover
     from pagedkv.cache import KVStorage, PagedKVCache
-    from pagedkv.engine import LLM, CompletionOutput, LLMEngine, RequestOutput, SamplingParams
+    from pagedkv.engine import (
+        LLM,
+        BeamSearchParams,
+        CompletionOutput,
+        LLMEngine,
+        RequestOutput,
+        SamplingParams,
+    )
 
 
 def __getattr__(name: str) -> Any:

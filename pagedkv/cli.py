@@ -118,6 +118,14 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=positive_int, default=None,
                    help="context length (default: the model's)")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    p.add_argument("--context-shift", action="store_true",
+                   help="a sequence that fills the context keeps its first --n-keep tokens, drops "
+                        "the next --n-discard and goes on (llama.cpp's context shift) instead of "
+                        "finishing with 'length'; longer prompts are cut the same way")
+    p.add_argument("--n-keep", type=int, default=0,
+                   help="context shift: tokens always kept at the start (the system prompt)")
+    p.add_argument("--n-discard", type=positive_int, default=None,
+                   help="context shift: tokens dropped per shift (default: half of the rest)")
     p.add_argument("--kv-tier", default=None,
                    help="second KV level shared across restarts/replicas: disk:DIR[?max_size=10GiB] "
                         "or redis://host:port/db[?ttl=SECONDS]")
@@ -194,6 +202,9 @@ def make_engine(args: argparse.Namespace):  # noqa: ANN201
         kv_tier=args.kv_tier,
         kv_snapshot=args.kv_snapshot,
         kv_snapshot_interval=args.kv_snapshot_interval,
+        context_shift=args.context_shift,
+        n_keep=args.n_keep,
+        n_discard=args.n_discard,
     )
     for line in engine_lines(engine, args.model, args.dtype):
         say(line)

@@ -269,3 +269,19 @@ def test_remove_from_a_table_listing_a_block_twice_keeps_ref_counts():
     c.remove("a", 0, 2)
     c.check_invariants()
     assert read_values(c, "a") == [12, 13, 10, 11]
+
+
+def test_an_owners_id_list_is_never_edited():
+    """The engine's sequences reference their own ids: remove leaves that list alone (the owner
+    keeps its view) and hashing stops at the edit, so the ids past it are never read."""
+    c = make(8, 4)
+    ids = list(range(10))
+    c.create("a", ids, share_ids=True)
+    c.register_rotation(add_k)
+    c.remove("a", 4, 6)
+    c.shift("a", 4, 8, -2)
+    assert ids == list(range(10)) and c.num_tokens("a") == 8
+    assert c.seq("a").hash_limit == 1 and len(c.seq("a").block_hashes) == 1
+    ids.append(99)
+    c.append_one_each(["a"])
+    c.check_invariants()

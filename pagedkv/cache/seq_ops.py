@@ -12,6 +12,11 @@ Invariants kept by every operation:
   edit) stops hashing at the first edited block (`SeqState.hash_limit`). Blocks whose data did
   not change keep their hash: it still names exactly what they hold.
 
+Token ids: a sequence that references its owner's list (`share_ids`, the engine) never has that
+list edited here: the owner keeps its own view (the engine's context shift keeps every token and
+records what the context dropped). Hashing stops at the first edited block, so the ids past it
+are never read again.
+
 Positions: a cached K was rotated (RoPE) at the position it was computed for. `remove` moves
 data down without re-rotating it; `shift` re-rotates K of a range by `delta` through the
 callback the model registers (`register_rotation`), so that `remove` + `shift` is llama.cpp's
@@ -126,7 +131,7 @@ class SeqOpsMixin:
         s.blocks[first:] = new_blocks
         self._tables[s.row, first:].zero_()
         self._write_row(s, first)
-        if s.token_ids is not None:
+        if s.token_ids is not None and not s.shared_ids:  # an owner's list is the owner's
             del s.token_ids[start:end]
         s.num_tokens = new_n
         nc = s.num_computed
@@ -156,6 +161,8 @@ class SeqOpsMixin:
                 raise InvalidArgumentError("copy needs two different sequences")
             if (d.token_ids is None) != (s.token_ids is None):
                 raise CacheConfigError("mixing known token ids and bare counts in one sequence")
+            if d.shared_ids:
+                raise CacheConfigError(f"{dst!r} reads its owner's ids; copy cannot extend them")
             if d.num_computed != d.num_tokens:
                 raise PositionError(f"{dst!r} has uncomputed tokens; copy appends after them")
         if start == end and not new:
@@ -271,8 +278,6 @@ class SeqOpsMixin:
 
     def _range(self, seq_id: SeqId, start: int, end: int) -> tuple[SeqState, int, int]:
         s = self.seq(seq_id)
-        if s.shared_ids:  # its ids belong to the engine's Sequence: edits go through the owner
-            raise CacheConfigError(f"{seq_id!r} references its owner's token ids; edit those")
         start, end = _int(start, "start"), _int(end, "end")
         n = s.num_tokens
         if not 0 <= start <= end <= n:

@@ -38,11 +38,11 @@ class InflightPrefixes:
 
     def _chain(self, s: Sequence) -> list[bytes]:
         """Hashes of the blocks a prefix hit could serve `s` (computed once per length)."""
-        n = len(s.token_ids)
+        n = s.num_ctx
         got = self._chains.get(s.seq_id)
         if got is None or got[0] != n:
             bs = self.cache.block_size
-            got = (n, chain_hashes(s.token_ids, bs, s.request.cache_salt, max_blocks=(n - 1) // bs))
+            got = (n, chain_hashes(s.ctx_ids(0, n), bs, s.request.cache_salt, max_blocks=(n - 1) // bs))
             self._chains[s.seq_id] = got
         return got[1]
 

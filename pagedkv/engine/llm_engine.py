@@ -6,6 +6,7 @@ import itertools
 import re
 import sys
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -14,6 +15,8 @@ import torch
 from pagedkv.cache import KVStorage, PagedKVCache
 from pagedkv.cache.quant import resolve_kv_cache_dtype
 from pagedkv.cache.storage import num_blocks_for_budget
+from pagedkv.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, BeamStepStats
+from pagedkv.engine.context_shift import SHIFT_PROMPT_FACTOR, ContextShift
 from pagedkv.engine.detokenizer import find_stop
 from pagedkv.engine.model_runner import ModelRunner
 from pagedkv.engine.sampler import FAILED, Sampler, generator_for, top_logprobs
@@ -56,6 +59,7 @@ class EngineStats:
     overhead_share: float = 0.0  # 1 - forward / step: scheduling, tensors, sampling, detokenizing
     dedup_requests_held: int = 0  # requests held for a prefix another prefill was computing
     dedup_tokens_saved: int = 0  # prompt tokens those requests got as hits instead of computing
+    context_shifts: int = 0  # times a full context was shifted instead of finishing
 
 
 def parse_size(size: str | int) -> int:
@@ -92,6 +96,9 @@ class LLMEngine:
         kv_snapshot: str | None = None,
         kv_snapshot_interval: float | None = None,
         dedup_inflight_prefixes: bool = True,
+        context_shift: bool = False,
+        n_keep: int = 0,
+        n_discard: int | None = None,
     ) -> None:
         from pagedkv.model.loader import LoadedModel, load_model
 
@@ -117,9 +124,14 @@ class LLMEngine:
         self.cache = PagedKVCache(num_blocks, block_size, storage=self.storage,
                                   enable_prefix_caching=enable_prefix_caching,
                                   max_seq_len=self.max_model_len)
+        self.context_shift = ContextShift(n_keep, n_discard) if context_shift else None
+        if self.context_shift is not None:
+            self.context_shift.check(self.max_model_len, num_blocks * block_size)
+            self.cache.register_rotation(self.loaded.model.rope.shift_keys)
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens,
                                    max_model_len=self.max_model_len,
-                                   dedup_inflight_prefixes=dedup_inflight_prefixes)
+                                   dedup_inflight_prefixes=dedup_inflight_prefixes,
+                                   context_shift=self.context_shift)
         self.runner = ModelRunner(self.loaded.model, self.storage)
         self.tiers = EngineTiers(self.loaded, self.cache, kv_tier=kv_tier, queue=kv_tier_queue,
                                  snapshot=kv_snapshot, snapshot_interval=kv_snapshot_interval)
@@ -135,6 +147,14 @@ class LLMEngine:
         self._busy_s = 0.0
         self._forward_s = 0.0
         self._fork_shared = 0
+
+    @property
+    def max_prompt_len(self) -> int:
+        """Longest prompt taken: one token short of the context; with context shift (which
+        keeps n_keep + the latest tokens of a longer prompt) SHIFT_PROMPT_FACTOR contexts."""
+        if self.context_shift is not None:
+            return SHIFT_PROMPT_FACTOR * self.max_model_len
+        return self.max_model_len - 1
 
     # --- requests -----------------------------------------------------------------------------
 
@@ -173,12 +193,16 @@ class LLMEngine:
         ids = self.tokenize(prompt)
         if not ids:
             raise InvalidParamsError("the prompt is empty")
-        if len(ids) >= self.max_model_len:
+        shift = self.context_shift
+        if len(ids) > self.max_prompt_len:
             raise RequestTooLongError(
                 f"prompt of {len(ids)} tokens leaves no room in a context of {self.max_model_len}"
+                if shift is None else
+                f"prompt of {len(ids)} tokens is over the context-shift limit of "
+                f"{self.max_prompt_len}"
             )
         capacity = self.cache.num_blocks * self.cache.block_size
-        if min(len(ids) + params.max_tokens, self.max_model_len) > capacity:
+        if shift is None and min(len(ids) + params.max_tokens, self.max_model_len) > capacity:
             raise RequestTooLongError(
                 f"prompt ({len(ids)}) + max_tokens ({params.max_tokens}) exceeds the KV cache "
                 f"({capacity} tokens)"
@@ -189,6 +213,8 @@ class LLMEngine:
         req = Request(request_id, ids, params, prompt if isinstance(prompt, str) else None,
                       cache_salt=cache_salt, stop_ids=stop_ids)
         req.seqs.append(self._new_seq(req, 0, list(ids)))
+        if shift is not None:
+            shift.cut_prompt(req.seqs[0], self.max_model_len)
         self.requests[request_id] = req
         self.scheduler.add(req.seqs[0])
         self._prompt_tokens += len(ids)
@@ -359,6 +385,7 @@ class LLMEngine:
             overhead_share=1 - self._forward_s / self._busy_s if self._busy_s else 0.0,
             dedup_requests_held=inflight.requests_held if inflight else 0,
             dedup_tokens_saved=inflight.tokens_saved if inflight else 0,
+            context_shifts=self.scheduler.num_context_shifts,
         )
 
 
@@ -395,6 +422,21 @@ class LLM:
                 self.engine.abort_request(rid)
             raise
         return self._run(ids, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        params: BeamSearchParams,
+        *,
+        on_step: Callable[[BeamStepStats], None] | None = None,
+    ) -> list[BeamSearchOutput]:
+        """Beam search (vLLM's `LLM.beam_search`): one output per prompt, beams best first.
+        Beams are forks sharing blocks; see `engine/beam_search.py`. `on_step` sees the KV
+        blocks the beams hold after every step."""
+        ids = [self.engine.tokenize(p) for p in _as_prompt_list(prompts)]
+        if not all(ids):
+            raise InvalidParamsError("the prompt is empty")
+        return BeamSearch(self.engine, params, on_step).run(ids)
 
     def _run(self, ids: list[str], use_tqdm: bool | None) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

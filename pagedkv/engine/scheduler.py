@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections import deque
 
 from pagedkv.cache import PagedKVCache
+from pagedkv.engine.context_shift import ContextShift
 from pagedkv.engine.inflight import InflightPrefixes
 from pagedkv.engine.sampler import FAILED
 from pagedkv.engine.sequence import Sequence, Status
@@ -43,6 +44,7 @@ class Scheduler:
         *,
         max_model_len: int | None = None,
         dedup_inflight_prefixes: bool = True,
+        context_shift: ContextShift | None = None,
     ) -> None:
         self.cache = cache
         self.max_num_seqs = max_num_seqs
@@ -51,6 +53,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last is the newest
         self.num_preemptions = 0
+        self.context_shift = context_shift  # None: a full context finishes with "length"
+        self.num_context_shifts = 0
         dedup = dedup_inflight_prefixes and cache.enable_prefix_caching
         self.inflight = InflightPrefixes(cache) if dedup else None
 
@@ -64,6 +68,7 @@ class Scheduler:
         Returns the number of blocks shared."""
         self.cache.fork(parent.seq_id, child.seq_id, token_ids=child.token_ids)
         child.num_computed = parent.num_computed
+        child.n_keep, child.n_dropped = parent.n_keep, parent.n_dropped
         child.status = Status.RUNNING
         self.running.append(child)
         return len(self.cache.block_ids(child.seq_id))
@@ -76,7 +81,7 @@ class Scheduler:
         if decodes:
             self.cache.append_one_each([s.seq_id for s in decodes], computed=False)
             for s in decodes:
-                s.num_computed = len(s.token_ids)
+                s.num_computed = s.num_ctx
             budget -= len(decodes)
         prefills: list[ScheduledPrefill] = []
         for s in self.running:
@@ -109,15 +114,17 @@ class Scheduler:
             self.preempt(self.running[-1])
 
     def _schedule_chunk(self, s: Sequence, budget: int, out: list[ScheduledPrefill]) -> int:
-        n = min(len(s.token_ids) - s.num_computed, budget)
+        n = min(s.num_ctx - s.num_computed, budget)
         out.append(ScheduledPrefill(s, s.num_computed, s.num_computed + n))
         s.num_computed += n
         return n
 
     def _admit(self, s: Sequence) -> bool:
         """Allocate the blocks of a waiting sequence's tokens; False (nothing changed) if short."""
-        cached = self.cache.try_create(s.seq_id, s.token_ids, extra_key=s.request.cache_salt,
-                                       computed=False, reserve=self._headroom(), share_ids=True)
+        shifted = s.n_dropped > 0  # its context is not a prefix of its ids: the cache gets a copy
+        cached = self.cache.try_create(s.seq_id, s.ctx_ids(0, s.num_ctx) if shifted else s.token_ids,
+                                       extra_key=s.request.cache_salt, computed=False,
+                                       reserve=self._headroom(), share_ids=not shifted)
         if not isinstance(cached, int):
             return False
         if self.inflight is not None:
@@ -149,7 +156,7 @@ class Scheduler:
             if p.seq.status is Status.RUNNING:
                 mark(p.seq.seq_id, p.end)
         for s in plan.decodes:
-            n = len(s.token_ids)
+            n = s.num_ctx
             if n % bs == 0:  # a block just filled (partial blocks are never hashed)
                 mark(s.seq_id, n)
 
@@ -169,13 +176,20 @@ class Scheduler:
             if tok in req.stop_ids:
                 reason = "stop"
             elif len(s.token_ids) - s.num_prompt >= req.params.max_tokens or (
-                cap is not None and len(s.token_ids) >= cap
+                cap is not None and s.num_ctx >= cap and not self._shift(s)
             ):
                 reason = "length"
             if reason is not None:
                 self.finish(s, reason)
                 done.append(s)
         return done
+
+    def _shift(self, s: Sequence) -> bool:
+        """s filled the context: shift it if context shift is on (True), else it finishes."""
+        if self.context_shift is None or not self.context_shift.apply(self.cache, s):
+            return False
+        self.num_context_shifts += 1
+        return True
 
     def undo(self, plan: StepPlan) -> None:
         """The forward pass failed: the plan's sequences go back to the front of the queue with

@@ -35,6 +35,9 @@ class Sequence:
     logprobs: list[dict[int, float]] | None = None
     generator: torch.Generator | None = None
     detok: IncrementalDetokenizer | None = None  # text of the output so far, step by step
+    # context shift: the cache holds token_ids[:n_keep] + token_ids[n_keep + n_dropped:]
+    n_keep: int = 0
+    n_dropped: int = 0
 
     def __post_init__(self) -> None:
         if self.detok is None:
@@ -49,8 +52,21 @@ class Sequence:
         return self.token_ids[self.num_prompt :]
 
     @property
+    def num_ctx(self) -> int:
+        """Tokens in the context (the cache's view): all of them unless a context shift
+        dropped some."""
+        return len(self.token_ids) - self.n_dropped
+
+    def ctx_ids(self, start: int, end: int) -> list[int]:
+        """Token ids at context positions [start, end)."""
+        if not self.n_dropped:
+            return self.token_ids[start:end]
+        k, d = self.n_keep, self.n_dropped
+        return self.token_ids[min(start, k) : min(end, k)] + self.token_ids[max(start, k) + d : end + d]
+
+    @property
     def is_prefill(self) -> bool:
-        return self.num_computed < len(self.token_ids) - 1
+        return self.num_computed < self.num_ctx - 1
 
     @property
     def finished(self) -> bool:

@@ -68,10 +68,10 @@ def build_plan(
     rows: list[int] = []
     for p in prefills:
         s = p.seq
-        ids.extend(s.token_ids[p.start : p.end])
+        ids.extend(s.ctx_ids(p.start, p.end))
         pos.append(torch.arange(p.start, p.end, dtype=torch.int64))
         slots.append(cache.slots(s.seq_id, p.start, p.end))
-        if p.end == len(s.token_ids):  # prompt done: its last token's logits sample
+        if p.end == s.num_ctx:  # prompt done: its last token's logits sample
             rows.append(len(ids) - 1)
             plan.samplers.append(s)
     prefill_tables = _EMPTY_TABLE

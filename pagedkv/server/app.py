@@ -251,7 +251,9 @@ class OpenAIServer:
                 # as much as the context and the whole KV cache leave (at least 1: a prompt
                 # that fills either is then refused by the engine with the real reason)
                 room = min(self.max_model_len, self.cache_tokens or self.max_model_len)
-                max_tokens = max(1, min(self.max_tokens_limit, room - prompt_len))
+                if not getattr(self.engine.engine, "context_shift", False):  # the context slides
+                    room -= prompt_len
+                max_tokens = max(1, min(self.max_tokens_limit, room))
             elif max_tokens is None:
                 max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
             return SamplingParams(**req.sampling_kwargs(max_tokens))

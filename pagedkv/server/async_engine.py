@@ -140,14 +140,18 @@ class AsyncEngine:
         self._check_chars(prompt)
         ids = await self.tokenize(prompt)
         n, context = len(ids), self.engine.max_model_len
+        shift = getattr(self.engine, "context_shift", False)  # longer prompts are cut, not refused
+        if shift and n > self.engine.max_prompt_len:
+            raise RequestTooLongError(f"prompt has {n} tokens, over the context-shift limit of "
+                                      f"{self.engine.max_prompt_len}")
         if self.max_prompt_tokens is not None and n > self.max_prompt_tokens:
             raise RequestTooLongError(
                 f"prompt has {n} tokens, over this server's limit of {self.max_prompt_tokens}"
             )
-        if n >= context:
+        if n >= context and not shift:
             raise RequestTooLongError(f"prompt has {n} tokens; the model's context is {context}")
         params = make_params(n)
-        if n + params.max_tokens > context:
+        if n + params.max_tokens > context and not shift:
             raise RequestTooLongError(
                 f"this model's context is {context} tokens, but the prompt ({n}) + max_tokens "
                 f"({params.max_tokens}) would need {n + params.max_tokens}"
@@ -173,7 +177,7 @@ class AsyncEngine:
         so a longer prompt cannot fit whatever it tokenizes to."""
         if self.max_token_chars is None:
             return
-        tokens = self.engine.max_model_len - 1
+        tokens = getattr(self.engine, "max_prompt_len", self.engine.max_model_len - 1)
         if self.max_prompt_tokens is not None:
             tokens = min(tokens, self.max_prompt_tokens)
         if isinstance(prompt, str):
