@@ -104,4 +104,5 @@ def test_too_long_or_too_wide_is_refused_and_changes_nothing(llm) -> None:  # no
         llm.beam_search([[1] * 2000], BeamSearchParams(2, 4))
     with pytest.raises(PagedKVError):
         llm.beam_search([[1, 2]], BeamSearchParams(64, 1000))
-    assert not llm.engine.cache.seqs and not llm.engine.scheduler.has_work()
+    assert not llm.engine.cache.seqs and not llm.engine.scheduler.running
+    assert not llm.engine.scheduler.waiting

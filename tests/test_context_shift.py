@@ -49,7 +49,7 @@ def test_shifted_keys_equal_rope_at_the_new_positions(shifting: LLMEngine, smoll
     engine, checked = shifting, []
     fresh = LLMEngine(smollm2, num_blocks=16, block_size=4, max_model_len=CTX,
                       enable_prefix_caching=False)
-    start = engine.context_shifts
+    start = engine.scheduler.num_context_shifts
 
     def watch() -> None:
         for s in engine.scheduler.running:
@@ -65,7 +65,7 @@ def test_shifted_keys_equal_rope_at_the_new_positions(shifting: LLMEngine, smoll
 
     out = _run(engine, "k", "Count from one to one hundred:",
                SamplingParams(max_tokens=90, ignore_eos=True), watch)
-    assert engine.context_shifts - start >= 2 and checked
+    assert engine.scheduler.num_context_shifts - start >= 2 and checked
     assert len(out.outputs[0].token_ids) == 90
 
 
@@ -133,4 +133,4 @@ def test_chat_of_many_turns_through_the_server_keeps_answering(smollm2: Any) -> 
             assert reply and r.choices[0].finish_reason in ("stop", "length")
             chat.append({"role": "assistant", "content": reply})
         assert r.usage.prompt_tokens > 96  # the history outgrew the context long ago
-    assert engine.context_shifts >= 1 or not engine.cache.seqs
+    assert engine.scheduler.num_context_shifts >= 1 or not engine.cache.seqs

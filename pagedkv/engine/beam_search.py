@@ -269,10 +269,11 @@ class BeamSearch:
     def _report(self, groups: list[_Group]) -> None:
         if self.on_step is None:
             return
-        seqs = [s for g in groups for s, _ in g.beams]
+        cache = self.engine.cache
+        seqs = [s for g in groups for s, _ in g.beams if s.seq_id in cache]  # admitted ones
         if not seqs:
             return
-        tables = [self.engine.cache.block_ids(s.seq_id) for s in seqs]
+        tables = [cache.block_ids(s.seq_id) for s in seqs]
         shared = len({b for t in tables for b in t})
         self.on_step(BeamStepStats(len(seqs), shared, sum(map(len, tables))))
 

@@ -59,6 +59,7 @@ class ContextShift:
         bs = cache.block_size
         if cache.num_free_blocks < 2 * (-(-n // bs) - self.n_keep // bs):
             return 0  # remove + shift may copy every shared block they touch
+        cache.mark_computed(s.seq_id, n)  # the step's K/V are written (commit ran before)
         cache.remove(s.seq_id, self.n_keep, self.n_keep + drop)
         cache.shift(s.seq_id, self.n_keep, n - drop, -drop)
         s.num_computed -= drop

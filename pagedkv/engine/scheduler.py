@@ -66,9 +66,10 @@ class Scheduler:
     def fork(self, parent: Sequence, child: Sequence) -> int:
         """`child` (a copy of parent's tokens) shares parent's blocks and joins the running set.
         Returns the number of blocks shared."""
-        self.cache.fork(parent.seq_id, child.seq_id, token_ids=child.token_ids)
-        child.num_computed = parent.num_computed
         child.n_keep, child.n_dropped = parent.n_keep, parent.n_dropped
+        child.ctx = None if parent.ctx is None else list(parent.ctx)
+        self.cache.fork(parent.seq_id, child.seq_id, token_ids=child.cache_ids)
+        child.num_computed = parent.num_computed
         child.status = Status.RUNNING
         self.running.append(child)
         return len(self.cache.block_ids(child.seq_id))
@@ -121,10 +122,10 @@ class Scheduler:
 
     def _admit(self, s: Sequence) -> bool:
         """Allocate the blocks of a waiting sequence's tokens; False (nothing changed) if short."""
-        shifted = s.n_dropped > 0  # its context is not a prefix of its ids: the cache gets a copy
-        cached = self.cache.try_create(s.seq_id, s.ctx_ids(0, s.num_ctx) if shifted else s.token_ids,
-                                       extra_key=s.request.cache_salt, computed=False,
-                                       reserve=self._headroom(), share_ids=not shifted)
+        if s.n_dropped:  # its context is not a prefix of its ids: the cache takes the context
+            s.ctx = s.ctx_ids(0, s.num_ctx)
+        cached = self.cache.try_create(s.seq_id, s.cache_ids, extra_key=s.request.cache_salt,
+                                       computed=False, reserve=self._headroom(), share_ids=True)
         if not isinstance(cached, int):
             return False
         if self.inflight is not None:
@@ -170,7 +171,7 @@ class Scheduler:
                 self.finish(s, "error")
                 done.append(s)
                 continue
-            s.token_ids.append(tok)
+            s.append(tok)
             req = s.request
             reason = None
             if tok in req.stop_ids:

@@ -38,6 +38,7 @@ class Sequence:
     # context shift: the cache holds token_ids[:n_keep] + token_ids[n_keep + n_dropped:]
     n_keep: int = 0
     n_dropped: int = 0
+    ctx: list[int] | None = None  # a shifted sequence's context ids as the cache last took them
 
     def __post_init__(self) -> None:
         if self.detok is None:
@@ -63,6 +64,17 @@ class Sequence:
             return self.token_ids[start:end]
         k, d = self.n_keep, self.n_dropped
         return self.token_ids[min(start, k) : min(end, k)] + self.token_ids[max(start, k) + d : end + d]
+
+    @property
+    def cache_ids(self) -> list[int]:
+        """The list the cache references (it hashes its first tokens): the ids, or for a
+        sequence admitted after a cut, its context as it was then, grown by `append`."""
+        return self.token_ids if self.ctx is None else self.ctx
+
+    def append(self, tok: int) -> None:
+        self.token_ids.append(tok)
+        if self.ctx is not None:
+            self.ctx.append(tok)
 
     @property
     def is_prefill(self) -> bool:
