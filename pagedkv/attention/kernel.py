@@ -22,6 +22,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -119,15 +120,18 @@ def _ninja_on_path() -> None:
         os.environ["PATH"] = bindir + os.pathsep + path
 
 
-def build_and_load(source_path: Path, prefix: str) -> None:
-    """Compile `source_path` (cached by content, flags and versions) and load it into torch.ops.
+def build_and_load(sources: Path | Sequence[Path], prefix: str,
+                   extra_flags: Sequence[str] = ()) -> None:
+    """Compile `sources` (one library, cached by content, flags and versions) and load it into
+    torch.ops, with `build_flags()` plus `extra_flags`.
 
-    The source must register its ops with TORCH_LIBRARY; raises on any build or load failure.
+    The sources must register their ops with TORCH_LIBRARY; raises on any build or load failure.
     """
     from torch.utils import cpp_extension
 
-    source = Path(source_path).read_text()
-    flags = build_flags()
+    paths = [Path(sources)] if isinstance(sources, str | Path) else [Path(p) for p in sources]
+    source = "\n".join(p.read_text() for p in paths)
+    flags = [*build_flags(), *extra_flags]
     name = _build_name(source, flags, prefix)
     build_dir = cache_root() / "kernels" / name
     build_dir.mkdir(parents=True, exist_ok=True)

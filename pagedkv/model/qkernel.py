@@ -13,16 +13,14 @@ first attempt forces the fallback (read once, not per call).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import sys
 import threading
 from pathlib import Path
 
 import torch
 
-from pagedkv.attention.kernel import build_flags, cache_root
+from pagedkv.attention.kernel import build_and_load
 
 logger = logging.getLogger(__name__)
 
@@ -49,41 +47,8 @@ def _disabled_by_env() -> bool:
     return value.strip().lower() not in ("", "0", "false", "no")
 
 
-def _library_name(source: str, flags: list[str]) -> str:
-    key = "\n".join([source, " ".join(flags), torch.__version__, sys.version, sys.platform])
-    isa = "_".join(f[2:] for f in flags if f.startswith("-m")) or "generic"
-    return f"pagedkv_qmatmul_{isa}_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
-
-
 def _build() -> None:
-    from torch.utils import cpp_extension
-
-    source = "\n".join(p.read_text() for p in _SOURCES)
-    flags = [*build_flags(), *_EXTRA_FLAGS]
-    name = _library_name(source, flags)
-    build_dir = cache_root() / "kernels" / name
-    build_dir.mkdir(parents=True, exist_ok=True)
-    lib = build_dir / f"{name}.so"
-    if lib.exists():
-        try:
-            torch.ops.load_library(str(lib))
-            return
-        except Exception:  # a half-written or foreign file: rebuild
-            logger.debug("cached kernel %s did not load; rebuilding", lib, exc_info=True)
-    bindir = os.path.dirname(sys.executable)  # pip's ninja lives next to the interpreter
-    if bindir not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-    cpp_extension.load_inline(
-        name=name,
-        cpp_sources=[source],
-        functions=None,
-        extra_cflags=flags,
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(build_dir),
-        is_python_module=False,
-        no_implicit_headers=True,
-        verbose=False,
-    )
+    build_and_load(_SOURCES, "pagedkv_qmatmul", _EXTRA_FLAGS)
 
 
 def load() -> bool:
