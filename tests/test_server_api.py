@@ -16,6 +16,7 @@ import pytest
 from test_server import FakeEngine, Running, serve_fake  # noqa: F401  (serve_fake: a fixture)
 
 from pagedkv.engine import SamplingParams
+from pagedkv.errors import InvalidParamsError
 
 
 class RecordingEngine(FakeEngine):
@@ -78,6 +79,45 @@ def test_prompt_list_limits_and_bad_member_change_nothing(rec: Running) -> None:
     m = rec.metrics()
     assert m["pagedkv:num_requests_running"] == 0 and m["pagedkv:num_requests_waiting"] == 0
     assert rec.engine.blocks_used == 0
+
+
+class StepCountingEngine(FakeEngine):
+    """FakeEngine that notes how many steps ran before each add_request; refuses prompt [7]
+    on the engine thread (after the server's own checks passed)."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.steps = 0
+        self.added_at: dict[str, int] = {}
+
+    def step(self) -> list[Any]:
+        self.steps += 1
+        return super().step()
+
+    def add_request(self, request_id: str, prompt: Any, params: SamplingParams, *,
+                    cache_salt: str | None = None) -> None:
+        if list(prompt) == [7]:
+            raise InvalidParamsError("refused by the engine")
+        super().add_request(request_id, prompt, params, cache_salt=cache_salt)
+        self.added_at[request_id] = self.steps
+
+
+def test_prompt_list_reaches_the_engine_in_one_step(serve_fake: Any) -> None:  # noqa: F811
+    """All prompts of a list are added between the same two steps (so prompts sharing a
+    prefix can share its prefill), even while other requests keep the engine stepping."""
+    server = serve_fake(StepCountingEngine(step_delay=0.02))
+    client = server.client()
+    r = client.completions.create(model="fake", prompt=[[100 + i] * 8 for i in range(6)],
+                                  max_tokens=2)
+    assert len(r.choices) == 6
+    assert len(set(server.engine.added_at.values())) == 1
+    r = _post(server, "/v1/completions", {"prompt": [[100], [101], [7]], "max_tokens": 2})
+    assert r.status_code == 400  # the engine refused the third: the first two are taken back
+    aborted = server.engine.aborted
+    assert len(aborted) == 2 and {a[-2:] for a in aborted} == {"-0", "-1"}
+    m = server.metrics()
+    assert m["pagedkv:num_requests_running"] == 0 and m["pagedkv:num_requests_waiting"] == 0
+    assert server.engine.blocks_used == 0
 
 
 # --- unsupported fields ------------------------------------------------------------------------

@@ -261,22 +261,16 @@ class OpenAIServer:
         return make
 
     async def _add(self, request: Request, request_id: str, req: Any) -> Any:
-        """The request's stream; several prompts are one engine request each, merged."""
+        """The request's stream; several prompts are one engine request each, added to the
+        engine in one command (they reach the scheduler together), read as one stream."""
         prompts = req.engine_prompts()
-        if len(prompts) == 1:
-            return await self._add_one(request, request_id, req, prompts[0])
-        parts = [await self._add_one(request, f"{request_id}-{i}", req, p)
-                 for i, p in enumerate(prompts)]
-        return MergedStream(request_id, parts, req.n)
-
-    async def _add_one(self, request: Request, request_id: str, req: Any, prompt: Any
-                       ) -> RequestStream:
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         stops = req.stop_list()
         tenant = request.scope.get(TENANT_KEY)
-        salt = cache_salt(tenant, req.cache_salt)
         try:
-            stream = await self.engine.add(
-                request_id, prompt, self._params_factory(req), cache_salt=salt,
+            streams = await self.engine.add_all(
+                list(zip(ids, prompts, strict=True)), self._params_factory(req),
+                cache_salt=cache_salt(tenant, req.cache_salt),
                 holdback=max((len(s) for s in stops), default=1) - 1, tenant=tenant,
             )
         except RequestTooLongError as exc:
@@ -286,14 +280,18 @@ class OpenAIServer:
             raise ApiError(400, str(exc), param=getattr(exc, "param", None)) from None
         except EngineDeadError as exc:
             raise error_for(exc) from None
-        # The guard aborts it if the HTTP request ends before the engine does, and drops
-        # the connection if the client falls too far behind.
+        for stream in streams:
+            self._track(request, stream)
+        return streams[0] if len(prompts) == 1 else MergedStream(request_id, streams, req.n)
+
+    def _track(self, request: Request, stream: RequestStream) -> None:
+        """The guard aborts the stream's request if the HTTP request ends before the engine
+        does, and drops the connection if the client falls too far behind."""
         request.scope.setdefault(STREAMS_KEY, []).append(stream)
         cutoff = request.scope.get(CUTOFF_KEY)
         if cutoff is not None:
             loop = asyncio.get_running_loop()
             stream.on_drop = lambda: cutoff.reschedule(loop.time())
-        return stream
 
     async def _collect(self, stream: RequestStream, request: Request, tracker: _Tracker) -> Update:
         acc = Accumulator()

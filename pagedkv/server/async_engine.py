@@ -135,8 +135,26 @@ class AsyncEngine:
         make_params(prompt_len) builds its SamplingParams; `tenant` is the submitter's tenant
         id (the server's own record, never from the body: see `tenant_of`). Errors (InvalidParamsError,
         RequestTooLongError...) are raised here, before any output."""
+        return (await self.add_all([(request_id, prompt)], make_params, cache_salt=cache_salt,
+                                   holdback=holdback, tenant=tenant))[0]
+
+    async def add_all(
+        self, prompts: list[tuple[str, Prompt]], make_params: Callable[[int], Any], *,
+        cache_salt: str | None = None, holdback: int = 0, tenant: str | None = None,
+    ) -> list[RequestStream]:
+        """`add` for several (request_id, prompt) pairs, all or none: every prompt is
+        tokenized and checked first, then one engine-thread command adds them all, so they
+        reach the scheduler in the same step (prompts sharing a prefix can then share its
+        prefill). If the engine refuses one, those added before it are aborted."""
         if self._draining is not None:
             raise self._draining
+        ready = [await self._prepare(rid, p, make_params, holdback, tenant) for rid, p in prompts]
+        await self.call(lambda engine: self._add_all_on_thread(engine, ready, cache_salt))
+        return [stream for stream, _, _ in ready]
+
+    async def _prepare(self, request_id: str, prompt: Prompt, make_params: Callable[[int], Any],
+                       holdback: int, tenant: str | None) -> tuple[RequestStream, list[int], Any]:
+        """Tokenized ids, params and a new stream for one prompt; raises if over a limit."""
         self._check_chars(prompt)
         ids = await self.tokenize(prompt)
         n, context = len(ids), self.engine.max_model_len
@@ -158,9 +176,7 @@ class AsyncEngine:
             )
         stream = RequestStream(request_id, holdback=holdback, limit=self.stream_queue_limit)
         stream.tenant = tenant
-        await self.call(lambda engine: self._add_on_thread(engine, stream, ids, params,
-                                                           cache_salt))
-        return stream
+        return stream, ids, params
 
     def _measure_vocab(self) -> None:
         """The longest token string of the vocabulary (a byte-level BPE token string has one
@@ -205,6 +221,18 @@ class AsyncEngine:
         self.fail_all(exc)
 
     # --- engine thread -----------------------------------------------------------------------
+
+    def _add_all_on_thread(self, engine: Any, ready: list[tuple[RequestStream, list[int], Any]],
+                           cache_salt: str | None) -> None:
+        added: list[str] = []
+        try:
+            for stream, ids, params in ready:
+                self._add_on_thread(engine, stream, ids, params, cache_salt)
+                added.append(stream.request_id)
+        except BaseException:
+            for rid in added:  # all or none
+                self._abort_on_thread(engine, rid)
+            raise
 
     def _add_on_thread(self, engine: Any, stream: RequestStream, ids: list[int], params: Any,
                        cache_salt: str | None) -> None:
