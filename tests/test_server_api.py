@@ -353,6 +353,27 @@ def test_real_metrics_count_forks_and_copy_on_write(real_pair: Any) -> None:
     assert "pagedkv:kv_cache_evictions_total" in m
 
 
+@pytest.mark.slow
+def test_real_prompt_list_sharing_a_prefix_computes_it_once(real_pair: Any) -> None:
+    """A prompt list reaches the scheduler in one step: the prompts sharing a prefix with the
+    first are held until it is cached (in-flight dedup), seen on /metrics; the answers are
+    those of the offline engine, which has no dedup in play (one prompt at a time)."""
+    from test_server import parse_metrics
+
+    client, llm = real_pair
+    url = str(client.base_url).removesuffix("/v1/")
+    names = ("pagedkv:prefix_dedup_requests_held_total", "pagedkv:prefix_dedup_tokens_saved_total")
+    before = parse_metrics(httpx.get(url + "/metrics", timeout=30).text)
+    doc = "The river Rhine rises in the Alps and flows north to the sea. " * 12
+    prompts = [f"{doc}Question {i}: what is the river called? Answer:" for i in range(4)]
+    r = client.completions.create(model="smollm2", prompt=prompts, max_tokens=4, temperature=0)
+    after = parse_metrics(httpx.get(url + "/metrics", timeout=30).text)
+    held, saved = (after[k] - before.get(k, 0) for k in names)
+    assert held == 3 and saved >= 3 * 128
+    want = [llm.generate(p, SamplingParams(temperature=0, max_tokens=4))[0].text for p in prompts]
+    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == want
+
+
 def test_chat_default_max_tokens_fits_a_small_cache(serve_fake: Any) -> None:  # noqa: F811
     engine = FakeEngine(num_blocks=20, block_size=4)  # 80 tokens: less than the 256 context
     engine.cache.num_blocks, engine.cache.block_size = 20, 4
