@@ -11,8 +11,13 @@ One JSON object with:
   granularity study, one scale per 32 or 16 head_dim values; perplexity of the shipped
   public-domain text with the cache filled in chunks (target int8 within 0.5% of float32);
   greedy agreement of the chat prompts against float32 KV (reported, not a target).
-- end_to_end: requests whose KV does not fit a float32 cache of a fixed size, float32 and int8
-  in the same memory: preemptions, output tok/s.
+- end_to_end: requests whose KV does not fit a float32 cache of a fixed size (default 256 MiB,
+  64 requests x 256 prompt + 128 output tokens), float32 and int8 in the same memory:
+  preemptions, recomputed tokens, decode batch over time, output tok/s, and whether the
+  model-free scheduler replay (replay.py) made the same decisions.
+- end_to_end_prefill_heavy: the first workload (128 MiB, 48 x 320 + 48: 15k prompt tokens, 2.3k
+  out), replayed without the model (timed too with --time-prefill-heavy): its preemptions are
+  equal for both dtypes, see docs/DESIGN.md.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import torch
 
 from pagedkv.bench import DATA
 from pagedkv.cache.quant import QUANT_DTYPES, resolve_kv_cache_dtype
-from pagedkv.cache.storage import bytes_per_block
+from pagedkv.cache.storage import bytes_per_block, num_blocks_for_budget
 
 FLOATS = ["float32", "bfloat16", "float16"]
 QUANTS = list(QUANT_DTYPES)
@@ -37,10 +42,15 @@ def _log(msg: str) -> None:
 
 
 def add_args(p) -> None:  # noqa: ANN001
-    p.add_argument("--e2e-memory", default="128MiB", help="KV budget of the end-to-end run")
-    p.add_argument("--e2e-requests", type=int, default=48)
-    p.add_argument("--e2e-prompt-tokens", type=int, default=320)
-    p.add_argument("--e2e-max-tokens", type=int, default=48)
+    p.add_argument("--e2e-memory", default="256MiB", help="KV budget of the end-to-end run")
+    p.add_argument("--e2e-requests", type=int, default=64)
+    p.add_argument("--e2e-prompt-tokens", type=int, default=256)
+    p.add_argument("--e2e-max-tokens", type=int, default=128)
+    p.add_argument("--time-prefill-heavy", action="store_true",
+                   help="also time the prefill-heavy workload (128MiB, 48 x 320 + 48), which "
+                        "the default run only replays without the model")
+    p.add_argument("--parts", default="capacity,attention,fidelity,e2e",
+                   help="comma-separated subset of capacity,attention,fidelity,e2e")
     p.add_argument("--chat-prompts", type=int, default=32, help="greedy agreement set size")
     p.add_argument("--chat-max-tokens", type=int, default=64)
 
@@ -156,36 +166,62 @@ def _generate(loaded, prompts, max_tokens, kv, **kw) -> list[list[int]]:  # noqa
     return [o.token_ids for o in outs]
 
 
-def end_to_end(loaded, args) -> dict:  # noqa: ANN001
+def _workload(loaded, memory: str, n: int, plen: int, out: int) -> tuple[dict, list[list[int]]]:  # noqa: ANN001
+    """n distinct windows of plen tokens of the shipped text, each to produce exactly `out`."""
     from pagedkv.bench.kvquant_eval import text_token_ids
-    from pagedkv.engine import LLM, SamplingParams
 
     ids = text_token_ids(loaded.tokenizer)
-    n, plen = args.e2e_requests, args.e2e_prompt_tokens
     step = max(1, (len(ids) - plen) // n)
-    prompts = [ids[i * step : i * step + plen] for i in range(n)]  # distinct windows
-    params = SamplingParams(temperature=0.0, max_tokens=args.e2e_max_tokens, ignore_eos=True)
-    res: dict = {"kv_cache_memory": args.e2e_memory, "requests": n, "prompt_tokens": plen,
-                 "max_tokens": args.e2e_max_tokens,
-                 "kv_tokens_needed": n * (plen + args.e2e_max_tokens)}
+    prompts = [ids[i * step : i * step + plen] for i in range(n)]
+    spec = {"kv_cache_memory": memory, "requests": n, "prompt_tokens": plen, "max_tokens": out,
+            "kv_tokens_needed": n * (plen + out)}
+    return spec, prompts
+
+
+def end_to_end(loaded, memory: str, n: int, plen: int, out: int, timed: bool = True) -> dict:  # noqa: ANN001
+    """float32 and int8 KV in the same `memory`: preemptions, recomputed tokens, decode batch
+    over time, output tok/s. The model-free replay of the same workload (`replay.py`) must make
+    the same decisions (`replay_agrees`); `timed=False` reports the replay alone."""
+    from pagedkv.bench.replay import StepTrace, replay
+    from pagedkv.engine import LLM, SamplingParams
+    from pagedkv.engine.llm_engine import parse_size
+
+    cfg = loaded.config
+    res, prompts = _workload(loaded, memory, n, plen, out)
+    params = SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True)
     outs = {}
     for kv in ["float32", "int8"]:
-        _log(f"end to end, {kv} KV in {args.e2e_memory}")
-        llm = LLM(loaded, kv_cache_dtype=kv, kv_cache_memory=args.e2e_memory,
+        blocks = num_blocks_for_budget(parse_size(memory), cfg.num_layers, 16, cfg.num_kv_heads,
+                                       cfg.head_dim, kv)
+        rep = replay(blocks, [len(p) for p in prompts], out, max_num_seqs=n)
+        row = {"kv_tokens_capacity": blocks * 16}
+        if not timed:
+            res[kv] = {**row, **rep}
+            continue
+        _log(f"end to end, {kv} KV in {memory}: {n} x {plen} prompt + {out} output tokens")
+        llm = LLM(loaded, kv_cache_dtype=kv, kv_cache_memory=memory,
                   enable_prefix_caching=False, max_num_seqs=n)
+        trace = StepTrace()
+        trace.attach(llm.engine.scheduler)
         t0 = time.perf_counter()
         o = llm.generate(prompts, params, use_tqdm=False)
         dt = time.perf_counter() - t0
-        st = llm.engine.stats()
         outs[kv] = [x.token_ids for x in o]
         tokens = sum(map(len, outs[kv]))
-        res[kv] = {"kv_tokens_capacity": st.num_blocks * llm.engine.storage.block_size,
-                   "memory_bytes": llm.engine.storage.memory_bytes,
-                   "preemptions": st.num_preemptions, "seconds": round(dt, 2),
-                   "output_tok_s": round(tokens / dt, 1)}
-    res["int8_speedup"] = round(res["int8"]["output_tok_s"] / res["float32"]["output_tok_s"], 3)
-    res["identical_outputs"] = sum(a == b for a, b in zip(outs["int8"], outs["float32"], strict=True))
+        got = {"preemptions": llm.engine.stats().num_preemptions,
+               **trace.summary(sum(map(len, prompts)))}
+        res[kv] = {**row, "memory_bytes": llm.engine.storage.memory_bytes, **got,
+                   "seconds": round(dt, 2), "output_tok_s": round(tokens / dt, 1),
+                   "replay_agrees": got == rep}
+        del llm
+    if timed:
+        res["int8_speedup"] = round(res["int8"]["output_tok_s"] / res["float32"]["output_tok_s"], 3)
+        res["identical_outputs"] = sum(
+            a == b for a, b in zip(outs["int8"], outs["float32"], strict=True))
     return res
+
+
+PREFILL_HEAVY = ("128MiB", 48, 320, 48)  # the first end-to-end workload: 15k prompt, 2.3k out
 
 
 def run(args) -> dict:
@@ -193,19 +229,28 @@ def run(args) -> dict:
     from pagedkv.model.loader import load_model
 
     t0 = time.perf_counter()
+    parts = set(args.parts.split(","))
     loaded = load_model(None, dtype=torch.float32)
     cfg = loaded.config
     res: dict = {"model": loaded.name, "threads": torch.get_num_threads(), "quick": args.quick,
                  "scale_granularity": "one float32 scale per (token, kv head)"}
-    res["capacity"] = capacity(cfg)
-    _log("decode attention timing")
-    res["decode_attention"] = decode_attention(cfg, repeats=3 if args.quick else 15)
-    res["decode_attention"]["kernel"] = {k: v for k, v in kernel_info().items() if v is not None}
+    if "capacity" in parts:
+        res["capacity"] = capacity(cfg)
+    if "attention" in parts:
+        _log("decode attention timing")
+        res["decode_attention"] = decode_attention(cfg, repeats=3 if args.quick else 15)
+        res["decode_attention"]["kernel"] = {
+            k: v for k, v in kernel_info().items() if v is not None}
     if args.quick:
-        args.e2e_requests, args.e2e_prompt_tokens, args.e2e_max_tokens = 8, 128, 8
+        args.e2e_requests, args.e2e_prompt_tokens, args.e2e_max_tokens = 8, 128, 16
         args.e2e_memory = "8MiB"
         args.chat_prompts, args.chat_max_tokens = 4, 16
-    res["fidelity"] = fidelity(loaded, args.quick, args.chat_prompts, args.chat_max_tokens)
-    res["end_to_end"] = end_to_end(loaded, args)
+    if "fidelity" in parts:
+        res["fidelity"] = fidelity(loaded, args.quick, args.chat_prompts, args.chat_max_tokens)
+    if "e2e" in parts:
+        res["end_to_end"] = end_to_end(loaded, args.e2e_memory, args.e2e_requests,
+                                       args.e2e_prompt_tokens, args.e2e_max_tokens)
+        res["end_to_end_prefill_heavy"] = end_to_end(loaded, *PREFILL_HEAVY,
+                                                     timed=args.time_prefill_heavy)
     res["seconds"] = round(time.perf_counter() - t0, 1)
     return res
