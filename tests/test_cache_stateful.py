@@ -10,8 +10,13 @@ storage) exactly as before.
 
 Sequence operations (remove / copy / shift) edit a sequence: from the first edited block on its
 values no longer follow from its tokens, so the shadow tracks them explicitly (`written`, and
-`kshift`: the delta each position's K was re-rotated by, with K + delta as the "rotation"), and
-the first edited block (`frozen`), from which the cache must never hash that sequence again.
+`kshift`: the deltas each position's K was re-rotated by, in order, with K + delta as the
+"rotation"), and the first edited block (`frozen`), from which the cache must never hash that
+sequence again.
+
+The machine is written for any storage dtype: `kv` (what is written for given values) and
+`stored` (what the storage reads back for written data: the identity here) are the hooks that
+tests/test_kv_quant_stateful.py overrides for int8 and fp8 storage.
 """
 
 from __future__ import annotations
@@ -55,17 +60,44 @@ def kv_of(values: list[int]) -> torch.Tensor:
 
 
 class CacheMachine(RuleBasedStateMachine):
+    dtype = torch.float32
+    layers, heads, dim = LAYERS, HEADS, DIM
+
     def __init__(self) -> None:
         super().__init__()
         self.cache: PagedKVCache | None = None
         self.tokens: dict[int, list[int]] = {}
         self.extra: dict[int, object] = {}
         self.written: dict[int, list[int]] = {}  # what each live sequence wrote, per position
-        self.kshift: dict[int, list[int]] = {}  # per position: how far its K was shifted
+        self.kshift: dict[int, list[tuple[int, ...]]] = {}  # per position: its K's shifts
         self.frozen: dict[int, int | None] = {}  # first edited block (never hashed from there)
         self.history: list[tuple[list[int], object]] = []  # prompts seen (live or freed)
         self.block_content: dict[bytes, list[int]] = {}  # chained hash -> its block's values
         self.next_id = 0
+
+    # --- data hooks (a quantized storage overrides them) ---------------------------------------
+
+    def kv(self, values: list[int]) -> torch.Tensor:
+        """[T, L, H, D] float32 keys written for these values (V is -K)."""
+        return kv_of(values)
+
+    def stored(self, x: torch.Tensor) -> torch.Tensor:
+        """What the storage reads back for written rows x [..., D] (float32: x itself)."""
+        return x
+
+    def expected_kv(self, values: list[int], shifts: list[tuple[int, ...]]) -> tuple:
+        """K and V [T, L, H, D] a sequence must read back: written once, then each position's K
+        re-rotated (here: + delta) by each of its shifts in order, stored again each time."""
+        x = self.kv(values)
+        k, v = self.stored(x), self.stored(-x)
+        for p, deltas in enumerate(shifts):
+            for d in deltas:
+                k[p] = self.stored(k[p] + d)
+        return k, v
+
+    def expected_hit(self, prompt: list[int], extra: object) -> int:
+        """Prompt tokens a new sequence gets from the cache."""
+        return self.cache.lookup(prompt, extra)
 
     # --- helpers ------------------------------------------------------------------------------
 
@@ -84,7 +116,7 @@ class CacheMachine(RuleBasedStateMachine):
         del self.written[sid][start:]
         self.written[sid].extend(vals)
         del self.kshift[sid][start:]
-        self.kshift[sid].extend([0] * len(vals))
+        self.kshift[sid].extend([()] * len(vals))
         self._remember_blocks(sid)
 
     def _remember_blocks(self, sid: int) -> None:
@@ -97,8 +129,8 @@ class CacheMachine(RuleBasedStateMachine):
     def _store(self, slots: torch.Tensor, vals: list[int]) -> None:
         if not vals:
             return
-        k = kv_of(vals)
-        for layer in range(LAYERS):
+        k = self.kv(vals)
+        for layer in range(self.layers):
             self.storage.write(layer, slots, k[:, layer].contiguous(), (-k[:, layer]).contiguous())
 
     def _new_id(self) -> int:
@@ -124,7 +156,8 @@ class CacheMachine(RuleBasedStateMachine):
         caching=st.sampled_from([True, True, True, False]),
     )
     def setup(self, num_blocks: int, block_size: int, caching: bool) -> None:
-        self.storage = KVStorage(LAYERS, num_blocks, block_size, HEADS, DIM, torch.float32)
+        self.storage = KVStorage(self.layers, num_blocks, block_size, self.heads, self.dim,
+                                 self.dtype)
         self.cache = PagedKVCache(num_blocks, block_size, storage=self.storage,
                                   enable_prefix_caching=caching)
         self.cache.register_rotation(lambda k, delta: k + delta)
@@ -133,7 +166,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     def _create(self, prompt: list[int], extra: object) -> None:
         sid = self._new_id()
-        expected_hit = self.cache.lookup(prompt, extra)
+        expected_hit = self.expected_hit(prompt, extra)
         assert expected_hit % self.cache.block_size == 0
         assert expected_hit <= max(0, len(prompt) - 1)
         out: list[int] = []
@@ -143,7 +176,7 @@ class CacheMachine(RuleBasedStateMachine):
         assert cached == expected_hit
         self.tokens[sid], self.extra[sid] = list(prompt), extra
         self.written[sid] = prefix_values(prompt, extra)[:cached]  # served by the cache
-        self.kshift[sid], self.frozen[sid] = [0] * cached, None
+        self.kshift[sid], self.frozen[sid] = [()] * cached, None
         self.history.append((list(prompt), extra))
         self._write(sid, cached, self.cache.slot_mapping([sid], len(prompt) - cached))
 
@@ -188,7 +221,8 @@ class CacheMachine(RuleBasedStateMachine):
         """The decode fast path: one token each, then the step's tensors, then the write."""
         sids = list(dict.fromkeys(self._pick(i) for i in idxs))
         toks = toks[: len(sids)]
-        need = sum(self.cache.blocks_needed(1, s) for s in sids)
+        need = self._one_each_need(sids)
+        assert need == self.cache.blocks_needed_one_each(sids)
         free = self.cache.num_free_blocks
         err = self._try(lambda: self.cache.append_one_each(sids, toks))
         assert (err is not None) == (need > free)
@@ -207,10 +241,26 @@ class CacheMachine(RuleBasedStateMachine):
         for s in sids:
             vals += prefix_values(self.tokens[s], self.extra[s], len(self.tokens[s]) - 1)
             self.written[s].append(vals[-1])
-            self.kshift[s].append(0)
+            self.kshift[s].append(())
         self._store(slots, vals)
         for s in sids:
             self._remember_blocks(s)
+
+    def _one_each_need(self, sids: list[int]) -> int:
+        """Blocks one token each takes: a new block at a block boundary; a copy of a shared
+        partial last block for each of its writers, except that when all its holders write,
+        the last one finds it unshared and writes in place."""
+        bs, need, writers = self.cache.block_size, 0, {}
+        for s in sids:
+            if len(self.tokens[s]) % bs == 0:
+                need += 1
+            else:
+                b = self.cache.block_ids(s)[-1]
+                writers[b] = writers.get(b, 0) + 1
+        for b, k in writers.items():
+            refs = self.cache.pool.blocks[b].ref_cnt
+            need += k - (k == refs) if refs > 1 else 0
+        return need
 
     @precondition(lambda self: self.tokens and len(self.tokens) < MAX_LIVE)
     @rule(idx=st.integers(0, 63))
@@ -316,7 +366,7 @@ class CacheMachine(RuleBasedStateMachine):
         if self._try(lambda: self.cache.shift(sid, start, end, delta)):
             return
         for p in range(start, end):
-            self.kshift[sid][p] += delta
+            self.kshift[sid][p] += (delta,) if delta else ()
         if start < end and delta:
             self._freeze(sid, start // self.cache.block_size)
 
@@ -368,10 +418,11 @@ class CacheMachine(RuleBasedStateMachine):
         bs = self.cache.block_size
         for h, b in self.cache.pool.hash_to_block.items():
             assert h in self.block_content, f"block {b.block_id} hashed for unknown contents"
-            k = kv_of(self.block_content[h])
-            for layer in range(LAYERS):
+            x = self.kv(self.block_content[h])
+            k, v = self.stored(x), self.stored(-x)
+            for layer in range(self.layers):
                 gk, gv = self.storage.gather(layer, [b.block_id], bs)
-                assert torch.equal(gk, k[:, layer]) and torch.equal(gv, -k[:, layer]), (
+                assert torch.equal(gk, k[:, layer]) and torch.equal(gv, v[:, layer]), (
                     f"cached block {b.block_id} was overwritten"
                 )
 
@@ -389,16 +440,15 @@ class CacheMachine(RuleBasedStateMachine):
                 assert self.written[sid] == prefix_values(tokens, self.extra[sid])
             if n == 0:
                 continue
-            v = -kv_of(self.written[sid])  # [n, L, H, D]
-            k = -v + torch.tensor(self.kshift[sid], dtype=torch.float32).view(-1, 1, 1, 1)
+            k, v = self.expected_kv(self.written[sid], self.kshift[sid])  # [n, L, H, D]
             for p in range(n):
                 slot = self.cache.slot(sid, p)
-                for layer in range(LAYERS):
+                for layer in range(self.layers):
                     got_k, got_v = self.storage.read(layer, slot)
                     assert torch.equal(got_k, k[p, layer]), f"seq {sid} pos {p} layer {layer}: K"
                     assert torch.equal(got_v, v[p, layer]), f"seq {sid} pos {p} layer {layer}: V"
             ids = self.cache.block_ids(sid)
-            for layer in range(LAYERS):
+            for layer in range(self.layers):
                 gk, gv = self.storage.gather(layer, ids, n)
                 assert torch.equal(gk, k[:, layer]) and torch.equal(gv, v[:, layer])
 
