@@ -104,6 +104,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default=None, choices=["quantized", "float32"],
                    help="GGUF weights: keep the file's quantized blocks (the default for GGUF at "
                         "float32) or dequantize them to float32 at load")
+    p.add_argument("--activations", default="float32", choices=["float32", "int8"],
+                   help="int8: round each quantized matmul's input to 8 bits per 32 values and "
+                        "multiply in integers (llama.cpp's way; faster, approximate). float32: exact")
     p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
     p.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 2GiB, 512MB")
     p.add_argument("--kv-cache-dtype", default="auto",
@@ -190,6 +193,7 @@ def make_engine(args: argparse.Namespace):  # noqa: ANN201
         args.model,
         dtype=args.dtype,
         weights=getattr(args, "weights", None),
+        activations=getattr(args, "activations", "float32"),
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         kv_cache_memory=args.kv_cache_memory,

@@ -77,6 +77,8 @@ def engine_lines(engine: Any, source: Any, dtype: str) -> list[str]:
     else:
         weights = "dequantized to " + dtype if fmt.startswith("GGUF") else dtype
     weights += f", {human_bytes(loaded.weight_bytes)}"
+    if getattr(loaded, "activations", "float32") != "float32":
+        weights += f"; {loaded.activations} activations (approximate)"
     storage, cache = engine.storage, engine.cache
     tokens = cache.num_blocks * cache.block_size
     full = tokens // engine.max_model_len

@@ -1,6 +1,8 @@
 """`pagedkv bench decode`: one user's decode and prefill speed, quantized vs float32 weights.
 
-For each weight mode (the GGUF's quantized blocks; the same weights dequantized to float32):
+For each mode (the GGUF's quantized blocks with exact float32 activations, "quantized"; the same
+blocks with activations quantized to int8, "quantized_int8", opt-in and approximate; the weights
+dequantized to float32, "float32"):
 - decode tok/s of one greedy stream (median over repeats), and the weight bandwidth that implies
   (weight bytes read per step x steps per second), next to the machine's measured memory-copy
   bandwidth (torch copy of a 256 MiB buffer, size / time, same threads): target >= 70%;
@@ -8,7 +10,10 @@ For each weight mode (the GGUF's quantized blocks; the same weights dequantized 
 - the breakdown of a batch-1 decode step (torch profiler, self time per op family, and what is
   left for Python, scheduling and sampling);
 - resident memory (VmRSS) of `pagedkv serve` with a 256 MiB KV cache, measured in a subprocess.
-Also the kernel-vs-tiles crossover of the quantized matmul (the rule behind quant.TILED_ROWS).
+Also the kernel-vs-tiles crossover of the quantized matmul (the rule behind quant.TILED_ROWS),
+the exact vs int8-activation kernels alone at 1, 8 and 40 rows (and the int8 kernel vs tiles:
+the rule behind quant.A8_ROWS), and how often greedy decoding with int8 activations picks the
+exact mode's tokens (agreement, first divergences).
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ def add_args(p) -> None:  # noqa: ANN001
     p.add_argument("--prefill-tokens", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-rss", action="store_true", help="skip the serve memory measurement")
+    p.add_argument("--agreement-prompts", type=int, default=8,
+                   help="chat prompts for the int8-vs-exact greedy agreement (64 tokens each)")
 
 
 def _log(msg: str) -> None:
@@ -172,11 +179,98 @@ def serve_rss_mib(weights: str, threads: int) -> float | None:
             proc.kill()
 
 
-def _mode(weights: str, args, ids: list[int], copy_gbs: float) -> dict:  # noqa: ANN001
+def kernels(threads: int) -> dict:
+    """ms of SmolLM2's matmuls (layer 0 qkv, gate/up, down; the Q8_0 LM head) at 1, 8, 40 rows,
+    exact (float32 activations) vs int8 activations (best of 15)."""
+    from pagedkv.model import load_model
+
+    torch.set_num_threads(threads)
+    m = load_model(weights="quantized").model
+    ws = {"qkv": m.layers[0].qkv_proj.q, "gate_up": m.layers[0].gate_up_proj.q,
+          "down": m.layers[0].down_proj.q, "lm_head": m.lm_head_q}
+    out: dict = {}
+    for name, q in ws.items():
+        for rows in (1, 8, 40):
+            x = torch.randn(rows, q.k)
+            t = {}
+            for mode in ("float32", "int8"):
+                q.set_activations(mode)
+                q.linear(x)
+                t[mode] = min(_timed(q.linear, x) for _ in range(15)) * 1e3
+            q.set_activations("float32")
+            out[f"{name}_{rows}"] = {"exact": round(t["float32"], 3), "int8": round(t["int8"], 3),
+                                     "speedup": round(t["float32"] / t["int8"], 2)}
+    return out
+
+
+def a8_crossover(threads: int) -> dict:
+    """ms of SmolLM2's gate/up by rows: int8-activation kernel vs the exact tiles + BLAS."""
+    from pagedkv.model import load_model, quant
+
+    torch.set_num_threads(threads)
+    q = load_model(weights="quantized").model.layers[0].gate_up_proj.q
+    saved, res = quant.A8_ROWS, {}
+    try:
+        for rows in (16, 32, 64, 128, 256):
+            x = torch.randn(rows, q.k)
+            t = {}
+            for mode, limit in (("int8", 1 << 30), ("tiles", 0)):
+                quant.A8_ROWS = limit
+                q.set_activations("int8")
+                q.linear(x)
+                t[mode] = min(_timed(q.linear, x) for _ in range(7)) * 1e3
+            res[rows] = {k: round(v, 3) for k, v in t.items()}
+    finally:
+        quant.A8_ROWS = saved
+        q.set_activations("float32")
+    return {"rows": res, "a8_rows_setting": saved}
+
+
+def agreement(prompts: list[list[int]], n: int) -> dict:
+    """Greedy tokens of int8 activations vs exact (float32 activations), each prompt alone."""
+    from pagedkv.engine import SamplingParams
+    from pagedkv.model import load_model
+
+    outs = {}
+    for mode in ("float32", "int8"):
+        engine = _engine(load_model(weights="quantized", activations=mode))
+        sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        res = []
+        for i, ids in enumerate(prompts):
+            engine.add_request(f"a{i}", ids, sp)
+            while engine.has_unfinished_requests():
+                for o in engine.step():
+                    if o.finished:
+                        res.append(list(o.outputs[0].token_ids))
+        outs[mode] = res
+    first = []
+    same = total = 0
+    for a, b in zip(outs["float32"], outs["int8"], strict=True):
+        d = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+        first.append(d)
+        same += len(a) if d is None else d
+        total += len(a)
+    return {"prompts": len(prompts), "tokens_each": n,
+            "identical_prefix_fraction": round(same / max(total, 1), 3),
+            "identical_outputs": sum(d is None for d in first),
+            "first_divergence": first}
+
+
+def _chat_prompts(tok, k: int) -> list[list[int]]:  # noqa: ANN001
+    import json
+
+    from pagedkv.bench import DATA
+
+    chats = json.loads((DATA / "chat_prompts.json").read_text())["prompts"][:k]
+    return [list(tok(tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True),
+                     add_special_tokens=False).input_ids) for c in chats]
+
+
+def _mode(weights: str, args, ids: list[int], copy_gbs: float, activations: str = "float32") -> dict:  # noqa: ANN001
     from pagedkv.model import load_model
 
     t0 = time.perf_counter()
-    loaded = load_model(weights=weights)
+    loaded = load_model(weights=weights, activations=activations)
     load_s = time.perf_counter() - t0
     engine = _engine(loaded)
     n = 24 if args.quick else args.decode_tokens
@@ -195,7 +289,7 @@ def _mode(weights: str, args, ids: list[int], copy_gbs: float) -> dict:  # noqa:
         "fraction_of_memcpy": round(gbs / copy_gbs, 3),
         "step_breakdown_ms": step_breakdown(engine, ids, 8 if args.quick else 24),
     }
-    _log(f"{weights}: {out}")
+    _log(f"{weights}/{activations}: {out}")
     return out
 
 
@@ -214,14 +308,22 @@ def run(args) -> dict:  # noqa: ANN001
         "memcpy_gbs": round(copy_gbs, 2),
         "target_fraction_of_memcpy": 0.7,
         "quantized": _mode("quantized", args, ids, copy_gbs),
+        "quantized_int8": _mode("quantized", args, ids, copy_gbs, "int8"),
         "float32": _mode("float32", args, ids, copy_gbs),
     }
-    q, f = res["quantized"], res["float32"]
+    q, a, f = res["quantized"], res["quantized_int8"], res["float32"]
     res["decode_speedup"] = round(q["decode_tok_s"] / f["decode_tok_s"], 2)
     res["prefill_ratio"] = round(q["prefill_tok_s"] / f["prefill_tok_s"], 2)
+    res["int8_decode_speedup_vs_exact"] = round(a["decode_tok_s"] / q["decode_tok_s"], 2)
+    res["int8_prefill_ratio_vs_exact"] = round(a["prefill_tok_s"] / q["prefill_tok_s"], 2)
     res["target_met"] = q["fraction_of_memcpy"] >= 0.7
+    res["target_met_int8"] = a["fraction_of_memcpy"] >= 0.7
     res["kernel"] = qkernel.info()
     res["crossover_ms"] = crossover(args.threads)
+    res["kernel_ms"] = kernels(args.threads)
+    res["a8_crossover_ms"] = a8_crossover(args.threads)
+    n_prompts, n_tok = (2, 16) if args.quick else (args.agreement_prompts, 64)
+    res["int8_greedy_agreement"] = agreement(_chat_prompts(tok, n_prompts), n_tok)
     if not args.no_rss and not args.quick:
         res["serve_rss_mib_256mib_kv"] = {w: serve_rss_mib(w, args.threads) for w in ("quantized", "float32")}
     res["machine_note"] = f"{os.cpu_count()} cpus; load average {os.getloadavg()[0]:.1f} at the end"

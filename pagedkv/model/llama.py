@@ -242,6 +242,14 @@ class LlamaModel(nn.Module):
         self._lm_head_packed = pack(self.lm_head_t.t())
         return self._lm_head_packed is not None
 
+    def set_activations(self, mode: str) -> None:
+        """"float32" (exact) or "int8": quantize each quantized matmul's input to int8 blocks
+        (quant.py; approximate, opt-in). Raises UnsupportedModelError on another mode."""
+        qws = [m.q for m in self.modules() if isinstance(m, Linear) and m.q is not None]
+        for q in dict.fromkeys([*qws, self.lm_head_q]):  # a tied table once
+            if q is not None:
+                q.set_activations(mode)
+
     def unpack_weights(self) -> None:
         for m in self.modules():
             if isinstance(m, Linear):

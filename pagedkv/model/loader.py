@@ -7,6 +7,10 @@ matrix (and the token embeddings) as the file's blocks (quant.py), read by a com
 dequantizes exactly as `gguf.quants.dequantize` does; `weights="float32"` dequantizes every tensor
 with `gguf.quants.dequantize` at load and casts it to the requested dtype. Either way the model
 multiplies by exactly the weights transformers builds from the same file.
+
+`activations="int8"` (quantized weights only; opt-in, approximate): each quantized matmul's
+input is rounded to int8 per 32-element block and multiplied in integers, as llama.cpp does
+(quant.py); "float32" (the default) keeps the exact path.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from pagedkv.errors import ModelLoadError
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.gguf_file import GGUFFile
 from pagedkv.model.llama import LlamaModel
-from pagedkv.model.quant import QPart
+from pagedkv.model.quant import ACTIVATIONS, QPart
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +70,7 @@ class LoadedModel:
     name: str
     load_seconds: float = 0.0
     weights: str = "float32"  # "quantized": GGUF blocks kept as in the file
+    activations: str = "float32"  # "int8": matmul inputs quantized (quantized weights only)
 
     @property
     def weight_bytes(self) -> int:
@@ -90,6 +95,7 @@ def load_model(
     dtype: torch.dtype | str = torch.float32,
     tokenizer: Any | None = None,
     weights: str | None = None,
+    activations: str = "float32",
 ) -> LoadedModel:
     """Load a Llama-family model.
 
@@ -97,10 +103,12 @@ def load_model(
     holding one .gguf or a Hugging Face checkpoint (config.json + *.safetensors), or an
     in-memory transformers PreTrainedModel (its weights are copied). `tokenizer` overrides the
     one found with the source. `weights`: "quantized" (GGUF only, float32 only) or "float32";
-    None picks "quantized" for a GGUF file at float32, else "float32".
+    None picks "quantized" for a GGUF file at float32, else "float32". `activations`: "float32"
+    or "int8" (see the module docstring; needs quantized weights).
     Raises ModelLoadError / UnsupportedModelError.
     """
     t0 = time.perf_counter()
+    check_activations(activations, weights)
     dt = _resolve_dtype(dtype)
     if weights is not None and weights not in WEIGHTS:
         raise ModelLoadError(f"unsupported weights {weights!r}; choose one of {list(WEIGHTS)}")
@@ -117,14 +125,28 @@ def load_model(
         raise ModelLoadError(f"cannot load a model from {type(source).__name__}")
     if weights == "quantized" and out.weights != "quantized":
         raise ModelLoadError("weights='quantized' needs a GGUF file")
+    if activations != "float32":
+        if out.weights != "quantized":
+            raise ModelLoadError(f"activations={activations!r} needs quantized GGUF weights")
+        out.model.set_activations(activations)
+        out.activations = activations
     out.model.eval()
     out.model.pack_weights()
     out.load_seconds = time.perf_counter() - t0
     logger.info(
-        "loaded %s (%s, %s weights, %.1f MB) in %.2f s",
-        out.name, dt, out.weights, out.weight_bytes / 1e6, out.load_seconds,
+        "loaded %s (%s, %s weights, %s activations, %.1f MB) in %.2f s",
+        out.name, dt, out.weights, out.activations, out.weight_bytes / 1e6, out.load_seconds,
     )
     return out
+
+
+def check_activations(activations: object, weights: str | None = None) -> None:
+    """Raises ModelLoadError unless `activations` is one of ACTIVATIONS (and, for "int8",
+    `weights` is not "float32"): checked before anything loads."""
+    if activations not in ACTIVATIONS:
+        raise ModelLoadError(f"unsupported activations {activations!r}; choose one of {list(ACTIVATIONS)}")
+    if activations != "float32" and weights == "float32":
+        raise ModelLoadError(f"activations={activations!r} needs weights='quantized'")
 
 
 def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:

@@ -1,10 +1,11 @@
-"""Lazy build and load of the model's CPU kernels: qmatmul.cpp (quantized matmul) and
-fused_ops.cpp (residual add + RMSNorm), one library.
+"""Lazy build and load of the model's CPU kernels: qmatmul.cpp (quantized matmul), qmatmul_a8.cpp
+(the opt-in activation-quantized matmul) and fused_ops.cpp (residual add + RMSNorm), one library.
 
 Built like the attention kernel (same compiler flags and cache folder, from
 pagedkv/attention/kernel.py) plus -ffp-contract=off, so that the kernel dequantizes with exactly
 the float32 roundings of the `gguf` package (a fused multiply-add would round d * q + m once).
-Registered as torch.ops.pagedkv_q.{qmatmul,qrows} and torch.ops.pagedkv_ops.add_rms_norm.
+Registered as torch.ops.pagedkv_q.{qmatmul,qrows}, torch.ops.pagedkv_a8.{quantize,matmul} and
+torch.ops.pagedkv_ops.add_rms_norm.
 
 Attempted once per process; any failure is logged once and `load()` returns False, and the
 callers (quant.py) use the pure-torch fallback. `PAGEDKV_NO_KERNEL=1` in the environment at the
@@ -24,7 +25,7 @@ from pagedkv.attention.kernel import build_and_load
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("qmatmul.cpp", "fused_ops.cpp")]
+_SOURCES = [Path(__file__).with_name(n) for n in ("qmatmul.cpp", "qmatmul_a8.cpp", "fused_ops.cpp")]
 _EXTRA_FLAGS = ["-ffp-contract=off"]
 
 
@@ -37,6 +38,7 @@ class _Kernel:
         self.ok = False
         self.error: str | None = None
         self.qmatmul = None  # the op's overload, once loaded
+        self.a8 = None  # (quantize, matmul) overloads of the activation-quantized path
 
 
 _kernel = _Kernel()
@@ -63,11 +65,14 @@ def load() -> bool:
             if _disabled_by_env():
                 raise RuntimeError("disabled by PAGEDKV_NO_KERNEL")
             _build()
-            if not hasattr(torch.ops.pagedkv_q, "qmatmul") or not hasattr(
-                torch.ops.pagedkv_ops, "add_rms_norm"
+            if not (
+                hasattr(torch.ops.pagedkv_q, "qmatmul")
+                and hasattr(torch.ops.pagedkv_ops, "add_rms_norm")
+                and hasattr(torch.ops.pagedkv_a8, "matmul")
             ):
                 raise RuntimeError("the library loaded but did not register its ops")
             k.qmatmul = torch.ops.pagedkv_q.qmatmul.default
+            k.a8 = (torch.ops.pagedkv_a8.quantize.default, torch.ops.pagedkv_a8.matmul.default)
             k.ok = True
         except Exception as e:  # any build problem means "use the fallback"
             k.error = f"{type(e).__name__}: {e}"
@@ -79,6 +84,11 @@ def load() -> bool:
 def qmatmul():  # noqa: ANN201
     """torch.ops.pagedkv_q.qmatmul (the overload, cheapest to call) or None without the kernel."""
     return _kernel.qmatmul if (_kernel.ok or load()) else None
+
+
+def a8():  # noqa: ANN201
+    """(quantize, matmul) ops of the activation-quantized path, or None without the kernel."""
+    return _kernel.a8 if (_kernel.ok or load()) else None
 
 
 def info() -> dict[str, object]:

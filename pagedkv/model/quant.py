@@ -17,6 +17,14 @@ for the stored blocks; only the summation order differs.
 - `rows(ids)`: dequantizes only the rows looked up (token embeddings).
 - Without the kernel (no compiler, PAGEDKV_NO_KERNEL=1) the pure-torch fallback dequantizes the
   whole weight once with the gguf package, keeps the float32 copy, and uses F.linear / indexing.
+
+Opt-in approximate mode, `activations = "int8"` (set by LlamaModel.set_activations): up to
+A8_ROWS activation rows, `linear(x)` quantizes x once per call to int8 per 32-element block
+(qmatmul_a8.cpp; shared by all the segments, e.g. q/k/v) and multiplies the Q4_0, Q4_1 and Q8_0
+segments in integers, as llama.cpp does; the invariant above then does not hold (the activations
+are rounded to 8 bits). Other segment types (K-quants, F16/BF16/F32) take the exact path with the
+float32 x, as do calls above A8_ROWS rows (prefill: the tiled path) and every call without the
+kernel.
 """
 
 from __future__ import annotations
@@ -42,6 +50,10 @@ KERNEL_TYPES = frozenset(
 # each weight byte once per call.
 TILED_ROWS = 8
 TILE_ELEMS = 1 << 20  # float32 elements per dequantized tile (4 MiB)
+ACTIVATIONS = ("float32", "int8")  # activation modes; "int8" is the approximate, opt-in one
+A8_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q8_0})  # segment types the int8 kernel multiplies
+A8_ROWS = 64  # int8 kernel up to this many rows; see bench decode "a8_crossover_ms"
+A8_IMPL = 0  # qmatmul_a8.cpp impl: 0 the fastest built, 1 scalar (same results)
 
 
 def row_bytes(qtype: GGMLQuantizationType, k: int) -> int:
@@ -83,6 +95,13 @@ class QWeight:
         # per-call arguments of the kernel, built once: (blocks, type id, first output column)
         cols = np.cumsum([0] + [d.shape[0] for _, d in self.parts])
         self._calls = [(d, int(q), int(c)) for (q, d), c in zip(self.parts, cols, strict=False)]
+        self.a8 = False  # activations="int8": see set_activations
+
+    def set_activations(self, mode: str) -> None:
+        """"float32" (exact) or "int8" (approximate; effective where a segment is A8_TYPES)."""
+        if mode not in ACTIVATIONS:
+            raise UnsupportedModelError(f"unsupported activations {mode!r}; choose one of {list(ACTIVATIONS)}")
+        self.a8 = mode == "int8" and any(q in A8_TYPES for q, _ in self.parts) and self.k % 32 == 0
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -116,12 +135,25 @@ class QWeight:
             return F.linear(x, self._fallback())
         x = x.contiguous()
         out = torch.empty(x.shape[0], self.n, dtype=torch.float32)
+        if self.a8 and 0 < x.shape[0] <= A8_ROWS:
+            self._linear_a8(x, out, op)
+            return out
         if x.shape[0] > TILED_ROWS:
             self._tiled(x, out)
             return out
         for data, qtype, col in self._calls:
             op(x, data, qtype, out, col)
         return out
+
+    def _linear_a8(self, x: torch.Tensor, out: torch.Tensor, op) -> None:  # noqa: ANN001
+        """out = x W^T with x quantized to int8 blocks once for all the A8_TYPES segments."""
+        quantize, matmul = qkernel.a8()
+        xa = quantize_activations(x, quantize)
+        for data, qtype, col in self._calls:
+            if qtype in A8_TYPES:
+                matmul(*xa, data, qtype, out, col, A8_IMPL)
+            else:
+                op(x, data, qtype, out, col)
 
     def _tiled(self, x: torch.Tensor, out: torch.Tensor) -> None:
         rows_per_tile = max(1, TILE_ELEMS // self.k)
@@ -144,3 +176,15 @@ class QWeight:
         out = torch.empty(ids.shape[0], self.k)
         torch.ops.pagedkv_q.qrows(data, int(qtype), self.k, ids.contiguous().to(torch.int64), out)
         return out
+
+
+def quantize_activations(x: torch.Tensor, quantize=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # noqa: ANN001
+    """x [T, K] float32 (K a multiple of 32) -> (q int8 [T, K], d [T, K/32], s [T, K/32]) with
+    d = max|block| / 127, q = nearbyint(x / d) (as x * (1 / d)), s = d * sum(q); the kernel's op."""
+    quantize = quantize or qkernel.a8()[0]
+    t, k = x.shape
+    xq = torch.empty(t, k, dtype=torch.int8)
+    xd = torch.empty(t, k // 32)
+    xs = torch.empty(t, k // 32)
+    quantize(x, xq, xd, xs, A8_IMPL)
+    return xq, xd, xs

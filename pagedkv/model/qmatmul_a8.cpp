@@ -1,0 +1,331 @@
+// Opt-in activation-quantized matmul ("activations=int8"), for CPU: the llama.cpp way.
+//
+// Each activation row is quantized once per call to int8 per 32-element block: d = max|x| / 127,
+// q = nearbyint(x * (1 / d)), and s = d * sum(q) (the block sum, for weights with an offset).
+// A weight block of Q4_0, Q4_1 or Q8_0 is then dotted with it in integers:
+//   Q4_1: y += dw * dx * sum(qw * qx) + m * s            (qw the unsigned nibbles 0..15)
+//   Q4_0: the same with m = -8 * dw                      (dw * (qw - 8) == dw * qw - 8 * dw)
+//   Q8_0: y += dw * dx * sum(qw * qx)                    (qw signed)
+// With AVX2 the 32 products of a block are summed by maddubs (u8 x s8 -> pairs in int16; Q8_0
+// weights through the sign trick |w| x sign(x, w)) and madd (-> 8 int32 lanes, lane j holding
+// elements 4j..4j+3), converted to float and accumulated with one FMA per block into 8 float
+// lanes; the offset terms go into a scalar sum. The scalar path (impl=1, or a build without
+// AVX2) does exactly the same arithmetic lane by lane, so both give bit-identical results.
+//
+// Each weight row is read from memory once per call: a pair of weight rows is unpacked block by
+// block for a group of up to 4 activation rows at a time (each activation block loaded once for
+// the pair) and stays in L1 between groups. Threads split the weight rows.
+//
+// Ops (torch.ops.pagedkv_a8.*):
+//   quantize(x [T, K] f32, xq [T, K] i8, xd [T, K/32] f32, xs [T, K/32] f32, impl)
+//   matmul(xq, xd, xs, w [N, rb] u8, qtype, out [T, >= col0 + N] f32, col0, impl)
+// impl: 0 = fastest available, 1 = scalar.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#define A8_AVX2 1
+#endif
+
+namespace a8 {  // named: the sources are built as one translation unit
+
+enum : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
+constexpr int64_t QK = 32;
+
+int64_t block_bytes(int64_t t) {
+  return t == Q4_0 ? 18 : t == Q4_1 ? 20 : t == Q8_0 ? 34 : 0;
+}
+
+inline float half(const uint8_t* p) {  // exact either way; F16C is one instruction
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#ifdef __F16C__
+  return _cvtsh_ss(h);
+#else
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+#endif
+}
+
+// --- activation quantization -------------------------------------------------------------------
+
+void quant_block_scalar(const float* x, int8_t* q, float* d, float* s) {
+  float amax = 0.f;
+  for (int i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float dd = amax / 127.f;
+  const float id = dd != 0.f ? 1.f / dd : 0.f;
+  int sum = 0;
+  for (int i = 0; i < QK; ++i) {
+    const int v = static_cast<int>(std::nearbyint(x[i] * id));
+    q[i] = static_cast<int8_t>(v);
+    sum += v;
+  }
+  *d = dd;
+  *s = dd * static_cast<float>(sum);
+}
+
+#ifdef A8_AVX2
+void quant_block_avx2(const float* x, int8_t* q, float* d, float* s) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 v[4];
+  __m256 m = _mm256_setzero_ps();
+  for (int k = 0; k < 4; ++k) {
+    v[k] = _mm256_loadu_ps(x + 8 * k);
+    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[k]));
+  }
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  const float dd = _mm_cvtss_f32(h) / 127.f;
+  const __m256 id = _mm256_set1_ps(dd != 0.f ? 1.f / dd : 0.f);
+  __m256i i[4];
+  for (int k = 0; k < 4; ++k)
+    i[k] = _mm256_cvtps_epi32(
+        _mm256_round_ps(_mm256_mul_ps(v[k], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  __m256i sum = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+  s4 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 1));
+  // int32 -> int8 in element order (packs interleave the 128-bit lanes; the permute undoes it)
+  const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+  const __m256i ordered = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), ordered);
+  *d = dd;
+  *s = dd * static_cast<float>(_mm_cvtsi128_si32(s4));
+}
+#endif
+
+// --- scalar dot products: the AVX2 arithmetic, lane by lane ------------------------------------
+
+struct WBlock {
+  int w[QK];  // integer weights: Q4 nibbles 0..15 (element order), Q8 signed values
+  float d, m;
+};
+
+inline void unpack_scalar(int64_t t, const uint8_t* b, WBlock& wb) {
+  if (t == Q8_0) {
+    wb.d = half(b), wb.m = 0.f;
+    for (int i = 0; i < QK; ++i) wb.w[i] = static_cast<int8_t>(b[2 + i]);
+    return;
+  }
+  const uint8_t* qs = b + (t == Q4_1 ? 4 : 2);
+  wb.d = half(b);
+  wb.m = t == Q4_1 ? half(b + 2) : -8.f * wb.d;
+  for (int i = 0; i < 16; ++i) wb.w[i] = qs[i] & 0x0F, wb.w[i + 16] = qs[i] >> 4;
+}
+
+// the AVX2 horizontal sum's order: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
+inline float hsum_lanes(const float* l) {
+  return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+}
+
+void row_scalar(int64_t t, const uint8_t* row, int64_t nb, int64_t T, const int8_t* xq,
+                const float* xd, const float* xs, int64_t K, float* res, int64_t ldr) {
+  const int64_t bb = block_bytes(t);
+  for (int64_t r = 0; r < T; ++r) {
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    float summ = 0.f;
+    WBlock wb;
+    for (int64_t b = 0; b < nb; ++b) {
+      unpack_scalar(t, row + bb * b, wb);
+      const int8_t* x = xq + r * K + QK * b;
+      const float d = wb.d * xd[r * nb + b];
+      for (int j = 0; j < 8; ++j) {
+        int lane = 0;
+        for (int i = 4 * j; i < 4 * j + 4; ++i) lane += wb.w[i] * x[i];
+        acc[j] = std::fmaf(static_cast<float>(lane), d, acc[j]);
+      }
+      if (t != Q8_0) summ = summ + wb.m * xs[r * nb + b];
+    }
+    res[r * ldr] = hsum_lanes(acc) + summ;
+  }
+}
+
+// --- AVX2 --------------------------------------------------------------------------------------
+
+#ifdef A8_AVX2
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// W weight rows (W <= 2) x R activation rows (R <= 4): each activation block is loaded and its
+// scale broadcast once for both weight rows; res[w * ldw + r * ldr]
+template <int64_t QT, int W, int R>
+void tile_avx2(const uint8_t* row, int64_t rb, int64_t nb, const int8_t* xq, const float* xd,
+               const float* xs, int64_t K, float* res, int64_t ldr) {
+  constexpr int64_t bb = QT == Q4_0 ? 18 : QT == Q4_1 ? 20 : 34;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  __m256 acc[W][R];
+  float summ[W][R];
+  for (int v = 0; v < W; ++v)
+    for (int r = 0; r < R; ++r) acc[v][r] = _mm256_setzero_ps(), summ[v][r] = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i w[W], aw[W];
+    __m256 dw[W];
+    float mw[W];
+    for (int v = 0; v < W; ++v) {
+      const uint8_t* blk = row + v * rb + bb * b;
+      const float d = half(blk);
+      dw[v] = _mm256_set1_ps(d);
+      mw[v] = 0.f;
+      if (QT == Q8_0) {
+        w[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+        aw[v] = _mm256_abs_epi8(w[v]);
+      } else {
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (QT == Q4_1 ? 4 : 2)));
+        w[v] = aw[v] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
+        mw[v] = QT == Q4_1 ? half(blk + 2) : -8.f * d;
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + QK * b));
+      const __m256 dx = _mm256_broadcast_ss(xd + r * nb + b);
+      const float sx = xs[r * nb + b];
+      for (int v = 0; v < W; ++v) {
+        const __m256i xv = QT == Q8_0 ? _mm256_sign_epi8(x, w[v]) : x;
+        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw[v], xv), ones);
+        acc[v][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw[v], dx), acc[v][r]);
+        if (QT != Q8_0) summ[v][r] = summ[v][r] + mw[v] * sx;
+      }
+    }
+  }
+  for (int v = 0; v < W; ++v)
+    for (int r = 0; r < R; ++r) res[v + r * ldr] = hsum(acc[v][r]) + summ[v][r];
+}
+
+// W weight rows against all T activation rows, 4 at a time (the weight rows stay in L1)
+template <int64_t QT, int W>
+void rows_avx2(const uint8_t* row, int64_t rb, int64_t nb, int64_t T, const int8_t* xq,
+               const float* xd, const float* xs, int64_t K, float* res, int64_t ldr) {
+  int64_t t = 0;
+  for (; t + 4 <= T; t += 4)
+    tile_avx2<QT, W, 4>(row, rb, nb, xq + t * K, xd + t * nb, xs + t * nb, K, res + t * ldr, ldr);
+  const int64_t m = T - t;
+  const int8_t* q = xq + t * K;
+  const float *d = xd + t * nb, *s = xs + t * nb;
+  float* o = res + t * ldr;
+  if (m == 3) tile_avx2<QT, W, 3>(row, rb, nb, q, d, s, K, o, ldr);
+  else if (m == 2) tile_avx2<QT, W, 2>(row, rb, nb, q, d, s, K, o, ldr);
+  else if (m == 1) tile_avx2<QT, W, 1>(row, rb, nb, q, d, s, K, o, ldr);
+}
+
+// weight rows [n0, n1) (pairs, then a last single one)
+template <int64_t QT>
+void range_avx2(const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, int64_t nb, int64_t T,
+                const int8_t* xq, const float* xd, const float* xs, int64_t K, float* out, int64_t ldo) {
+  int64_t n = n0;
+  for (; n + 2 <= n1; n += 2) rows_avx2<QT, 2>(w + n * rb, rb, nb, T, xq, xd, xs, K, out + n, ldo);
+  if (n < n1) rows_avx2<QT, 1>(w + n * rb, rb, nb, T, xq, xd, xs, K, out + n, ldo);
+}
+
+void range_avx2(int64_t qt, const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, int64_t nb,
+                int64_t T, const int8_t* xq, const float* xd, const float* xs, int64_t K,
+                float* out, int64_t ldo) {
+  if (qt == Q4_0) range_avx2<Q4_0>(w, rb, n0, n1, nb, T, xq, xd, xs, K, out, ldo);
+  else if (qt == Q4_1) range_avx2<Q4_1>(w, rb, n0, n1, nb, T, xq, xd, xs, K, out, ldo);
+  else range_avx2<Q8_0>(w, rb, n0, n1, nb, T, xq, xd, xs, K, out, ldo);
+}
+#endif
+
+bool use_avx2(int64_t impl) {
+#ifdef A8_AVX2
+  return impl == 0;
+#else
+  (void)impl;
+  return false;
+#endif
+}
+
+// --- ops ---------------------------------------------------------------------------------------
+
+void check_act(const at::Tensor& xq, const at::Tensor& xd, const at::Tensor& xs) {
+  TORCH_CHECK(xq.dim() == 2 && xq.scalar_type() == at::kChar && xq.is_contiguous() &&
+                  xq.size(1) > 0 && xq.size(1) % QK == 0,
+              "xq must be a contiguous int8 [T, K] tensor, K a multiple of 32");
+  const int64_t T = xq.size(0), nb = xq.size(1) / QK;
+  for (const at::Tensor* t : {&xd, &xs})
+    TORCH_CHECK(t->dim() == 2 && t->scalar_type() == at::kFloat && t->is_contiguous() &&
+                    t->size(0) == T && t->size(1) == nb,
+                "xd/xs must be contiguous float32 [T, K/32] tensors");
+}
+
+void quantize(const at::Tensor& x, at::Tensor& xq, at::Tensor& xd, at::Tensor& xs, int64_t impl) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "x must be a contiguous float32 [T, K] tensor");
+  check_act(xq, xd, xs);
+  TORCH_CHECK(xq.size(0) == x.size(0) && xq.size(1) == x.size(1), "xq must have x's shape");
+  const int64_t nblocks = x.numel() / QK;
+  const float* xp = x.data_ptr<float>();
+  int8_t* qp = xq.data_ptr<int8_t>();
+  float *dp = xd.data_ptr<float>(), *sp = xs.data_ptr<float>();
+  const bool fast = use_avx2(impl);
+  at::parallel_for(0, nblocks, 2048, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+#ifdef A8_AVX2
+      if (fast) {
+        quant_block_avx2(xp + QK * b, qp + QK * b, dp + b, sp + b);
+        continue;
+      }
+#endif
+      quant_block_scalar(xp + QK * b, qp + QK * b, dp + b, sp + b);
+    }
+  });
+  (void)fast;
+}
+
+void matmul(const at::Tensor& xq, const at::Tensor& xd, const at::Tensor& xs, const at::Tensor& w,
+            int64_t qtype, at::Tensor& out, int64_t col0, int64_t impl) {
+  check_act(xq, xd, xs);
+  const int64_t T = xq.size(0), K = xq.size(1), nb = K / QK, N = w.size(0);
+  const int64_t bb = block_bytes(qtype);
+  TORCH_CHECK(bb > 0, "activation-quantized matmul: unsupported ggml type ", qtype);
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) == nb * bb,
+              "weight must be a contiguous uint8 [N, ", nb * bb, "] tensor");
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.stride(1) == 1 &&
+                  out.size(0) == T && col0 >= 0 && col0 + N <= out.size(1),
+              "out must be float32 [T, >= col0 + N] with contiguous rows");
+  if (T == 0 || N == 0) return;
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const int8_t* qp = xq.data_ptr<int8_t>();
+  const float *dp = xd.data_ptr<float>(), *sp = xs.data_ptr<float>();
+  float* op = out.data_ptr<float>() + col0;
+  const int64_t ldo = out.stride(0), rb = w.size(1);
+  const int64_t grain = std::max<int64_t>(16, N / (8 * std::max<int64_t>(1, at::get_num_threads())));
+  const bool fast = use_avx2(impl);
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+#ifdef A8_AVX2
+    if (fast) {
+      range_avx2(qtype, wp, rb, n0, n1, nb, T, qp, dp, sp, K, op, ldo);
+      return;
+    }
+#endif
+    for (int64_t n = n0; n < n1; ++n) row_scalar(qtype, wp + n * rb, nb, T, qp, dp, sp, K, op + n, ldo);
+  });
+  (void)fast;
+}
+
+}  // namespace a8
+
+TORCH_LIBRARY(pagedkv_a8, m) {
+  m.def("quantize(Tensor x, Tensor(a!) xq, Tensor(b!) xd, Tensor(c!) xs, int impl) -> ()");
+  m.def("matmul(Tensor xq, Tensor xd, Tensor xs, Tensor w, int qtype, Tensor(a!) out, int col0, int impl) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedkv_a8, CPU, m) {
+  m.impl("quantize", &a8::quantize);
+  m.impl("matmul", &a8::matmul);
+}
