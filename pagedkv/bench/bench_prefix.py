@@ -31,10 +31,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import statistics
 import sys
+import threading
 import time
 from typing import Any
 
@@ -68,16 +70,32 @@ def _messages(doc: str, question: str) -> list[dict[str, str]]:
 
 
 class Trace:
-    """Records, on the engine's own thread, when each request reached the scheduler
-    (add_request) and each step's start and end (monotonic seconds)."""
+    """Records when each prompt was ready for the engine (tokenized: on the server's
+    preprocessing thread, or in add_request offline), when it reached the scheduler
+    (add_request, on the engine's own thread: between two steps) and each step's start and
+    end (monotonic seconds)."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, offline: bool) -> None:
+        self.offline = offline
+        self.ready: list[float] = []
         self.adds: list[float] = []
         self.steps: list[tuple[float, float]] = []
-        add, step = engine.add_request, engine.step
+        tokenize, add, step = engine.tokenize, engine.add_request, engine.step
+        inside_add = threading.local()
+
+        def traced_tokenize(prompt: Any) -> list[int]:
+            ids = tokenize(prompt)
+            if not getattr(inside_add, "on", False):
+                self.ready.append(time.monotonic())
+            return ids
 
         def traced_add(*a: Any, **kw: Any) -> None:
-            add(*a, **kw)
+            # offline, add_request tokenizes: ready then; in the server it gets ids, ready before
+            inside_add.on = self.offline is False
+            try:
+                add(*a, **kw)
+            finally:
+                inside_add.on = False
             self.adds.append(time.monotonic())
 
         def traced_step() -> Any:
@@ -86,22 +104,26 @@ class Trace:
             self.steps.append((t0, time.monotonic()))
             return out
 
-        engine.add_request, engine.step = traced_add, traced_step
+        engine.tokenize, engine.add_request, engine.step = traced_tokenize, traced_add, traced_step
 
     def reset(self) -> None:
+        self.ready.clear()
         self.adds.clear()
         self.steps.clear()
 
     def summary(self) -> dict[str, Any]:
-        """Arrivals relative to the first; the first step that began at or after it; the
-        number of steps that began between the first and the last arrival."""
+        """Times relative to the first arrival at the scheduler: when each prompt was ready,
+        when it arrived, the first step's window; how many prompts were ready while that step
+        ran (they arrive only after it), and how many steps began between the first and the
+        last arrival (0: all eight were admitted together)."""
         first, last = self.adds[0], self.adds[-1]
         later = [s for s in self.steps if s[0] >= first]
         step0 = later[0] if later else (first, first)
         return {
+            "ready_offsets_s": [round(t - first, 3) for t in self.ready],
             "arrival_offsets_s": [round(t - first, 3) for t in self.adds],
             "first_step_s": [round(step0[0] - first, 3), round(step0[1] - first, 3)],
-            "arrived_during_first_step": sum(step0[0] < t <= step0[1] for t in self.adds),
+            "ready_during_first_step": sum(step0[0] < t < step0[1] for t in self.ready),
             "steps_begun_between_first_and_last_arrival": sum(first <= s[0] < last for s in later),
         }
 
@@ -221,6 +243,22 @@ def _run_offline(engine: Any, trace: Trace, chats: list, ids: list, max_tokens: 
 
 
 PATTERNS = {"chat_burst": _run_chat_burst, "api_list": _run_api_list, "offline": _run_offline}
+NOTES = {
+    "chat_burst": "The eight are ready (tokenized) within milliseconds of each other, but each "
+                  "is added on its own: the engine starts the first prefill (seconds) at the "
+                  "first arrival and runs the other adds only after that step, when the first "
+                  "prompt's blocks are cached. Both modes then serve them as plain prefix hits "
+                  "and compute one document: in-flight dedup has nothing to do (see arrivals).",
+    "api_list": "One request, eight prompts, added in one engine command: all reach the "
+                "scheduler before the same step.",
+    "offline": "All eight added before the first step (LLM.generate).",
+}
+BUDGET_NOTE = ("With dedup off, the first step computes as many copies of the document as fit "
+               "in the token budget; the rest are admitted in the next step as prefix hits. At "
+               "2,048 one prompt fills a step, so the budget alone serializes the document "
+               "prefills: off computes one document too and dedup has nothing to save. At 8,192 "
+               "off computes four copies in its first step, on one; the median TTFT ratio is "
+               "then bounded by about 3.8x (tokens computed before the median first token: four documents and some tails against one document and seven tails).")
 
 
 # --- driver -----------------------------------------------------------------------------------
@@ -231,10 +269,12 @@ def _one_run(loaded: Any, pattern: str, dedup: bool, budget: int, chats: list, i
     from pagedkv.engine import LLMEngine
 
     engine = LLMEngine(loaded, dedup_inflight_prefixes=dedup, max_num_batched_tokens=budget)
-    trace = Trace(engine)
+    trace = Trace(engine, offline=pattern == "offline")
     out = PATTERNS[pattern](engine, trace, chats, ids, max_tokens)
     out["arrivals"] = trace.summary()
     engine.close()
+    del engine, trace
+    gc.collect()  # the traced methods make a cycle: free this engine's KV cache now
     return out
 
 
@@ -258,13 +298,23 @@ def _compare(on_runs: list[dict], off_runs: list[dict]) -> dict[str, Any]:
     }
 
 
-def _cases(budgets: tuple[int, ...]) -> list[tuple[str, int]]:
-    """chat_burst at the default budget; api_list and offline at every budget."""
-    return [("chat_burst", budgets[0])] + [(p, b) for b in budgets for p in ("api_list", "offline")]
+def _cases(budgets: tuple[int, ...], patterns: tuple[str, ...]) -> list[tuple[str, int]]:
+    """chat_burst at the first budget; api_list and offline at every budget."""
+    first = [("chat_burst", budgets[0])] if "chat_burst" in patterns else []
+    return first + [(p, b) for b in budgets for p in ("api_list", "offline") if p in patterns]
+
+
+def _one_document_plus_questions(ids: list[list[int]]) -> int:
+    """Prompt tokens computed if the common prefix were computed once."""
+    shared = 0
+    while all(len(p) > shared and p[shared] == ids[0][shared] for p in ids):
+        shared += 1
+    return shared + sum(len(p) - shared for p in ids)
 
 
 def run_prefix_bench(repeats: int = 1, max_tokens: int = 64, quick: bool = False,
-                     budgets: tuple[int, ...] = DEFAULT_BUDGETS) -> dict:
+                     budgets: tuple[int, ...] = DEFAULT_BUDGETS,
+                     patterns: tuple[str, ...] = tuple(PATTERNS)) -> dict:
     import torch
 
     from pagedkv.model.loader import load_model
@@ -283,7 +333,7 @@ def run_prefix_bench(repeats: int = 1, max_tokens: int = 64, quick: bool = False
                     add_special_tokens=False).input_ids) for c in chats]
     doc_tokens = len(tok(doc, add_special_tokens=False).input_ids)
     results: dict[str, Any] = {}
-    for pattern, budget in _cases(budgets):
+    for pattern, budget in _cases(budgets, patterns):
         runs: dict[str, list] = {"on": [], "off": []}
         for i in range(repeats):
             for mode in ("on", "off"):
@@ -291,14 +341,23 @@ def run_prefix_bench(repeats: int = 1, max_tokens: int = 64, quick: bool = False
                 runs[mode].append(_one_run(loaded, pattern, mode == "on", budget, chats, ids,
                                            max_tokens))
         results[f"{pattern}@{budget}"] = {"pattern": pattern, "max_num_batched_tokens": budget,
+                                          "note": NOTES[pattern],
                                           **_compare(runs["on"], runs["off"])}
-    judged = f"api_list@{budgets[-1]}"
+    judged = "api_list@8192"
+    target: dict[str, Any] = {
+        "median_ttft_speedup": TARGET, "judged_on": judged,
+        "why": "the issue's case is eight requests reaching the scheduler together through the "
+               "API; 8,192 (vLLM's default budget) is the budget reported here at which several "
+               "copies of the document fit in one step, the precondition for dedup to matter. "
+               + BUDGET_NOTE}
+    if judged in results:
+        target["met"] = results[judged]["median_ttft_speedup"] >= TARGET
     return {
         "model": loaded.name, "threads": torch.get_num_threads(), "requests": len(chats),
         "max_tokens": max_tokens, "repeats": repeats, "document_tokens": doc_tokens,
-        "prompt_tokens_each": [len(p) for p in ids], "results": results,
-        "target": {"median_ttft_speedup": TARGET, "judged_on": judged,
-                   "met": results[judged]["median_ttft_speedup"] >= TARGET},
+        "prompt_tokens_each": [len(p) for p in ids],
+        "one_document_plus_questions": _one_document_plus_questions(ids),
+        "results": results, "target": target,
     }
 
 
@@ -307,8 +366,10 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, nargs="+", default=list(DEFAULT_BUDGETS),
                     help="token budgets per step (the first: the engine's default, 2048)")
+    ap.add_argument("--patterns", nargs="+", choices=list(PATTERNS), default=list(PATTERNS),
+                    help="arrival patterns to measure (default: all three)")
 
 
 def run(args: argparse.Namespace) -> dict:
     return run_prefix_bench(args.repeats, args.max_tokens, args.quick,
-                            tuple(args.max_num_batched_tokens))
+                            tuple(args.max_num_batched_tokens), tuple(args.patterns))
