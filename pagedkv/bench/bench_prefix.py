@@ -257,8 +257,9 @@ BUDGET_NOTE = ("With dedup off, the first step computes as many copies of the do
                "in the token budget; the rest are admitted in the next step as prefix hits. At "
                "2,048 one prompt fills a step, so the budget alone serializes the document "
                "prefills: off computes one document too and dedup has nothing to save. At 8,192 "
-               "off computes four copies in its first step, on one; the median TTFT ratio is "
-               "then bounded by about 3.8x (tokens computed before the median first token: four documents and some tails against one document and seven tails).")
+               "off computes four copies in its first step, on one: the TTFT ratio is about "
+               "the time of a step of four prompts over that of one plus a step of seven short "
+               "tails.")
 
 
 # --- driver -----------------------------------------------------------------------------------
