@@ -17,8 +17,16 @@ except ImportError:
 
 import pytest
 import torch
+from hypothesis import settings
 
 from pagedkv.model import LoadedModel, default_model_path, load_model
+
+# Property tests: derandomized by default, so CI on a clean clone is reproducible (the same examples
+# every run); HYPOTHESIS_PROFILE=explore draws fresh random examples
+# each run, to hunt for new failures.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.register_profile("explore", derandomize=False, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # The reference machines have 2 cores; more threads than cores only adds contention.
 torch.set_num_threads(2)
