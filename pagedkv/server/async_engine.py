@@ -7,6 +7,9 @@ loop in one `call_soon_threadsafe` batch. When no request is unfinished the thre
 an Event.
 
 Invariants:
+- Only the engine thread runs torch work while serving: the threads that built the AsyncEngine
+  and started it release their OpenMP worker teams (`openmp.release_team`), since a second
+  team on a small machine makes every decode step wait on sleeping workers (about 2x slower).
 - Tokenization and chat templates run on a separate preprocessing thread, never on the
   engine thread: one client's huge prompt never delays another client's next token.
 - One request's failure never fails another: a `RequestFailedError` from the engine, or an
@@ -29,6 +32,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from pagedkv.errors import RequestFailedError, RequestTooLongError
+from pagedkv.server.openmp import release_team
 from pagedkv.server.stream import (
     Choice,
     ClientTooSlowError,
@@ -71,11 +75,13 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._prep = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedkv-prep")
         self.max_token_chars: int | None = None  # measured on the preprocessing thread
+        release_team()  # usually the thread that loaded the model: the engine thread steps it
 
     # --- event-loop side ---------------------------------------------------------------------
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        release_team()
         self._stopping = False
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="pagedkv-engine", daemon=True)
