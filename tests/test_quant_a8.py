@@ -212,3 +212,22 @@ def test_smollm2_int8_activations_stay_close_to_exact(smollm2) -> None:  # noqa:
     logp, logq = torch.log_softmax(exact, -1), torch.log_softmax(approx, -1)
     assert float((logp.exp() * (logp - logq)).sum(-1).mean()) < 0.02
     assert float((approx.argmax(-1) == exact.argmax(-1)).float().mean()) >= 0.9
+
+
+@pytest.mark.parametrize("impl", [0, 1], ids=["fast", "scalar"])
+def test_one_call_linear_equals_per_segment_products(impl: int) -> None:
+    """pagedkv_a8.linear (QWeight's path when every segment is Q4_0/Q4_1/Q8_0) quantizes x once
+    and gives each segment's columns exactly what the per-segment op gives."""
+    k = 96
+    parts = [(Q.Q4_1, _weights(Q.Q4_1, 23, k, 1)), (Q.Q8_0, _weights(Q.Q8_0, 5, k, 2)),
+             (Q.Q4_0, _weights(Q.Q4_0, 38, k, 3))]
+    ws = [torch.from_numpy(d.copy()) for _, d in parts]
+    for t in (1, 3, 8, 40):
+        x = _acts(t, k, t)
+        out = torch.empty(t, 66)
+        torch.ops.pagedkv_a8.linear(torch.from_numpy(x), ws, [int(q) for q, _ in parts], out, impl)
+        want = np.concatenate([_run(q, d, x, impl) for q, d in parts], axis=1)
+        assert np.array_equal(out.numpy(), want)
+    w = QWeight(k, [(q, torch.from_numpy(d.copy())) for q, d in parts])
+    w.set_activations("int8")
+    assert torch.equal(w.linear(torch.from_numpy(x)), out) or impl == 1

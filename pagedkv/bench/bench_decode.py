@@ -88,7 +88,8 @@ def _prefill(engine, n: int) -> float:  # noqa: ANN001
 
 
 _FAMILIES = {
-    "linear": ("pagedkv_q::qmatmul", "pagedkv_q::qrows", "mkldnn::_linear_pointwise", "aten::mm",
+    "linear": ("pagedkv_q::qmatmul", "pagedkv_q::qrows", "pagedkv_a8::linear", "pagedkv_a8::matmul",
+               "pagedkv_a8::quantize", "mkldnn::_linear_pointwise", "aten::mm",
                "aten::addmm", "aten::linear"),
     "attention": ("pagedkv_attn::paged_decode", "aten::index_put_", "aten::index_copy_"),
     "norm_rope_act": ("aten::rms_norm", "aten::_fused_rms_norm", "aten::mul", "aten::addcmul",

@@ -19,6 +19,8 @@
 // Ops (torch.ops.pagedkv_a8.*):
 //   quantize(x [T, K] f32, xq [T, K] i8, xd [T, K/32] f32, xs [T, K/32] f32, impl)
 //   matmul(xq, xd, xs, w [N, rb] u8, qtype, out [T, >= col0 + N] f32, col0, impl)
+//   linear(x [T, K] f32, ws [w_i [N_i, rb_i] u8], qtypes, out [T, sum N_i] f32, impl): quantize
+//     once, then every segment into its columns, in one parallel loop (one op call per Linear)
 // impl: 0 = fastest available, 1 = scalar.
 
 #include <ATen/Parallel.h>
@@ -30,6 +32,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
@@ -228,8 +231,8 @@ template <int64_t QT>
 void range_avx2(const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, int64_t nb, int64_t T,
                 const int8_t* xq, const float* xd, const float* xs, int64_t K, float* out, int64_t ldo) {
   int64_t n = n0;
-  for (; n + 2 <= n1; n += 2) rows_avx2<QT, 2>(w + n * rb, rb, nb, T, xq, xd, xs, K, out + n, ldo);
-  if (n < n1) rows_avx2<QT, 1>(w + n * rb, rb, nb, T, xq, xd, xs, K, out + n, ldo);
+  for (; QT != Q8_0 && n + 2 <= n1; n += 2) rows_avx2<QT, 2>(w + n * rb, rb, nb, T, xq, xd, xs, K, out + n, ldo);
+  for (; n < n1; ++n) rows_avx2<QT, 1>(w + n * rb, rb, nb, T, xq, xd, xs, K, out + n, ldo);
 }
 
 void range_avx2(int64_t qt, const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, int64_t nb,
@@ -263,15 +266,7 @@ void check_act(const at::Tensor& xq, const at::Tensor& xd, const at::Tensor& xs)
                 "xd/xs must be contiguous float32 [T, K/32] tensors");
 }
 
-void quantize(const at::Tensor& x, at::Tensor& xq, at::Tensor& xd, at::Tensor& xs, int64_t impl) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "x must be a contiguous float32 [T, K] tensor");
-  check_act(xq, xd, xs);
-  TORCH_CHECK(xq.size(0) == x.size(0) && xq.size(1) == x.size(1), "xq must have x's shape");
-  const int64_t nblocks = x.numel() / QK;
-  const float* xp = x.data_ptr<float>();
-  int8_t* qp = xq.data_ptr<int8_t>();
-  float *dp = xd.data_ptr<float>(), *sp = xs.data_ptr<float>();
+void quantize_blocks(const float* xp, int8_t* qp, float* dp, float* sp, int64_t nblocks, int64_t impl) {
   const bool fast = use_avx2(impl);
   at::parallel_for(0, nblocks, 2048, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
@@ -285,6 +280,15 @@ void quantize(const at::Tensor& x, at::Tensor& xq, at::Tensor& xd, at::Tensor& x
     }
   });
   (void)fast;
+}
+
+void quantize(const at::Tensor& x, at::Tensor& xq, at::Tensor& xd, at::Tensor& xs, int64_t impl) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "x must be a contiguous float32 [T, K] tensor");
+  check_act(xq, xd, xs);
+  TORCH_CHECK(xq.size(0) == x.size(0) && xq.size(1) == x.size(1), "xq must have x's shape");
+  quantize_blocks(x.data_ptr<float>(), xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<float>(),
+                  x.numel() / QK, impl);
 }
 
 void matmul(const at::Tensor& xq, const at::Tensor& xd, const at::Tensor& xs, const at::Tensor& w,
@@ -318,14 +322,66 @@ void matmul(const at::Tensor& xq, const at::Tensor& xd, const at::Tensor& xs, co
   (void)fast;
 }
 
+// One call per Linear: x quantized once (into buffers of this call), then every segment w[i]
+// (rows of one type) multiplied into its columns of out, all rows in one parallel loop.
+void linear(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, at::Tensor& out, int64_t impl) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) > 0 &&
+                  x.size(1) % QK == 0,
+              "x must be a contiguous float32 [T, K] tensor, K a multiple of 32");
+  TORCH_CHECK(ws.size() == qtypes.size() && !ws.empty(), "one qtype per weight segment");
+  const int64_t T = x.size(0), K = x.size(1), nb = K / QK;
+  std::vector<int64_t> first{0};  // first output column of each segment
+  for (size_t i = 0; i < ws.size(); ++i) {
+    const int64_t bb = block_bytes(qtypes[i]);
+    TORCH_CHECK(bb > 0, "activation-quantized matmul: unsupported ggml type ", qtypes[i]);
+    TORCH_CHECK(ws[i].dim() == 2 && ws[i].scalar_type() == at::kByte && ws[i].is_contiguous() &&
+                    ws[i].size(1) == nb * bb,
+                "weight must be a contiguous uint8 [N, ", nb * bb, "] tensor");
+    first.push_back(first.back() + ws[i].size(0));
+  }
+  const int64_t N = first.back();
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.is_contiguous() &&
+                  out.size(0) == T && out.size(1) == N,
+              "out must be a contiguous float32 [T, N] tensor");
+  if (T == 0 || N == 0) return;
+  std::vector<int8_t> xq(T * K);
+  std::vector<float> xds(2 * T * nb);  // d, then s
+  quantize_blocks(x.data_ptr<float>(), xq.data(), xds.data(), xds.data() + T * nb, T * nb, impl);
+  const int8_t* qp = xq.data();
+  const float *dp = xds.data(), *sp = xds.data() + T * nb;
+  float* op = out.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(16, N / (8 * std::max<int64_t>(1, at::get_num_threads())));
+  const bool fast = use_avx2(impl);
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    for (size_t i = 0; i < ws.size(); ++i) {
+      const int64_t a = std::max(n0, first[i]), b = std::min(n1, first[i + 1]);
+      if (a >= b) continue;
+      const uint8_t* wp = ws[i].data_ptr<uint8_t>();  // segment rows, local index n - first[i]
+      const int64_t rb = ws[i].size(1), c = first[i];
+      float* oc = op + c;
+#ifdef A8_AVX2
+      if (fast) {
+        range_avx2(qtypes[i], wp, rb, a - c, b - c, nb, T, qp, dp, sp, K, oc, N);
+        continue;
+      }
+#endif
+      for (int64_t n = a - c; n < b - c; ++n)
+        row_scalar(qtypes[i], wp + n * rb, nb, T, qp, dp, sp, K, oc + n, N);
+    }
+  });
+  (void)fast;
+}
+
 }  // namespace a8
 
 TORCH_LIBRARY(pagedkv_a8, m) {
   m.def("quantize(Tensor x, Tensor(a!) xq, Tensor(b!) xd, Tensor(c!) xs, int impl) -> ()");
   m.def("matmul(Tensor xq, Tensor xd, Tensor xs, Tensor w, int qtype, Tensor(a!) out, int col0, int impl) -> ()");
+  m.def("linear(Tensor x, Tensor[] ws, int[] qtypes, Tensor(a!) out, int impl) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedkv_a8, CPU, m) {
   m.impl("quantize", &a8::quantize);
   m.impl("matmul", &a8::matmul);
+  m.impl("linear", &a8::linear);
 }

@@ -96,13 +96,15 @@ class QWeight:
         cols = np.cumsum([0] + [d.shape[0] for _, d in self.parts])
         self._calls = [(d, int(q), int(c)) for (q, d), c in zip(self.parts, cols, strict=False)]
         self.a8 = False  # activations="int8": see set_activations
+        self._a8_all = False
+        self._a8_args = ([d for _, d in self.parts], [int(q) for q, _ in self.parts])
 
     def set_activations(self, mode: str) -> None:
         """"float32" (exact) or "int8" (approximate; effective where a segment is A8_TYPES)."""
         if mode not in ACTIVATIONS:
             raise UnsupportedModelError(f"unsupported activations {mode!r}; choose one of {list(ACTIVATIONS)}")
         self.a8 = mode == "int8" and any(q in A8_TYPES for q, _ in self.parts) and self.k % 32 == 0
-
+        self._a8_all = all(q in A8_TYPES for q, _ in self.parts)  # one op call per linear
     @property
     def shape(self) -> tuple[int, int]:
         return (self.n, self.k)
@@ -147,6 +149,9 @@ class QWeight:
 
     def _linear_a8(self, x: torch.Tensor, out: torch.Tensor, op) -> None:  # noqa: ANN001
         """out = x W^T with x quantized to int8 blocks once for all the A8_TYPES segments."""
+        if self._a8_all:  # the common case: one op quantizes x and fills every segment
+            torch.ops.pagedkv_a8.linear.default(x, *self._a8_args, out, A8_IMPL)
+            return
         quantize, matmul = qkernel.a8()
         xa = quantize_activations(x, quantize)
         for data, qtype, col in self._calls:
