@@ -55,6 +55,9 @@ def _one_line_error(r: subprocess.CompletedProcess, *words: str) -> None:
         (("serve", "--port", "99999"), ("--port",)),
         (("serve", "--kv-cache-dtype", "q4_0"), ("q4_0", "int8", "fp8_e4m3")),
         (("generate", "--kv-cache-dtype", "int4", "hi"), ("int4", "bfloat16")),
+        (("generate", "--activations", "int4", "hi"), ("--activations", "int4")),
+        (("generate", "--weights", "float32", "--activations", "int8", "hi"),
+         ("activations='int8'", "weights='quantized'")),
     ],
 )
 def test_bad_command_is_one_line_and_nonzero(args: tuple[str, ...], words: tuple[str, ...]) -> None:
