@@ -617,6 +617,20 @@ def test_bench_serve_against_fake(serve_fake: Any) -> None:
 
 # --- the real engine -------------------------------------------------------------------------
 
+
+def test_bench_serve_in_process_reference(smollm2: Any) -> None:
+    """--peer's in-process reference runs the same requests, `concurrency` at a time."""
+    from pagedkv.bench.bench_serve import run_in_process
+    from pagedkv.engine import LLMEngine
+
+    engine = LLMEngine(smollm2, num_blocks=64, max_num_seqs=8)
+    prompts = ["The quick brown fox", [{"role": "user", "content": "Name a colour."}]]
+    result = run_in_process(engine, prompts, concurrency=2, num_requests=5, max_tokens=4)
+    assert result["completed"] == 5 and result["total_output_tokens"] == 20, result
+    assert result["median_tpot_ms"] > 0 and result["median_step_ms"] > 0
+    assert not engine.has_unfinished_requests()
+    assert engine.cache.num_free_blocks == 64
+
 LOAD_PROMPTS: list[Any] = [
     "The quick brown fox",
     "Once upon a time",

@@ -14,6 +14,10 @@ the same client sends the same chat prompts (128 new tokens, greedy, ignore_eos)
 to the peer at each of --peer-concurrency (1, 8, 40 clients), one server at a time, and reports
 output tok/s, TTFT and TPOT of both and pagedkv's output-throughput ratio. pagedkv is started as
 its own `pagedkv serve --threads N` process unless --base-url names a running one.
+
+Each --peer level also runs the same requests in this process, through `LLMEngine.step` with
+the same threads and `concurrency` requests in flight, no HTTP (`in_process`): what the server
+path costs is `tpot_http_over_in_process` (1.0 = nothing), measured side by side in one run.
 """
 
 from __future__ import annotations
@@ -233,6 +237,8 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--threads", type=int, default=2, help="threads of the pagedkv server started")
     ap.add_argument("--weights", default=None, choices=["quantized", "float32"],
                     help="weights of the pagedkv server started for --peer")
+    ap.add_argument("--no-in-process", action="store_true",
+                    help="with --peer: skip the in-process reference (LLMEngine.step, no HTTP)")
 
 
 def _requests_for(concurrency: int) -> int:
@@ -262,6 +268,61 @@ def start_pagedkv(threads: int, weights: str | None, model: str | None) -> tuple
     raise RuntimeError(f"pagedkv serve did not start: {' '.join(cmd)}")
 
 
+def in_process_engine(args: argparse.Namespace, prompts: list[Prompt], levels: list[int],
+                      max_tokens: int) -> Any:
+    """An LLMEngine in this process like the server's (same model, weights, threads), with
+    KV blocks for the largest level's requests at once."""
+    import torch
+
+    from pagedkv.engine import LLMEngine
+
+    torch.set_num_threads(args.threads)
+    engine = LLMEngine(args.model, weights=args.weights, num_blocks=1, max_num_seqs=64)
+    longest = max(len(engine.tokenize(p)) for p in prompts)
+    bs = engine.cache.block_size
+    blocks = max(levels) * (-(-(longest + max_tokens) // bs) + 1)
+    return LLMEngine(engine.loaded, num_blocks=blocks, max_num_seqs=64)
+
+
+def run_in_process(engine: Any, prompts: list[Prompt], concurrency: int, num_requests: int,
+                   max_tokens: int) -> dict[str, Any]:
+    """The HTTP run's requests (same prompts, greedy, ignore_eos), `concurrency` in flight at a
+    time, stepped by LLMEngine in this thread with no server around it. The prompts' prefixes
+    are cached first (one token each), so prefill matters less here than over HTTP: compare
+    TPOT and steps, not TTFT."""
+    from pagedkv.engine import SamplingParams
+
+    warm = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i in range(min(num_requests, len(prompts))):
+        engine.add_request(f"warm-{concurrency}-{i}", prompts[i], warm)
+    while engine.has_unfinished_requests():
+        engine.step()
+    added = running = tokens = 0
+    steps: list[float] = []
+    tpots: list[float] = []
+    start = time.perf_counter()
+    while added < num_requests or running:
+        while running < concurrency and added < num_requests:
+            engine.add_request(f"ref-{concurrency}-{added}", prompts[added % len(prompts)], params)
+            added, running = added + 1, running + 1
+        t = time.perf_counter()
+        outs = engine.step()
+        steps.append(time.perf_counter() - t)
+        for out in (o for o in outs if o.finished):
+            running -= 1
+            n = len(out.outputs[0].token_ids)
+            tokens += n
+            if n > 1:
+                tpots.append((out.finish_time - out.first_token_time) / (n - 1))
+    duration = time.perf_counter() - start
+    return {"completed": num_requests, "total_output_tokens": tokens,
+            "output_throughput": round(tokens / duration, 2),
+            "median_tpot_ms": round(1e3 * statistics.median(tpots), 2) if tpots else 0.0,
+            "median_step_ms": round(1e3 * statistics.median(steps), 2),
+            "duration_s": round(duration, 2)}
+
+
 def _brief(r: dict[str, Any]) -> dict[str, Any]:
     keys = ("completed", "failed", "output_throughput", "median_ttft_ms", "median_tpot_ms", "duration_s")
     out = {k: round(r[k], 2) if isinstance(r[k], float) else r[k] for k in keys}
@@ -276,16 +337,24 @@ def run_peer(args: argparse.Namespace) -> dict[str, Any]:
     proc, ours = (None, args.base_url) if args.base_url else start_pagedkv(args.threads, args.weights, args.model)
     max_tokens = 16 if args.quick else args.peer_max_tokens
     rows = {}
+    prompts = args.prompt or default_prompts()
+    local = None if args.no_in_process else in_process_engine(args, prompts, levels, max_tokens)
     try:
         for c in levels:
             n = c if args.quick else _requests_for(c)
-            kw = dict(num_requests=n, concurrency=c, max_tokens=max_tokens, prompts=args.prompt,
+            kw = dict(num_requests=n, concurrency=c, max_tokens=max_tokens, prompts=prompts,
                       api_key=args.api_key)
             a = asyncio.run(arun_serve_bench(ours, **kw))
             b = asyncio.run(arun_serve_bench(args.peer, **kw))
             ratio = a["output_throughput"] / b["output_throughput"] if b["output_throughput"] else None
             rows[str(c)] = {"pagedkv": _brief(a), "peer": _brief(b),
                             "ratio": round(ratio, 2) if ratio else None}
+            if local is not None:
+                ref = run_in_process(local, prompts, c, n, max_tokens)
+                rows[str(c)]["in_process"] = ref
+                rows[str(c)]["tpot_http_over_in_process"] = (
+                    round(a["median_tpot_ms"] / ref["median_tpot_ms"], 2)
+                    if ref["median_tpot_ms"] else None)
             print(f"[bench serve] {c} clients: {rows[str(c)]}", file=sys.stderr, flush=True)
     finally:
         if proc is not None:

@@ -298,7 +298,8 @@ class OpenAIServer:
         next_check = time.monotonic() + DISCONNECT_POLL_S
         while True:
             try:
-                update = await asyncio.wait_for(stream.get(), timeout=DISCONNECT_POLL_S)
+                async with asyncio.timeout(DISCONNECT_POLL_S):  # no task per update (wait_for)
+                    update = await stream.get()
             except TimeoutError:
                 update = None
             except Exception as exc:
