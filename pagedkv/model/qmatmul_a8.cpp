@@ -9,7 +9,9 @@
 // With AVX2 the 32 products of a block are summed by maddubs (u8 x s8 -> pairs in int16; Q8_0
 // weights through the sign trick |w| x sign(x, w)) and madd (-> 8 int32 lanes, lane j holding
 // elements 4j..4j+3), converted to float and accumulated with one FMA per block into 8 float
-// lanes; the offset terms go into a scalar sum. The scalar path (impl=1, or a build without
+// lanes; the offset terms (m * s) are summed block by block in a scalar, except for rows in whole
+// groups of 4, which keep them per block and sum them after the block loop (8 lanes of FMAs,
+// then the remainder): cheaper per row there, dearer for 1-3 rows (measured). The scalar path (impl=1, or a build without
 // AVX2) does exactly the same arithmetic lane by lane, so both give bit-identical results.
 //
 // Each weight row is read from memory once per call: a pair of weight rows is unpacked block by
@@ -132,12 +134,24 @@ inline float hsum_lanes(const float* l) {
   return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
 }
 
+// sum over blocks of m[b] * s[b] (the offset terms): 8 lanes of FMAs over whole groups of 8
+// blocks, the AVX2 horizontal sum, then the rest one by one
+float offset_dot_scalar(const float* m, const float* s, int64_t nb) {
+  float l[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t b = 0;
+  for (; b + 8 <= nb; b += 8)
+    for (int j = 0; j < 8; ++j) l[j] = std::fmaf(m[b + j], s[b + j], l[j]);
+  float t = hsum_lanes(l);
+  for (; b < nb; ++b) t = t + m[b] * s[b];
+  return t;
+}
+
 void row_scalar(int64_t t, const uint8_t* row, int64_t nb, int64_t T, const int8_t* xq,
                 const float* xd, const float* xs, int64_t K, float* res, int64_t ldr) {
   const int64_t bb = block_bytes(t);
+  std::vector<float> mb(nb);
   for (int64_t r = 0; r < T; ++r) {
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    float summ = 0.f;
     WBlock wb;
     for (int64_t b = 0; b < nb; ++b) {
       unpack_scalar(t, row + bb * b, wb);
@@ -148,8 +162,13 @@ void row_scalar(int64_t t, const uint8_t* row, int64_t nb, int64_t T, const int8
         for (int i = 4 * j; i < 4 * j + 4; ++i) lane += wb.w[i] * x[i];
         acc[j] = std::fmaf(static_cast<float>(lane), d, acc[j]);
       }
-      if (t != Q8_0) summ = summ + wb.m * xs[r * nb + b];
+      mb[b] = wb.m;
     }
+    // rows in whole groups of 4 sum the offsets after the loop, the others block by block
+    float summ = 0.f;
+    if (t != Q8_0 && r < T - T % 4) summ = offset_dot_scalar(mb.data(), xs + r * nb, nb);
+    else if (t != Q8_0)
+      for (int64_t b = 0; b < nb; ++b) summ = summ + mb[b] * xs[r * nb + b];
     res[r * ldr] = hsum_lanes(acc) + summ;
   }
 }
@@ -164,10 +183,18 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// W weight rows (W <= 2) x R activation rows (R <= 4): each activation block is loaded and its
-// scale broadcast once for both weight rows; res[w * ldw + r * ldr]
+float offset_dot_avx2(const float* m, const float* s, int64_t nb) {
+  __m256 l = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 8 <= nb; b += 8) l = _mm256_fmadd_ps(_mm256_loadu_ps(m + b), _mm256_loadu_ps(s + b), l);
+  float t = hsum(l);
+  for (; b < nb; ++b) t = t + m[b] * s[b];
+  return t;
+}
+
+// W weight rows (W <= 2) x 1-3 activation rows: as tile_late, the offsets summed block by block
 template <int64_t QT, int W, int R>
-void tile_avx2(const uint8_t* row, int64_t rb, int64_t nb, const int8_t* xq, const float* xd,
+__attribute__((always_inline)) inline void tile_inline(const uint8_t* row, int64_t rb, int64_t nb, const int8_t* xq, const float* xd,
                const float* xs, int64_t K, float* res, int64_t ldr) {
   constexpr int64_t bb = QT == Q4_0 ? 18 : QT == Q4_1 ? 20 : 34;
   const __m256i ones = _mm256_set1_epi16(1);
@@ -210,29 +237,73 @@ void tile_avx2(const uint8_t* row, int64_t rb, int64_t nb, const int8_t* xq, con
     for (int r = 0; r < R; ++r) res[v + r * ldr] = hsum(acc[v][r]) + summ[v][r];
 }
 
+// W weight rows (W <= 2) x R activation rows (a whole group of 4): each activation block is
+// loaded and its scale broadcast once for both weight rows; the offsets m of the weight blocks
+// are kept in mb [W, nb] and summed against xs after the block loop. res[w + r * ldr]
+template <int64_t QT, int W, int R>
+__attribute__((always_inline)) inline void tile_late(const uint8_t* row, int64_t rb, int64_t nb, const int8_t* xq, const float* xd,
+               const float* xs, int64_t K, float* res, int64_t ldr, float* mb) {
+  constexpr int64_t bb = QT == Q4_0 ? 18 : QT == Q4_1 ? 20 : 34;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  __m256 acc[W][R];
+  for (int v = 0; v < W; ++v)
+    for (int r = 0; r < R; ++r) acc[v][r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i w[W], aw[W];
+    __m256 dw[W];
+    for (int v = 0; v < W; ++v) {
+      const uint8_t* blk = row + v * rb + bb * b;
+      const float d = half(blk);
+      dw[v] = _mm256_set1_ps(d);
+      if (QT == Q8_0) {
+        w[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+        aw[v] = _mm256_abs_epi8(w[v]);
+      } else {
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (QT == Q4_1 ? 4 : 2)));
+        w[v] = aw[v] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
+        mb[v * nb + b] = QT == Q4_1 ? half(blk + 2) : -8.f * d;
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + QK * b));
+      const __m256 dx = _mm256_broadcast_ss(xd + r * nb + b);
+      for (int v = 0; v < W; ++v) {
+        const __m256i xv = QT == Q8_0 ? _mm256_sign_epi8(x, w[v]) : x;
+        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw[v], xv), ones);
+        acc[v][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw[v], dx), acc[v][r]);
+      }
+    }
+  }
+  for (int v = 0; v < W; ++v)
+    for (int r = 0; r < R; ++r)
+      res[v + r * ldr] = hsum(acc[v][r]) + (QT == Q8_0 ? 0.f : offset_dot_avx2(mb + v * nb, xs + r * nb, nb));
+}
+
 // W weight rows against all T activation rows, 4 at a time (the weight rows stay in L1)
 template <int64_t QT, int W>
 void rows_avx2(const uint8_t* row, int64_t rb, int64_t nb, int64_t T, const int8_t* xq,
-               const float* xd, const float* xs, int64_t K, float* res, int64_t ldr) {
+               const float* xd, const float* xs, int64_t K, float* res, int64_t ldr, float* mb) {
   int64_t t = 0;
   for (; t + 4 <= T; t += 4)
-    tile_avx2<QT, W, 4>(row, rb, nb, xq + t * K, xd + t * nb, xs + t * nb, K, res + t * ldr, ldr);
+    tile_late<QT, W, 4>(row, rb, nb, xq + t * K, xd + t * nb, xs + t * nb, K, res + t * ldr, ldr, mb);
   const int64_t m = T - t;
   const int8_t* q = xq + t * K;
   const float *d = xd + t * nb, *s = xs + t * nb;
   float* o = res + t * ldr;
-  if (m == 3) tile_avx2<QT, W, 3>(row, rb, nb, q, d, s, K, o, ldr);
-  else if (m == 2) tile_avx2<QT, W, 2>(row, rb, nb, q, d, s, K, o, ldr);
-  else if (m == 1) tile_avx2<QT, W, 1>(row, rb, nb, q, d, s, K, o, ldr);
+  if (m == 3) tile_inline<QT, W, 3>(row, rb, nb, q, d, s, K, o, ldr);
+  else if (m == 2) tile_inline<QT, W, 2>(row, rb, nb, q, d, s, K, o, ldr);
+  else if (m == 1) tile_inline<QT, W, 1>(row, rb, nb, q, d, s, K, o, ldr);
 }
 
 // weight rows [n0, n1) (pairs, then a last single one)
 template <int64_t QT>
 void range_avx2(const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, int64_t nb, int64_t T,
                 const int8_t* xq, const float* xd, const float* xs, int64_t K, float* out, int64_t ldo) {
+  std::vector<float> mb(T >= 4 ? 2 * nb : 0);  // the offsets of the current weight rows (tile_late)
   int64_t n = n0;
-  for (; QT != Q8_0 && n + 2 <= n1; n += 2) rows_avx2<QT, 2>(w + n * rb, rb, nb, T, xq, xd, xs, K, out + n, ldo);
-  for (; n < n1; ++n) rows_avx2<QT, 1>(w + n * rb, rb, nb, T, xq, xd, xs, K, out + n, ldo);
+  for (; QT != Q8_0 && n + 2 <= n1; n += 2) rows_avx2<QT, 2>(w + n * rb, rb, nb, T, xq, xd, xs, K, out + n, ldo, mb.data());
+  for (; n < n1; ++n) rows_avx2<QT, 1>(w + n * rb, rb, nb, T, xq, xd, xs, K, out + n, ldo, mb.data());
 }
 
 void range_avx2(int64_t qt, const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, int64_t nb,
