@@ -18,7 +18,7 @@ from pagedkv.model.quant import QWeight
 A8 = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
 ROWS = [1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 40]
 
-pytestmark = pytest.mark.skipif(not qkernel.load(), reason="needs the compiled kernel")
+needs_kernel = pytest.mark.skipif(not qkernel.load(), reason="needs the compiled kernel")
 
 
 def _weights(qtype: Q, n: int, k: int, seed: int) -> np.ndarray:
@@ -93,6 +93,7 @@ def _run(qtype: Q, data: np.ndarray, x: np.ndarray, impl: int) -> np.ndarray:
     return out[:, 2:-1].numpy()
 
 
+@needs_kernel
 @pytest.mark.parametrize("impl", [0, 1], ids=["fast", "scalar"])
 def test_quantize_matches_reference_exactly(impl: int) -> None:
     x = _acts(40, 576, 3)
@@ -105,6 +106,7 @@ def test_quantize_matches_reference_exactly(impl: int) -> None:
     assert np.array_equal(xd.numpy(), rd) and np.array_equal(xs.numpy(), rs)
 
 
+@needs_kernel
 @pytest.mark.parametrize("qtype", A8, ids=lambda q: q.name)
 @pytest.mark.parametrize("n,k", [(1, 32), (37, 96), (130, 576)])
 def test_matmul_matches_int8_reference(qtype: Q, n: int, k: int) -> None:
@@ -118,6 +120,7 @@ def test_matmul_matches_int8_reference(qtype: Q, n: int, k: int) -> None:
         assert (err <= 2e-6 * mag + 1e-30).all(), f"T={t}: max err {err.max()} (mag {mag.max()})"
 
 
+@needs_kernel
 def test_int8_products_are_close_to_exact() -> None:
     """The approximation itself: int8 activations stay within ~1% of the float32 product."""
     data = _weights(Q.Q4_1, 64, 576, 1)
@@ -130,6 +133,7 @@ def test_int8_products_are_close_to_exact() -> None:
     assert 0 < rel < 0.02
 
 
+@needs_kernel
 def test_qweight_routes_segments_and_rows() -> None:
     """Q4_1 / Q6_K / Q8_0 segments of one weight: the K-quant one stays exact, the others are int8;
     above A8_ROWS rows, and in float32 mode, the whole product is the exact path's."""
@@ -162,6 +166,7 @@ def test_mode_is_validated_and_k_quants_only_stay_exact() -> None:
     assert not w.a8  # no segment the int8 kernel multiplies
 
 
+@needs_kernel
 def test_op_rejects_bad_shapes() -> None:
     quantize_op, matmul = _ops()
     x = torch.zeros(2, 48)
@@ -192,6 +197,7 @@ def test_activations_option_is_validated() -> None:
         LLMEngine("/nonexistent.gguf", weights="float32", activations="int8")  # before loading
 
 
+@needs_kernel
 def test_smollm2_int8_activations_stay_close_to_exact(smollm2) -> None:  # noqa: ANN001
     """The approximate mode on the real model (Q4_1 layers, Q8_0 LM head): measured 2.3%
     relative logit error, KL 0.005, top-1 agreeing at all 35 positions of this prompt."""
@@ -214,6 +220,7 @@ def test_smollm2_int8_activations_stay_close_to_exact(smollm2) -> None:  # noqa:
     assert float((approx.argmax(-1) == exact.argmax(-1)).float().mean()) >= 0.9
 
 
+@needs_kernel
 @pytest.mark.parametrize("impl", [0, 1], ids=["fast", "scalar"])
 def test_one_call_linear_equals_per_segment_products(impl: int) -> None:
     """pagedkv_a8.linear (QWeight's path when every segment is Q4_0/Q4_1/Q8_0) quantizes x once
@@ -231,3 +238,18 @@ def test_one_call_linear_equals_per_segment_products(impl: int) -> None:
     w = QWeight(k, [(q, torch.from_numpy(d.copy())) for q, d in parts])
     w.set_activations("int8")
     assert torch.equal(w.linear(torch.from_numpy(x)), out) or impl == 1
+
+
+def test_without_the_kernel_int8_mode_is_the_exact_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No compiler (or PAGEDKV_NO_KERNEL=1): activations="int8" changes nothing, the pure-torch
+    fallback multiplies the gguf-dequantized weights."""
+    monkeypatch.setattr(qkernel, "load", lambda: False)
+    monkeypatch.setattr(qkernel, "qmatmul", lambda: None)
+    monkeypatch.setattr(qkernel, "a8", lambda: None)
+    data = _weights(Q.Q4_1, 16, 64, 0)
+    w = QWeight(64, [(Q.Q4_1, torch.from_numpy(data.copy()))])
+    x = torch.from_numpy(_acts(3, 64, 0))
+    exact = w.linear(x)
+    w.set_activations("int8")
+    assert torch.equal(w.linear(x), exact)
+    assert torch.allclose(exact, x @ w.dequantize().t(), rtol=1e-5, atol=1e-5)
