@@ -38,7 +38,7 @@ class _Kernel:
         self.ok = False
         self.error: str | None = None
         self.qmatmul = None  # the op's overload, once loaded
-        self.a8 = None  # (quantize, matmul) overloads of the activation-quantized path
+        self.a8 = None  # (quantize, matmul, linear) overloads of the activation-quantized path
 
 
 _kernel = _Kernel()
@@ -72,7 +72,8 @@ def load() -> bool:
             ):
                 raise RuntimeError("the library loaded but did not register its ops")
             k.qmatmul = torch.ops.pagedkv_q.qmatmul.default
-            k.a8 = (torch.ops.pagedkv_a8.quantize.default, torch.ops.pagedkv_a8.matmul.default)
+            a8 = torch.ops.pagedkv_a8
+            k.a8 = (a8.quantize.default, a8.matmul.default, a8.linear.default)
             k.ok = True
         except Exception as e:  # any build problem means "use the fallback"
             k.error = f"{type(e).__name__}: {e}"
@@ -87,7 +88,7 @@ def qmatmul():  # noqa: ANN201
 
 
 def a8():  # noqa: ANN201
-    """(quantize, matmul) ops of the activation-quantized path, or None without the kernel."""
+    """(quantize, matmul, linear) ops of the activation-quantized path, or None without the kernel."""
     return _kernel.a8 if (_kernel.ok or load()) else None
 
 

@@ -149,10 +149,10 @@ class QWeight:
 
     def _linear_a8(self, x: torch.Tensor, out: torch.Tensor, op) -> None:  # noqa: ANN001
         """out = x W^T with x quantized to int8 blocks once for all the A8_TYPES segments."""
+        quantize, matmul, linear = qkernel.a8()
         if self._a8_all:  # the common case: one op quantizes x and fills every segment
-            torch.ops.pagedkv_a8.linear.default(x, *self._a8_args, out, A8_IMPL)
+            linear(x, *self._a8_args, out, A8_IMPL)
             return
-        quantize, matmul = qkernel.a8()
         xa = quantize_activations(x, quantize)
         for data, qtype, col in self._calls:
             if qtype in A8_TYPES:
