@@ -331,7 +331,7 @@ class LLMEngine:
                     self.scheduler.finish(s, "stop")
 
     def _output(self, r: Request) -> RequestOutput:
-        outs = [CompletionOutput(s.index, s.text, list(s.output_ids), s.finish_reason,
+        outs = [CompletionOutput(s.index, s.text, s.output_ids, s.finish_reason,  # a new list
                                  None if s.logprobs is None else list(s.logprobs))
                 for s in r.seqs]
         return RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, outs,
