@@ -31,6 +31,8 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int32 (padding: 0)
     decode_seq_lens: torch.Tensor  # [num_decodes] int32, context incl. the new token
     max_decode_seq_len: int = 0
+    # whether slot_mapping holds a -1; None until the first layer's write checks it, once per step
+    has_skips: bool | None = None
 
     @property
     def num_prefills(self) -> int:

@@ -62,7 +62,9 @@ def paged_attention(
             f"but q has {num_tokens} and k {k.shape[0]}"
         )
     if num_tokens:
-        write_layer(cache, meta.slot_mapping, k, v)
+        if meta.has_skips is None:  # one device sync per step, not one per layer
+            meta.has_skips = bool((meta.slot_mapping < 0).any())
+        write_layer(cache, meta.slot_mapping, k, v, skips=meta.has_skips)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, D], contiguous
     if meta.num_prefills:
         paged_prefill_attention(

@@ -419,15 +419,21 @@ def _raw(t: torch.Tensor) -> bytes:
     return t.contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()
 
 
-def write_layer(cache: LayerKV, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def write_layer(
+    cache: LayerKV, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    skips: bool | None = None,
+) -> None:
     """Unchecked hot-path write of one layer: slot_mapping [T], k/v [T, H, D] (any float dtype,
     converted to the cache's).
 
     Quantized caches get q and scale from one vectorized quantize per tensor, then the same
-    indexed copy as the float path writes both. Slots equal to -1 are skipped.
+    indexed copy as the float path writes both. Slots equal to -1 are skipped. `skips`: whether
+    slot_mapping holds a -1, if the caller already knows (None: checked here, a device sync).
     """
     slots = slot_mapping.to(torch.int64)
-    if slots.numel() and bool((slots < 0).any()):
+    if skips is None:
+        skips = bool(slots.numel()) and bool((slots < 0).any())
+    if skips:
         keep = slots >= 0
         slots, k, v = slots[keep], k[keep], v[keep]
     h, d = cache.k.shape[-2:]

@@ -283,7 +283,7 @@ class LlamaModel(nn.Module):
         else:
             x = F.embedding(input_ids, self.embedding_weight())  # [T, H], fresh: safe to add_ into
         cos, sin = self.rope.lookup(positions)  # [T, 1, D] each, shared by every layer
-        eps, layers = self.config.rms_norm_eps, self.layers
+        eps, layers = self.config.rms_norm_eps, list(self.layers)  # list: no ModuleList indexing per layer
         fused = x.dtype == torch.float32 and qkernel.load()
         # each residual add is fused with the RMSNorm that follows it (fused_ops.cpp)
         h = F.rms_norm(x, x.shape[-1:], layers[0].input_norm, eps)
