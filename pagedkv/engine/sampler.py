@@ -78,8 +78,10 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: Sequence[SampledSeq]) -> list[int]:
         params = [s.request.params for s in seqs]
         x = self.adjust(logits, seqs)
-        tokens = x.argmax(dim=-1)  # NaN and +inf count as the maximum: their rows fail below
-        ok = torch.isfinite(x.gather(1, tokens[:, None])[:, 0])
+        # one reduction gives argmax and its value (first maximum, as argmax);
+        # NaN and +inf count as the maximum: their rows fail below
+        best, tokens = x.max(dim=-1)
+        ok = torch.isfinite(best)
         rand = [i for i, p in enumerate(params) if not p.greedy]
         if rand:
             rows = torch.tensor(rand)

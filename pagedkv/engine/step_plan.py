@@ -87,15 +87,21 @@ def build_plan(
         rows.extend(range(first, first + len(decodes)))
         plan.samplers.extend(decodes)
     plan.meta = AttentionMetadata(
-        slot_mapping=torch.cat(slots),
+        slot_mapping=_cat(slots),
         prefill_query_lens=[p.end - p.start for p in prefills],
         prefill_context_lens=[p.start for p in prefills],
         prefill_block_tables=prefill_tables,
         decode_block_tables=dec_tables,
         decode_seq_lens=dec_lens,
-        max_decode_seq_len=int(dec_lens.max()) if decodes else 0,
+        max_decode_seq_len=int(dec_lens.numpy().max()) if decodes else 0,
     )
     plan.input_ids = torch.tensor(ids, dtype=torch.int64)
-    plan.positions = torch.cat(pos)
+    plan.positions = _cat(pos)
     plan.logits_indices = torch.tensor(rows or [len(ids) - 1], dtype=torch.int64)
     return plan
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat, without the copy when there is one part (a pure-decode step); every part is a
+    fresh tensor, so the result never aliases the cache's buffers."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
