@@ -83,14 +83,14 @@ def paged_attention(
         )
     if meta.num_decodes:
         paged_decode_attention(
-            q[num_prefill:],
+            q[num_prefill:] if num_prefill else q,  # no view op on a pure-decode step
             cache.k,
             cache.v,
             meta.decode_block_tables,
             meta.decode_seq_lens,
             scale,
             max_seq_len=meta.max_decode_seq_len or None,
-            out=out[num_prefill:],
+            out=out[num_prefill:] if num_prefill else out,
             k_scale=cache.k_scale,
             v_scale=cache.v_scale,
         )
