@@ -126,23 +126,35 @@ def step_breakdown(engine, ids: list[int], steps: int = 24) -> dict:  # noqa: AN
 
 def crossover(threads: int) -> dict:
     """ms of one SmolLM2 gate/up matmul by activation rows: row-streaming kernel vs tiles + BLAS."""
+    return _crossover(threads, "TILED_ROWS", "float32", "kernel", (1, 4, 8, 16, 32, 64, 128, 256))
+
+
+def a8_crossover(threads: int) -> dict:
+    """ms of SmolLM2's gate/up by rows: int8-activation kernel vs the exact tiles + BLAS."""
+    return _crossover(threads, "A8_ROWS", "int8", "int8", (16, 32, 64, 128, 256))
+
+
+def _crossover(threads: int, setting: str, activations: str, name: str, rows_list: tuple) -> dict:
+    """Time q.linear with quant.<setting> forced high (the kernel) and to 0 (tiles), by rows."""
     from pagedkv.model import load_model, quant
 
     torch.set_num_threads(threads)
     q = load_model(weights="quantized").model.layers[0].gate_up_proj.q
-    saved, res = quant.TILED_ROWS, {}
+    saved, res = getattr(quant, setting), {}
     try:
-        for rows in (1, 4, 8, 16, 32, 64, 128, 256):
+        q.set_activations(activations)
+        for rows in rows_list:
             x = torch.randn(rows, q.k)
             t = {}
-            for mode, limit in (("kernel", 1 << 30), ("tiles", 0)):
-                quant.TILED_ROWS = limit
+            for mode, limit in ((name, 1 << 30), ("tiles", 0)):
+                setattr(quant, setting, limit)
                 q.linear(x)
                 t[mode] = min(_timed(q.linear, x) for _ in range(7)) * 1e3
             res[rows] = {k: round(v, 3) for k, v in t.items()}
     finally:
-        quant.TILED_ROWS = saved
-    return {"rows": res, "tiled_rows_setting": saved}
+        setattr(quant, setting, saved)
+        q.set_activations("float32")
+    return {"rows": res, f"{setting.lower()}_setting": saved}
 
 
 def _timed(f, x) -> float:  # noqa: ANN001
@@ -202,29 +214,6 @@ def kernels(threads: int) -> dict:
             out[f"{name}_{rows}"] = {"exact": round(t["float32"], 3), "int8": round(t["int8"], 3),
                                      "speedup": round(t["float32"] / t["int8"], 2)}
     return out
-
-
-def a8_crossover(threads: int) -> dict:
-    """ms of SmolLM2's gate/up by rows: int8-activation kernel vs the exact tiles + BLAS."""
-    from pagedkv.model import load_model, quant
-
-    torch.set_num_threads(threads)
-    q = load_model(weights="quantized").model.layers[0].gate_up_proj.q
-    saved, res = quant.A8_ROWS, {}
-    try:
-        for rows in (16, 32, 64, 128, 256):
-            x = torch.randn(rows, q.k)
-            t = {}
-            for mode, limit in (("int8", 1 << 30), ("tiles", 0)):
-                quant.A8_ROWS = limit
-                q.set_activations("int8")
-                q.linear(x)
-                t[mode] = min(_timed(q.linear, x) for _ in range(7)) * 1e3
-            res[rows] = {k: round(v, 3) for k, v in t.items()}
-    finally:
-        quant.A8_ROWS = saved
-        q.set_activations("float32")
-    return {"rows": res, "a8_rows_setting": saved}
 
 
 def agreement(prompts: list[list[int]], n: int) -> dict:
