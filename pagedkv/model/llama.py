@@ -59,6 +59,11 @@ class Linear(nn.Module):
             return y if self.bias is None else y.add_(self.bias)
         return packed_linear(x, self.weight, self.packed, self.bias)
 
+    def fast(self):  # noqa: ANN201
+        """A plain callable computing forward(x) without nn.Module.__call__ (hook machinery):
+        the QWeight's own `linear` when there is no bias. Valid until `q` is replaced."""
+        return self.q.linear if self.q is not None and self.bias is None else self.forward
+
 
 def _rms_weight(n: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.ones(n, dtype=dtype), requires_grad=False)
@@ -152,6 +157,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_norm = _rms_weight(h, dtype)
         self.gate_up_proj = Linear(h, 2 * cfg.intermediate_size, False, dtype, q)
         self.down_proj = Linear(cfg.intermediate_size, h, False, dtype, q)
+        self.bind()
+
+    def bind(self) -> None:
+        """Prebind the four matmuls as plain callables (Linear.fast), called once per layer
+        per step without the nn.Module call machinery; again whenever a Linear's `q` changes."""
+        fns = (self.qkv_proj.fast(), self.o_proj.fast(), self.gate_up_proj.fast(), self.down_proj.fast())
+        self._qkv, self._o, self._gate_up, self._down = fns
+        # plain references (nn.Module attribute lookup of a Parameter is a slow path); the
+        # Parameter objects stay the same when weights load (they are copied into .data)
+        self.norms = (self.input_norm, self.post_attention_norm)
 
     def attention(
         self,
@@ -166,7 +181,7 @@ class DecoderLayer(nn.Module):
         compiled elementwise ops (float32 only)."""
         t = h.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(h)  # [T, (Hq + 2 Hkv) D]
+        qkv = self._qkv(h)  # [T, (Hq + 2 Hkv) D]
         # q and k are rotated together: one set of RoPE ops instead of two (one op when fused)
         qk_in = qkv[:, : self.q_size + self.kv_size].view(t, hq + hkv, d)
         if fused:
@@ -177,17 +192,17 @@ class DecoderLayer(nn.Module):
         q, k = qk[:, :hq], qk[:, hq:]  # [T, Hq, D], [T, Hkv, D]
         v = qkv[:, self.q_size + self.kv_size :].view(t, hkv, d)  # [T, Hkv, D]
         o = paged_attention(q, k, v, cache, meta, self.scale)  # [T, Hq, D]
-        return self.o_proj(o.reshape(t, self.q_size))
+        return self._o(o.reshape(t, self.q_size))
 
     def mlp(self, h: torch.Tensor, fused: bool = False) -> torch.Tensor:
         """h = post_attention_norm(x) [T, H] -> the MLP's output [T, H]."""
-        gu = self.gate_up_proj(h)  # [T, 2I]
+        gu = self._gate_up(h)  # [T, 2I]
         if fused:
             act = torch.empty(gu.shape[0], gu.shape[1] // 2)
             torch.ops.pagedkv_ops.silu_mul(gu, act)
-            return self.down_proj(act)
+            return self._down(act)
         gate, up = gu.chunk(2, dim=-1)  # [T, I] each
-        return self.down_proj(F.silu(gate).mul_(up))  # SwiGLU
+        return self._down(F.silu(gate).mul_(up))  # SwiGLU
 
 
 def _add_rms_norm(x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: float, fused: bool) -> torch.Tensor:
@@ -287,12 +302,13 @@ class LlamaModel(nn.Module):
         fused = x.dtype == torch.float32 and qkernel.load()
         # each residual add is fused with the RMSNorm that follows it (fused_ops.cpp)
         h = F.rms_norm(x, x.shape[-1:], layers[0].input_norm, eps)
-        for i, layer in enumerate(layers):
-            a = layer.attention(h, cos, sin, kv.layers[i], meta, fused)
-            h = _add_rms_norm(x, a, layer.post_attention_norm, eps, fused)
+        last = len(layers) - 1
+        for i, (layer, cache) in enumerate(zip(layers, kv.layers, strict=False)):
+            a = layer.attention(h, cos, sin, cache, meta, fused)
+            h = _add_rms_norm(x, a, layer.norms[1], eps, fused)
             m = layer.mlp(h, fused)
-            if i + 1 < len(layers):
-                h = _add_rms_norm(x, m, layers[i + 1].input_norm, eps, fused)
+            if i < last:
+                h = _add_rms_norm(x, m, layers[i + 1].norms[0], eps, fused)
             else:
                 x.add_(m)
         if logits_indices is not None:
@@ -351,6 +367,8 @@ class LlamaModel(nn.Module):
             dest.copy_(tensor)
             seen.add(name)
         self._attach_quantized(pending)
+        for layer in self.layers:
+            layer.bind()  # a Linear's `q` may have changed
         missing = sorted((set(targets) | set(slots)) - seen)
         if missing:
             raise ModelLoadError(f"missing weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")

@@ -53,6 +53,12 @@ def _build() -> None:
     build_and_load(_SOURCES, "pagedkv_qmatmul", _EXTRA_FLAGS)
 
 
+def _raw(overload):  # noqa: ANN001, ANN202
+    """The overload's underlying builtin (what OpOverload.__call__ forwards to, minus one Python
+    frame per call); the overload itself where a torch version lacks `_op`."""
+    return getattr(overload, "_op", overload)
+
+
 def load() -> bool:
     """Build (first time) and load the kernel; True when torch.ops.pagedkv_q is usable."""
     k = _kernel
@@ -71,9 +77,9 @@ def load() -> bool:
                 and hasattr(torch.ops.pagedkv_a8, "matmul")
             ):
                 raise RuntimeError("the library loaded but did not register its ops")
-            k.qmatmul = torch.ops.pagedkv_q.qmatmul.default
+            k.qmatmul = _raw(torch.ops.pagedkv_q.qmatmul.default)
             a8 = torch.ops.pagedkv_a8
-            k.a8 = (a8.quantize.default, a8.matmul.default, a8.linear.default)
+            k.a8 = tuple(_raw(o.default) for o in (a8.quantize, a8.matmul, a8.linear))
             k.ok = True
         except Exception as e:  # any build problem means "use the fallback"
             k.error = f"{type(e).__name__}: {e}"

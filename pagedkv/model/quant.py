@@ -136,11 +136,15 @@ class QWeight:
         if op is None:
             return F.linear(x, self._fallback())
         x = x.contiguous()
-        out = torch.empty(x.shape[0], self.n, dtype=torch.float32)
-        if self.a8 and 0 < x.shape[0] <= A8_ROWS:
-            self._linear_a8(x, out, op)
+        t = x.shape[0]
+        out = torch.empty(t, self.n, dtype=torch.float32)
+        if self.a8 and 0 < t <= A8_ROWS:
+            if self._a8_all:  # the common case: one op quantizes x and fills every segment
+                qkernel.a8()[2](x, *self._a8_args, out, A8_IMPL)
+            else:
+                self._linear_a8(x, out, op)
             return out
-        if x.shape[0] > TILED_ROWS:
+        if t > TILED_ROWS:
             self._tiled(x, out)
             return out
         for data, qtype, col in self._calls:
