@@ -33,6 +33,9 @@ class AttentionMetadata:
     max_decode_seq_len: int = 0
     # whether slot_mapping holds a -1; None until the first layer's write checks it, once per step
     has_skips: bool | None = None
+    # paged.py's per-step plan (counts, checks, decode backend): None until the first layer
+    # builds it; every layer of the step reuses it (see paged.StepPlan)
+    plan: object | None = None
 
     @property
     def num_prefills(self) -> int:

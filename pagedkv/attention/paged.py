@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +43,58 @@ _SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 _FALLBACK_CHUNK_TOKENS = 512
 
 
+@dataclass(slots=True)
+class StepPlan:
+    """What paged_attention decides once per step, from the metadata and the first layer's
+    inputs: token counts (checked against q/k), the slot check, the scales check and the decode
+    backend. Valid for every layer whose q and cache have the dtypes it was built for (all the
+    layers of one KVStorage); a call with other dtypes, or after set_use_kernel, rebuilds it."""
+
+    num_tokens: int
+    num_prefill: int  # prefill tokens
+    num_decodes: int
+    q_dtype: torch.dtype
+    kv_dtype: torch.dtype
+    use_kernel: bool  # CONFIG.use_kernel when built
+    kernel: bool  # decode through the compiled op (cache contiguity is still checked per layer)
+    block_tables: torch.Tensor  # decode block tables, int32 contiguous when `kernel`
+    seq_lens: torch.Tensor  # decode seq lens, int32 contiguous when `kernel`
+    op: object | None  # the decode op's builtin when `kernel`
+
+    def fits(self, q: torch.Tensor, cache: LayerKV) -> bool:
+        return (
+            q.dtype == self.q_dtype
+            and cache.k.dtype == self.kv_dtype
+            and _kernel.CONFIG.use_kernel == self.use_kernel
+        )
+
+
+def _plan(q: torch.Tensor, k: torch.Tensor, cache: LayerKV, meta: AttentionMetadata) -> StepPlan:
+    num_tokens = q.shape[0]
+    num_prefill = meta.num_prefill_tokens
+    if num_prefill + meta.num_decodes != num_tokens or k.shape[0] != num_tokens:
+        raise StorageMismatchError(
+            f"metadata describes {num_prefill} prefill + {meta.num_decodes} decode tokens, "
+            f"but q has {num_tokens} and k {k.shape[0]}"
+        )
+    if num_tokens:
+        _check_scales(cache.k, cache.v, cache.k_scale, cache.v_scale)
+    if num_tokens and meta.has_skips is None:  # one device sync per step, not one per layer
+        meta.has_skips = bool((meta.slot_mapping < 0).any())
+    out = q[:0]  # dtype/device/contiguity stand-in for the fresh output
+    kernel = meta.num_decodes > 0 and _use_kernel(q, cache.k, cache.v, out, cache.k_scale)
+    tables, lens, op = meta.decode_block_tables, meta.decode_seq_lens, None
+    if kernel:
+        op = _kernel.decode_op()
+        op = getattr(op, "_op", op)  # the builtin OpOverload.__call__ forwards to
+        if tables.dtype != torch.int32 or not tables.is_contiguous():
+            tables = tables.to(torch.int32).contiguous()
+        if lens.dtype != torch.int32 or not lens.is_contiguous():
+            lens = lens.to(torch.int32).contiguous()
+    return StepPlan(num_tokens, num_prefill, meta.num_decodes, q.dtype, cache.k.dtype,
+                    _kernel.CONFIG.use_kernel, kernel, tables, lens, op)
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -52,21 +105,21 @@ def paged_attention(
 ) -> torch.Tensor:
     """Write k/v at meta.slot_mapping, then attend; returns [T, Hq, D] in q's dtype.
 
-    q [T, Hq, D]; k, v [T, Hkv, D]; `cache` one layer's views (KVStorage.layer(i)).
+    q [T, Hq, D]; k, v [T, Hkv, D]; `cache` one layer's views (KVStorage.layer(i)). The
+    metadata's checks and the decode backend are decided by the first layer (meta.plan).
     """
-    num_tokens = q.shape[0]
-    num_prefill = meta.num_prefill_tokens
-    if num_prefill + meta.num_decodes != num_tokens or k.shape[0] != num_tokens:
+    plan = meta.plan
+    if plan is None or not plan.fits(q, cache):
+        plan = meta.plan = _plan(q, k, cache, meta)
+    num_tokens, num_prefill = plan.num_tokens, plan.num_prefill
+    if q.shape[0] != num_tokens or k.shape[0] != num_tokens:
         raise StorageMismatchError(
-            f"metadata describes {num_prefill} prefill + {meta.num_decodes} decode tokens, "
-            f"but q has {num_tokens} and k {k.shape[0]}"
+            f"metadata describes {num_tokens} tokens, but q has {q.shape[0]} and k {k.shape[0]}"
         )
     if num_tokens:
-        if meta.has_skips is None:  # one device sync per step, not one per layer
-            meta.has_skips = bool((meta.slot_mapping < 0).any())
         write_layer(cache, meta.slot_mapping, k, v, skips=meta.has_skips)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, D], contiguous
-    if meta.num_prefills:
+    if num_prefill:
         paged_prefill_attention(
             q[:num_prefill],
             k[:num_prefill],
@@ -81,19 +134,27 @@ def paged_attention(
             k_scale=cache.k_scale,
             v_scale=cache.v_scale,
         )
-    if meta.num_decodes:
-        paged_decode_attention(
-            q[num_prefill:] if num_prefill else q,  # no view op on a pure-decode step
-            cache.k,
-            cache.v,
-            meta.decode_block_tables,
-            meta.decode_seq_lens,
-            scale,
-            max_seq_len=meta.max_decode_seq_len or None,
-            out=out[num_prefill:] if num_prefill else out,
-            k_scale=cache.k_scale,
-            v_scale=cache.v_scale,
-        )
+    if plan.num_decodes:
+        qd = q[num_prefill:] if num_prefill else q  # no view op on a pure-decode step
+        od = out[num_prefill:] if num_prefill else out
+        if plan.kernel and cache.k.is_contiguous() and cache.v.is_contiguous():
+            if qd.stride(-1) != 1:
+                qd = qd.contiguous()
+            plan.op(qd, cache.k, cache.v, plan.block_tables, plan.seq_lens, float(scale),
+                              od, cache.k_scale, cache.v_scale)
+        else:
+            paged_decode_attention(
+                qd,
+                cache.k,
+                cache.v,
+                meta.decode_block_tables,
+                meta.decode_seq_lens,
+                scale,
+                max_seq_len=meta.max_decode_seq_len or None,
+                out=od,
+                k_scale=cache.k_scale,
+                v_scale=cache.v_scale,
+            )
     return out
 
 
