@@ -175,18 +175,18 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         cache: LayerKV,
         meta: AttentionMetadata,
-        fused: bool = False,
+        fused: tuple | None = None,
     ) -> torch.Tensor:
-        """h = input_norm(x) [T, H] -> the attention block's output [T, H]. `fused`: use the
-        compiled elementwise ops (float32 only)."""
+        """h = input_norm(x) [T, H] -> the attention block's output [T, H]. `fused`: the
+        compiled elementwise ops, qkernel.fused() (float32 only); None: torch ops."""
         t = h.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self._qkv(h)  # [T, (Hq + 2 Hkv) D]
         # q and k are rotated together: one set of RoPE ops instead of two (one op when fused)
         qk_in = qkv[:, : self.q_size + self.kv_size].view(t, hq + hkv, d)
-        if fused:
+        if fused is not None:
             qk = torch.empty(t, hq + hkv, d)
-            torch.ops.pagedkv_ops.rope(qk_in, cos, sin, qk)
+            fused[0](qk_in, cos, sin, qk)
         else:
             qk = RotaryEmbedding.rotate(qk_in, cos, sin)
         q, k = qk[:, :hq], qk[:, hq:]  # [T, Hq, D], [T, Hkv, D]
@@ -194,22 +194,24 @@ class DecoderLayer(nn.Module):
         o = paged_attention(q, k, v, cache, meta, self.scale)  # [T, Hq, D]
         return self._o(o.reshape(t, self.q_size))
 
-    def mlp(self, h: torch.Tensor, fused: bool = False) -> torch.Tensor:
+    def mlp(self, h: torch.Tensor, fused: tuple | None = None) -> torch.Tensor:
         """h = post_attention_norm(x) [T, H] -> the MLP's output [T, H]."""
         gu = self._gate_up(h)  # [T, 2I]
-        if fused:
+        if fused is not None:
             act = torch.empty(gu.shape[0], gu.shape[1] // 2)
-            torch.ops.pagedkv_ops.silu_mul(gu, act)
+            fused[1](gu, act)
             return self._down(act)
         gate, up = gu.chunk(2, dim=-1)  # [T, I] each
         return self._down(F.silu(gate).mul_(up))  # SwiGLU
 
 
-def _add_rms_norm(x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: float, fused: bool) -> torch.Tensor:
+def _add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: float, fused: tuple | None
+) -> torch.Tensor:
     """x += delta (in place); returns rms_norm(x) * w as a new tensor."""
-    if fused:
+    if fused is not None:
         out = torch.empty_like(x)
-        torch.ops.pagedkv_ops.add_rms_norm(x, delta.contiguous(), w, eps, out)
+        fused[2](x, delta.contiguous(), w, eps, out)
         return out
     x.add_(delta)
     return F.rms_norm(x, x.shape[-1:], w, eps)
@@ -299,7 +301,7 @@ class LlamaModel(nn.Module):
             x = F.embedding(input_ids, self.embedding_weight())  # [T, H], fresh: safe to add_ into
         cos, sin = self.rope.lookup(positions)  # [T, 1, D] each, shared by every layer
         eps, layers = self.config.rms_norm_eps, list(self.layers)  # list: no ModuleList indexing per layer
-        fused = x.dtype == torch.float32 and qkernel.load()
+        fused = qkernel.fused() if x.dtype == torch.float32 else None  # ops, once per step
         # each residual add is fused with the RMSNorm that follows it (fused_ops.cpp)
         h = F.rms_norm(x, x.shape[-1:], layers[0].input_norm, eps)
         last = len(layers) - 1

@@ -39,6 +39,7 @@ class _Kernel:
         self.error: str | None = None
         self.qmatmul = None  # the op's overload, once loaded
         self.a8 = None  # (quantize, matmul, linear) overloads of the activation-quantized path
+        self.fused = None  # (rope, silu_mul, add_rms_norm) of fused_ops.cpp
 
 
 _kernel = _Kernel()
@@ -80,6 +81,8 @@ def load() -> bool:
             k.qmatmul = _raw(torch.ops.pagedkv_q.qmatmul.default)
             a8 = torch.ops.pagedkv_a8
             k.a8 = tuple(_raw(o.default) for o in (a8.quantize, a8.matmul, a8.linear))
+            f = torch.ops.pagedkv_ops
+            k.fused = tuple(_raw(o.default) for o in (f.rope, f.silu_mul, f.add_rms_norm))
             k.ok = True
         except Exception as e:  # any build problem means "use the fallback"
             k.error = f"{type(e).__name__}: {e}"
@@ -96,6 +99,11 @@ def qmatmul():  # noqa: ANN201
 def a8():  # noqa: ANN201
     """(quantize, matmul, linear) ops of the activation-quantized path, or None without the kernel."""
     return _kernel.a8 if (_kernel.ok or load()) else None
+
+
+def fused():  # noqa: ANN201
+    """(rope, silu_mul, add_rms_norm) ops of fused_ops.cpp, or None without the kernel."""
+    return _kernel.fused if (_kernel.ok or load()) else None
 
 
 def info() -> dict[str, object]:
