@@ -102,11 +102,14 @@ def paged_attention(
     cache: LayerKV,
     meta: AttentionMetadata,
     scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write k/v at meta.slot_mapping, then attend; returns [T, Hq, D] in q's dtype.
 
     q [T, Hq, D]; k, v [T, Hkv, D]; `cache` one layer's views (KVStorage.layer(i)). The
     metadata's checks and the decode backend are decided by the first layer (meta.plan).
+    `out`: a contiguous [T, Hq, D] tensor of q's dtype to write into (the model reuses one per
+    step across its layers); None: a new one.
     """
     plan = meta.plan
     if plan is None or not plan.fits(q, cache):
@@ -118,7 +121,8 @@ def paged_attention(
         )
     if num_tokens:
         write_layer(cache, meta.slot_mapping, k, v, skips=meta.has_skips)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, D], contiguous
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, D], contiguous
     if num_prefill:
         paged_prefill_attention(
             q[:num_prefill],

@@ -176,29 +176,31 @@ class DecoderLayer(nn.Module):
         cache: LayerKV,
         meta: AttentionMetadata,
         fused: tuple | None = None,
+        bufs: tuple | None = None,
     ) -> torch.Tensor:
         """h = input_norm(x) [T, H] -> the attention block's output [T, H]. `fused`: the
-        compiled elementwise ops, qkernel.fused() (float32 only); None: torch ops."""
+        compiled elementwise ops, qkernel.fused() (float32 only); None: torch ops. `bufs`:
+        LlamaModel._step_buffers (with `fused`), scratch reused by every layer of the step."""
         t = h.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self._qkv(h)  # [T, (Hq + 2 Hkv) D]
         # q and k are rotated together: one set of RoPE ops instead of two (one op when fused)
         qk_in = qkv[:, : self.q_size + self.kv_size].view(t, hq + hkv, d)
         if fused is not None:
-            qk = torch.empty(t, hq + hkv, d)
+            qk = torch.empty(t, hq + hkv, d) if bufs is None else bufs[0]
             fused[0](qk_in, cos, sin, qk)
         else:
             qk = RotaryEmbedding.rotate(qk_in, cos, sin)
         q, k = qk[:, :hq], qk[:, hq:]  # [T, Hq, D], [T, Hkv, D]
         v = qkv[:, self.q_size + self.kv_size :].view(t, hkv, d)  # [T, Hkv, D]
-        o = paged_attention(q, k, v, cache, meta, self.scale)  # [T, Hq, D]
+        o = paged_attention(q, k, v, cache, meta, self.scale, None if bufs is None else bufs[1])
         return self._o(o.reshape(t, self.q_size))
 
-    def mlp(self, h: torch.Tensor, fused: tuple | None = None) -> torch.Tensor:
+    def mlp(self, h: torch.Tensor, fused: tuple | None = None, bufs: tuple | None = None) -> torch.Tensor:
         """h = post_attention_norm(x) [T, H] -> the MLP's output [T, H]."""
         gu = self._gate_up(h)  # [T, 2I]
         if fused is not None:
-            act = torch.empty(gu.shape[0], gu.shape[1] // 2)
+            act = torch.empty(gu.shape[0], gu.shape[1] // 2) if bufs is None else bufs[2]
             fused[1](gu, act)
             return self._down(act)
         gate, up = gu.chunk(2, dim=-1)  # [T, I] each
@@ -206,11 +208,12 @@ class DecoderLayer(nn.Module):
 
 
 def _add_rms_norm(
-    x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: float, fused: tuple | None
+    x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: float, fused: tuple | None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x += delta (in place); returns rms_norm(x) * w as a new tensor."""
+    """x += delta (in place); returns rms_norm(x) * w, in `out` when given (fused only)."""
     if fused is not None:
-        out = torch.empty_like(x)
+        out = torch.empty_like(x) if out is None else out
         fused[2](x, delta.contiguous(), w, eps, out)
         return out
     x.add_(delta)
@@ -305,12 +308,14 @@ class LlamaModel(nn.Module):
         # each residual add is fused with the RMSNorm that follows it (fused_ops.cpp)
         h = F.rms_norm(x, x.shape[-1:], layers[0].input_norm, eps)
         last = len(layers) - 1
+        bufs = None if fused is None else self._step_buffers(x)
+        hb = None if bufs is None else bufs[3]
         for i, (layer, cache) in enumerate(zip(layers, kv.layers, strict=False)):
-            a = layer.attention(h, cos, sin, cache, meta, fused)
-            h = _add_rms_norm(x, a, layer.norms[1], eps, fused)
-            m = layer.mlp(h, fused)
+            a = layer.attention(h, cos, sin, cache, meta, fused, bufs)
+            h = _add_rms_norm(x, a, layer.norms[1], eps, fused, hb)
+            m = layer.mlp(h, fused, bufs)
             if i < last:
-                h = _add_rms_norm(x, m, layers[i + 1].norms[0], eps, fused)
+                h = _add_rms_norm(x, m, layers[i + 1].norms[0], eps, fused, hb)
             else:
                 x.add_(m)
         if logits_indices is not None:
@@ -321,6 +326,18 @@ class LlamaModel(nn.Module):
         if self._lm_head_packed is not None:
             return packed_linear(x, self.lm_head_t.t(), self._lm_head_packed).float()  # [B, V]
         return torch.mm(x, self.lm_head_t).float()  # [B, vocab]
+
+    def _step_buffers(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Scratch for one step, shared by every layer (each layer is done with it before the
+        next starts): RoPE'd q|k [T, Hq + Hkv, D], attention output [T, Hq, D], SwiGLU
+        activation [T, I], normed hidden state [T, H]."""
+        c, t = self.config, x.shape[0]
+        return (
+            torch.empty(t, c.num_heads + c.num_kv_heads, c.head_dim),
+            torch.empty(t, c.num_heads, c.head_dim),
+            torch.empty(t, c.intermediate_size),
+            torch.empty_like(x),
+        )
 
     def make_kv_storage(
         self, num_blocks: int, block_size: int, kv_cache_dtype: str | torch.dtype = "auto"
