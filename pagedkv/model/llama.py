@@ -53,9 +53,10 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None  # see packed.py; set by LlamaModel.pack_weights
         self.q: QWeight | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`out`: scratch a quantized weight's kernel may write into; use the result."""
         if self.q is not None:
-            y = self.q.linear(x)
+            y = self.q.linear(x, out)
             return y if self.bias is None else y.add_(self.bias)
         return packed_linear(x, self.weight, self.packed, self.bias)
 
@@ -183,7 +184,7 @@ class DecoderLayer(nn.Module):
         LlamaModel._step_buffers (with `fused`), scratch reused by every layer of the step."""
         t = h.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self._qkv(h)  # [T, (Hq + 2 Hkv) D]
+        qkv = self._qkv(h, None if bufs is None else bufs[4])  # [T, (Hq + 2 Hkv) D]
         # q and k are rotated together: one set of RoPE ops instead of two (one op when fused)
         qk_in = qkv[:, : self.q_size + self.kv_size].view(t, hq + hkv, d)
         if fused is not None:
@@ -194,15 +195,15 @@ class DecoderLayer(nn.Module):
         q, k = qk[:, :hq], qk[:, hq:]  # [T, Hq, D], [T, Hkv, D]
         v = qkv[:, self.q_size + self.kv_size :].view(t, hkv, d)  # [T, Hkv, D]
         o = paged_attention(q, k, v, cache, meta, self.scale, None if bufs is None else bufs[1])
-        return self._o(o.reshape(t, self.q_size))
+        return self._o(o.reshape(t, self.q_size), None if bufs is None else bufs[5])
 
     def mlp(self, h: torch.Tensor, fused: tuple | None = None, bufs: tuple | None = None) -> torch.Tensor:
         """h = post_attention_norm(x) [T, H] -> the MLP's output [T, H]."""
-        gu = self._gate_up(h)  # [T, 2I]
+        gu = self._gate_up(h, None if bufs is None else bufs[6])  # [T, 2I]
         if fused is not None:
             act = torch.empty(gu.shape[0], gu.shape[1] // 2) if bufs is None else bufs[2]
             fused[1](gu, act)
-            return self._down(act)
+            return self._down(act, None if bufs is None else bufs[7])
         gate, up = gu.chunk(2, dim=-1)  # [T, I] each
         return self._down(F.silu(gate).mul_(up))  # SwiGLU
 
@@ -330,12 +331,18 @@ class LlamaModel(nn.Module):
     def _step_buffers(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Scratch for one step, shared by every layer (each layer is done with it before the
         next starts): RoPE'd q|k [T, Hq + Hkv, D], attention output [T, Hq, D], SwiGLU
-        activation [T, I], normed hidden state [T, H]."""
+        activation [T, I], normed hidden state [T, H], then the outputs of qkv [T, (Hq + 2 Hkv) D],
+        o [T, H], gate_up [T, 2I] and down [T, H] (quantized kernels write there)."""
         c, t = self.config, x.shape[0]
+        hq, hkv, d, n = c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
         return (
-            torch.empty(t, c.num_heads + c.num_kv_heads, c.head_dim),
-            torch.empty(t, c.num_heads, c.head_dim),
-            torch.empty(t, c.intermediate_size),
+            torch.empty(t, hq + hkv, d),
+            torch.empty(t, hq, d),
+            torch.empty(t, n),
+            torch.empty_like(x),
+            torch.empty(t, (hq + 2 * hkv) * d),
+            torch.empty_like(x),
+            torch.empty(t, 2 * n),
             torch.empty_like(x),
         )
 

@@ -130,14 +130,16 @@ class QWeight:
             self._float = self.dequantize()
         return self._float
 
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, K] float32 -> x W^T [T, N] float32."""
+    def linear(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, K] float32 -> x W^T [T, N] float32. `out`: a contiguous float32 [T, N] tensor
+        the kernel paths write into (the fallback ignores it); use the returned tensor."""
         op = qkernel.qmatmul()
         if op is None:
             return F.linear(x, self._fallback())
         x = x.contiguous()
         t = x.shape[0]
-        out = torch.empty(t, self.n, dtype=torch.float32)
+        if out is None:
+            out = torch.empty(t, self.n, dtype=torch.float32)
         if self.a8 and 0 < t <= A8_ROWS:
             if self._a8_all:  # the common case: one op quantizes x and fills every segment
                 qkernel.a8()[2](x, *self._a8_args, out, A8_IMPL)
