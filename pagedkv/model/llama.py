@@ -185,6 +185,11 @@ class DecoderLayer(nn.Module):
         t = h.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self._qkv(h, None if bufs is None else bufs[4])  # [T, (Hq + 2 Hkv) D]
+        if bufs is not None and qkv is bufs[4]:  # the step's views of the scratch, made once
+            qk_in, q, k, v, o2 = bufs[8]
+            fused[0](qk_in, cos, sin, bufs[0])
+            paged_attention(q, k, v, cache, meta, self.scale, bufs[1])
+            return self._o(o2, bufs[5])
         # q and k are rotated together: one set of RoPE ops instead of two (one op when fused)
         qk_in = qkv[:, : self.q_size + self.kv_size].view(t, hq + hkv, d)
         if fused is not None:
@@ -332,19 +337,20 @@ class LlamaModel(nn.Module):
         """Scratch for one step, shared by every layer (each layer is done with it before the
         next starts): RoPE'd q|k [T, Hq + Hkv, D], attention output [T, Hq, D], SwiGLU
         activation [T, I], normed hidden state [T, H], then the outputs of qkv [T, (Hq + 2 Hkv) D],
-        o [T, H], gate_up [T, 2I] and down [T, H] (quantized kernels write there)."""
+        o [T, H], gate_up [T, 2I] and down [T, H] (quantized kernels write there); last, the
+        views DecoderLayer.attention takes of them: (q|k of qkv, q, k, v, attention out 2-D)."""
         c, t = self.config, x.shape[0]
         hq, hkv, d, n = c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
-        return (
-            torch.empty(t, hq + hkv, d),
-            torch.empty(t, hq, d),
-            torch.empty(t, n),
-            torch.empty_like(x),
-            torch.empty(t, (hq + 2 * hkv) * d),
-            torch.empty_like(x),
-            torch.empty(t, 2 * n),
-            torch.empty_like(x),
+        qk, att, qkv = torch.empty(t, hq + hkv, d), torch.empty(t, hq, d), torch.empty(t, (hq + 2 * hkv) * d)
+        views = (
+            qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d),
+            qk[:, :hq],
+            qk[:, hq:],
+            qkv[:, (hq + hkv) * d :].view(t, hkv, d),
+            att.view(t, hq * d),
         )
+        return (qk, att, torch.empty(t, n), torch.empty_like(x), qkv, torch.empty_like(x),
+                torch.empty(t, 2 * n), torch.empty_like(x), views)
 
     def make_kv_storage(
         self, num_blocks: int, block_size: int, kv_cache_dtype: str | torch.dtype = "auto"
