@@ -192,13 +192,29 @@ float offset_dot_avx2(const float* m, const float* s, int64_t nb) {
   return t;
 }
 
+// One weight block -> w (Q8: signed values; Q4: nibbles 0..15 in element order), aw = |w| for
+// maddubs, its scale d broadcast, and its offset m (Q4_1: the block's m; Q4_0: -8 d; Q8_0: 0).
+template <int64_t QT>
+__attribute__((always_inline)) inline float load_block(const uint8_t* blk, __m256i& w, __m256i& aw,
+                                                       __m256& dw) {
+  const float d = half(blk);
+  dw = _mm256_set1_ps(d);
+  if (QT == Q8_0) {
+    w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+    aw = _mm256_abs_epi8(w);
+    return 0.f;
+  }
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (QT == Q4_1 ? 4 : 2)));
+  w = aw = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+  return QT == Q4_1 ? half(blk + 2) : -8.f * d;
+}
+
 // W weight rows (W <= 2) x 1-3 activation rows: as tile_late, the offsets summed block by block
 template <int64_t QT, int W, int R>
 __attribute__((always_inline)) inline void tile_inline(const uint8_t* row, int64_t rb, int64_t nb, const int8_t* xq, const float* xd,
                const float* xs, int64_t K, float* res, int64_t ldr) {
   constexpr int64_t bb = QT == Q4_0 ? 18 : QT == Q4_1 ? 20 : 34;
   const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
   __m256 acc[W][R];
   float summ[W][R];
   for (int v = 0; v < W; ++v)
@@ -207,20 +223,7 @@ __attribute__((always_inline)) inline void tile_inline(const uint8_t* row, int64
     __m256i w[W], aw[W];
     __m256 dw[W];
     float mw[W];
-    for (int v = 0; v < W; ++v) {
-      const uint8_t* blk = row + v * rb + bb * b;
-      const float d = half(blk);
-      dw[v] = _mm256_set1_ps(d);
-      mw[v] = 0.f;
-      if (QT == Q8_0) {
-        w[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
-        aw[v] = _mm256_abs_epi8(w[v]);
-      } else {
-        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (QT == Q4_1 ? 4 : 2)));
-        w[v] = aw[v] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
-        mw[v] = QT == Q4_1 ? half(blk + 2) : -8.f * d;
-      }
-    }
+    for (int v = 0; v < W; ++v) mw[v] = load_block<QT>(row + v * rb + bb * b, w[v], aw[v], dw[v]);
     for (int r = 0; r < R; ++r) {
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + QK * b));
       const __m256 dx = _mm256_broadcast_ss(xd + r * nb + b);
@@ -245,7 +248,6 @@ __attribute__((always_inline)) inline void tile_late(const uint8_t* row, int64_t
                const float* xs, int64_t K, float* res, int64_t ldr, float* mb) {
   constexpr int64_t bb = QT == Q4_0 ? 18 : QT == Q4_1 ? 20 : 34;
   const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
   __m256 acc[W][R];
   for (int v = 0; v < W; ++v)
     for (int r = 0; r < R; ++r) acc[v][r] = _mm256_setzero_ps();
@@ -253,17 +255,8 @@ __attribute__((always_inline)) inline void tile_late(const uint8_t* row, int64_t
     __m256i w[W], aw[W];
     __m256 dw[W];
     for (int v = 0; v < W; ++v) {
-      const uint8_t* blk = row + v * rb + bb * b;
-      const float d = half(blk);
-      dw[v] = _mm256_set1_ps(d);
-      if (QT == Q8_0) {
-        w[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
-        aw[v] = _mm256_abs_epi8(w[v]);
-      } else {
-        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (QT == Q4_1 ? 4 : 2)));
-        w[v] = aw[v] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
-        mb[v * nb + b] = QT == Q4_1 ? half(blk + 2) : -8.f * d;
-      }
+      const float m = load_block<QT>(row + v * rb + bb * b, w[v], aw[v], dw[v]);
+      if (QT != Q8_0) mb[v * nb + b] = m;
     }
     for (int r = 0; r < R; ++r) {
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + QK * b));
