@@ -290,8 +290,10 @@ struct Chunker {
         const __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(0x0F));
         const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F));
         const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+        // d * q is exact in float32 (11 by 4 significant bits), so the fused multiply-add
+        // rounds d * q + m once, exactly as the gguf package's d * q + m does
         for (int k = 0; k < 4; ++k)
-          w[k] = _mm256_add_ps(_mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[k]))), vm);
+          w[k] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[k])), vm);
         return;
       }
       case Q8_0: {
@@ -356,6 +358,49 @@ void fused_rows(const C& ch, int64_t K, const float* x, int64_t ldx, float* res)
   for (int r = 0; r < R; ++r) res[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
 }
 
+// one activation row against two weight rows (each row's arithmetic exactly as fused_rows<1>):
+// four independent FMA chains instead of two
+template <class C>
+void fused_pair(const C& a, const C& b, int64_t K, const float* x, float* ra, float* rb) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+  __m256 wa[4], wb[4];
+  for (int64_t c = 0; c < K / 32; ++c) {
+    a.get(c, wa);
+    b.get(c, wb);
+    const float* xc = x + 32 * c;
+    const __m256 x0 = _mm256_loadu_ps(xc), x1 = _mm256_loadu_ps(xc + 8);
+    const __m256 x2 = _mm256_loadu_ps(xc + 16), x3 = _mm256_loadu_ps(xc + 24);
+    a0 = _mm256_fmadd_ps(wa[0], x0, a0), b0 = _mm256_fmadd_ps(wb[0], x0, b0);
+    a1 = _mm256_fmadd_ps(wa[1], x1, a1), b1 = _mm256_fmadd_ps(wb[1], x1, b1);
+    a0 = _mm256_fmadd_ps(wa[2], x2, a0), b0 = _mm256_fmadd_ps(wb[2], x2, b0);
+    a1 = _mm256_fmadd_ps(wa[3], x3, a1), b1 = _mm256_fmadd_ps(wb[3], x3, b1);
+  }
+  *ra = hsum(_mm256_add_ps(a0, a1));
+  *rb = hsum(_mm256_add_ps(b0, b1));
+}
+
+template <int64_t QT>
+void pair_t(const uint8_t* row, int64_t rb, float* scratch, int64_t K, const float* x, float* r0, float* r1) {
+  fused_pair(Chunker<QT>{row, scratch}, Chunker<QT>{row + rb, scratch + 256}, K, x, r0, r1);
+}
+
+// weight rows n and n + 1 (bytes `row`, `row + rb`) against one activation row; scratch: 512 floats
+void fused_pair_rows(int64_t qtype, const uint8_t* row, int64_t rb, float* scratch, int64_t K,
+                     const float* x, float* r0, float* r1) {
+  switch (qtype) {
+    case Q4_0: pair_t<Q4_0>(row, rb, scratch, K, x, r0, r1); return;
+    case Q4_1: pair_t<Q4_1>(row, rb, scratch, K, x, r0, r1); return;
+    case Q8_0: pair_t<Q8_0>(row, rb, scratch, K, x, r0, r1); return;
+    case F32: pair_t<F32>(row, rb, scratch, K, x, r0, r1); return;
+    case F16: pair_t<F16>(row, rb, scratch, K, x, r0, r1); return;
+    case BF16: pair_t<BF16>(row, rb, scratch, K, x, r0, r1); return;
+    case Q4_K: pair_t<Q4_K>(row, rb, scratch, K, x, r0, r1); return;
+    case Q5_K: pair_t<Q5_K>(row, rb, scratch, K, x, r0, r1); return;
+    default: pair_t<Q6_K>(row, rb, scratch, K, x, r0, r1); return;
+  }
+}
+
 bool fused_ok(int64_t, int64_t K) { return K % 32 == 0; }
 
 template <int64_t QT>
@@ -386,6 +431,7 @@ void fused_row(int64_t qtype, const uint8_t* row, float* scratch, int64_t T, int
 #else
 bool fused_ok(int64_t, int64_t) { return false; }
 void fused_row(int64_t, const uint8_t*, float*, int64_t, int64_t, const float*, float*) {}
+void fused_pair_rows(int64_t, const uint8_t*, int64_t, float*, int64_t, const float*, float*, float*) {}
 #endif
 
 void check_weight(const at::Tensor& w, int64_t qtype, int64_t K) {
@@ -414,9 +460,12 @@ void qmatmul(const at::Tensor& x, const at::Tensor& w, int64_t qtype, at::Tensor
   const int64_t grain = std::max<int64_t>(16, N / (8 * std::max<int64_t>(1, at::get_num_threads())));
   const bool fused = fused_ok(T, K);
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    std::vector<float> buf(fused ? 256 : K);
+    std::vector<float> buf(fused ? 512 : K);
     float r[4];
-    for (int64_t n = n0; n < n1; ++n) {
+    int64_t n = n0;
+    if (fused && T == 1)  // one activation row: weight rows in pairs (see fused_pair)
+      for (; n + 2 <= n1; n += 2) fused_pair_rows(qtype, wp + n * rb, rb, buf.data(), K, xp, op + n, op + n + 1);
+    for (; n < n1; ++n) {
       if (fused) {  // groups of 4 activation rows; the weight row stays in L1 between groups
         for (int64_t t = 0; t < T; t += 4) {
           const int64_t m = std::min<int64_t>(4, T - t);

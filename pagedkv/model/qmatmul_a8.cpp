@@ -193,51 +193,64 @@ float offset_dot_avx2(const float* m, const float* s, int64_t nb) {
 }
 
 // One weight block -> w (Q8: signed values; Q4: nibbles 0..15 in element order), aw = |w| for
-// maddubs, its scale d broadcast, and its offset m (Q4_1: the block's m; Q4_0: -8 d; Q8_0: 0).
+// maddubs, and [d, m, 0, 0]: its scale and its offset (Q4_1: the block's m; Q4_0: -8 d; Q8_0: 0),
+// both converted from half by one instruction.
 template <int64_t QT>
-__attribute__((always_inline)) inline float load_block(const uint8_t* blk, __m256i& w, __m256i& aw,
-                                                       __m256& dw) {
-  const float d = half(blk);
-  dw = _mm256_set1_ps(d);
+__attribute__((always_inline)) inline __m128 load_block(const uint8_t* blk, __m256i& w, __m256i& aw) {
   if (QT == Q8_0) {
     w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
     aw = _mm256_abs_epi8(w);
-    return 0.f;
+    uint16_t h;
+    std::memcpy(&h, blk, 2);
+    return _mm_cvtph_ps(_mm_cvtsi32_si128(h));
   }
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (QT == Q4_1 ? 4 : 2)));
-  w = aw = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
-  return QT == Q4_1 ? half(blk + 2) : -8.f * d;
+  // the 16 bytes in both halves, the upper half shifted right by 4: nibbles in element order
+  const __m256i raw = _mm256_broadcastsi128_si256(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (QT == Q4_1 ? 4 : 2))));
+  w = aw = _mm256_and_si256(_mm256_srlv_epi64(raw, _mm256_setr_epi64x(0, 0, 4, 4)),
+                            _mm256_set1_epi8(0x0F));
+  if (QT == Q4_1) {
+    int32_t dm;
+    std::memcpy(&dm, blk, 4);
+    return _mm_cvtph_ps(_mm_cvtsi32_si128(dm));
+  }
+  uint16_t h;
+  std::memcpy(&h, blk, 2);
+  return _mm_mul_ps(_mm_cvtph_ps(_mm_set1_epi16(static_cast<short>(h))), _mm_setr_ps(1.f, -8.f, 0.f, 0.f));
 }
 
-// W weight rows (W <= 2) x 1-3 activation rows: as tile_late, the offsets summed block by block
+// W weight rows (W <= 2) x 1-3 activation rows: as tile_late, but the offsets are summed block
+// by block. The activation side comes as pairs xp = [dx, sx] per block, so that one multiply
+// [d, m] x [dx, sx] gives both the block's scale d * dx (broadcast to the 8 lanes) and its
+// offset term m * sx, added to lane 1 of a running sum (lane 0 of that sum is unused).
 template <int64_t QT, int W, int R>
-__attribute__((always_inline)) inline void tile_inline(const uint8_t* row, int64_t rb, int64_t nb, const int8_t* xq, const float* xd,
-               const float* xs, int64_t K, float* res, int64_t ldr) {
+__attribute__((always_inline)) inline void tile_inline(const uint8_t* row, int64_t rb, int64_t nb, const int8_t* xq,
+                                                       const float* xp, int64_t K, float* res, int64_t ldr) {
   constexpr int64_t bb = QT == Q4_0 ? 18 : QT == Q4_1 ? 20 : 34;
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[W][R];
-  float summ[W][R];
+  __m128 summ[W][R];
   for (int v = 0; v < W; ++v)
-    for (int r = 0; r < R; ++r) acc[v][r] = _mm256_setzero_ps(), summ[v][r] = 0.f;
+    for (int r = 0; r < R; ++r) acc[v][r] = _mm256_setzero_ps(), summ[v][r] = _mm_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     __m256i w[W], aw[W];
-    __m256 dw[W];
-    float mw[W];
-    for (int v = 0; v < W; ++v) mw[v] = load_block<QT>(row + v * rb + bb * b, w[v], aw[v], dw[v]);
+    __m128 dm[W];
+    for (int v = 0; v < W; ++v) dm[v] = load_block<QT>(row + v * rb + bb * b, w[v], aw[v]);
     for (int r = 0; r < R; ++r) {
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + QK * b));
-      const __m256 dx = _mm256_broadcast_ss(xd + r * nb + b);
-      const float sx = xs[r * nb + b];
+      const __m128 ds = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(xp + 2 * (r * nb + b))));
       for (int v = 0; v < W; ++v) {
         const __m256i xv = QT == Q8_0 ? _mm256_sign_epi8(x, w[v]) : x;
         const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw[v], xv), ones);
-        acc[v][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw[v], dx), acc[v][r]);
-        if (QT != Q8_0) summ[v][r] = summ[v][r] + mw[v] * sx;
+        const __m128 prod = _mm_mul_ps(dm[v], ds);  // [d * dx, m * sx]
+        acc[v][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcastss_ps(prod), acc[v][r]);
+        if (QT != Q8_0) summ[v][r] = _mm_add_ps(summ[v][r], prod);
       }
     }
   }
   for (int v = 0; v < W; ++v)
-    for (int r = 0; r < R; ++r) res[v + r * ldr] = hsum(acc[v][r]) + summ[v][r];
+    for (int r = 0; r < R; ++r)
+      res[v + r * ldr] = hsum(acc[v][r]) + _mm_cvtss_f32(_mm_movehdup_ps(summ[v][r]));
 }
 
 // W weight rows (W <= 2) x R activation rows (a whole group of 4): each activation block is
@@ -255,8 +268,9 @@ __attribute__((always_inline)) inline void tile_late(const uint8_t* row, int64_t
     __m256i w[W], aw[W];
     __m256 dw[W];
     for (int v = 0; v < W; ++v) {
-      const float m = load_block<QT>(row + v * rb + bb * b, w[v], aw[v], dw[v]);
-      if (QT != Q8_0) mb[v * nb + b] = m;
+      const __m128 dm = load_block<QT>(row + v * rb + bb * b, w[v], aw[v]);
+      dw[v] = _mm256_broadcastss_ps(dm);
+      if (QT != Q8_0) mb[v * nb + b] = _mm_cvtss_f32(_mm_movehdup_ps(dm));
     }
     for (int r = 0; r < R; ++r) {
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + QK * b));
@@ -276,35 +290,37 @@ __attribute__((always_inline)) inline void tile_late(const uint8_t* row, int64_t
 // W weight rows against all T activation rows, 4 at a time (the weight rows stay in L1)
 template <int64_t QT, int W>
 void rows_avx2(const uint8_t* row, int64_t rb, int64_t nb, int64_t T, const int8_t* xq,
-               const float* xd, const float* xs, int64_t K, float* res, int64_t ldr, float* mb) {
+               const float* xd, const float* xs, const float* xp, int64_t K, float* res, int64_t ldr,
+               float* mb) {
   int64_t t = 0;
   for (; t + 4 <= T; t += 4)
     tile_late<QT, W, 4>(row, rb, nb, xq + t * K, xd + t * nb, xs + t * nb, K, res + t * ldr, ldr, mb);
   const int64_t m = T - t;
   const int8_t* q = xq + t * K;
-  const float *d = xd + t * nb, *s = xs + t * nb;
+  const float* p = xp + 2 * t * nb;
   float* o = res + t * ldr;
-  if (m == 3) tile_inline<QT, W, 3>(row, rb, nb, q, d, s, K, o, ldr);
-  else if (m == 2) tile_inline<QT, W, 2>(row, rb, nb, q, d, s, K, o, ldr);
-  else if (m == 1) tile_inline<QT, W, 1>(row, rb, nb, q, d, s, K, o, ldr);
+  if (m == 3) tile_inline<QT, W, 3>(row, rb, nb, q, p, K, o, ldr);
+  else if (m == 2) tile_inline<QT, W, 2>(row, rb, nb, q, p, K, o, ldr);
+  else if (m == 1) tile_inline<QT, W, 1>(row, rb, nb, q, p, K, o, ldr);
 }
 
 // weight rows [n0, n1) (pairs, then a last single one)
 template <int64_t QT>
 void range_avx2(const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, int64_t nb, int64_t T,
-                const int8_t* xq, const float* xd, const float* xs, int64_t K, float* out, int64_t ldo) {
+                const int8_t* xq, const float* xd, const float* xs, const float* xp, int64_t K,
+                float* out, int64_t ldo) {
   std::vector<float> mb(T >= 4 ? 2 * nb : 0);  // the offsets of the current weight rows (tile_late)
   int64_t n = n0;
-  for (; QT != Q8_0 && n + 2 <= n1; n += 2) rows_avx2<QT, 2>(w + n * rb, rb, nb, T, xq, xd, xs, K, out + n, ldo, mb.data());
-  for (; n < n1; ++n) rows_avx2<QT, 1>(w + n * rb, rb, nb, T, xq, xd, xs, K, out + n, ldo, mb.data());
+  for (; (QT != Q8_0 || T < 4) && n + 2 <= n1; n += 2) rows_avx2<QT, 2>(w + n * rb, rb, nb, T, xq, xd, xs, xp, K, out + n, ldo, mb.data());
+  for (; n < n1; ++n) rows_avx2<QT, 1>(w + n * rb, rb, nb, T, xq, xd, xs, xp, K, out + n, ldo, mb.data());
 }
 
 void range_avx2(int64_t qt, const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, int64_t nb,
-                int64_t T, const int8_t* xq, const float* xd, const float* xs, int64_t K,
-                float* out, int64_t ldo) {
-  if (qt == Q4_0) range_avx2<Q4_0>(w, rb, n0, n1, nb, T, xq, xd, xs, K, out, ldo);
-  else if (qt == Q4_1) range_avx2<Q4_1>(w, rb, n0, n1, nb, T, xq, xd, xs, K, out, ldo);
-  else range_avx2<Q8_0>(w, rb, n0, n1, nb, T, xq, xd, xs, K, out, ldo);
+                int64_t T, const int8_t* xq, const float* xd, const float* xs, const float* xp,
+                int64_t K, float* out, int64_t ldo) {
+  if (qt == Q4_0) range_avx2<Q4_0>(w, rb, n0, n1, nb, T, xq, xd, xs, xp, K, out, ldo);
+  else if (qt == Q4_1) range_avx2<Q4_1>(w, rb, n0, n1, nb, T, xq, xd, xs, xp, K, out, ldo);
+  else range_avx2<Q8_0>(w, rb, n0, n1, nb, T, xq, xd, xs, xp, K, out, ldo);
 }
 #endif
 
@@ -328,6 +344,13 @@ void check_act(const at::Tensor& xq, const at::Tensor& xd, const at::Tensor& xs)
     TORCH_CHECK(t->dim() == 2 && t->scalar_type() == at::kFloat && t->is_contiguous() &&
                     t->size(0) == T && t->size(1) == nb,
                 "xd/xs must be contiguous float32 [T, K/32] tensors");
+}
+
+// [d, s] per block, interleaved (tile_inline reads both with one load)
+std::vector<float> pairs(const float* d, const float* s, int64_t n) {
+  std::vector<float> p(2 * n);
+  for (int64_t i = 0; i < n; ++i) p[2 * i] = d[i], p[2 * i + 1] = s[i];
+  return p;
 }
 
 void quantize_blocks(const float* xp, int8_t* qp, float* dp, float* sp, int64_t nblocks, int64_t impl) {
@@ -374,10 +397,11 @@ void matmul(const at::Tensor& xq, const at::Tensor& xd, const at::Tensor& xs, co
   const int64_t ldo = out.stride(0), rb = w.size(1);
   const int64_t grain = std::max<int64_t>(16, N / (8 * std::max<int64_t>(1, at::get_num_threads())));
   const bool fast = use_avx2(impl);
+  const std::vector<float> pp = pairs(dp, sp, T * nb);
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
 #ifdef A8_AVX2
     if (fast) {
-      range_avx2(qtype, wp, rb, n0, n1, nb, T, qp, dp, sp, K, op, ldo);
+      range_avx2(qtype, wp, rb, n0, n1, nb, T, qp, dp, sp, pp.data(), K, op, ldo);
       return;
     }
 #endif
@@ -416,6 +440,7 @@ void linear(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, at::
   float* op = out.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(16, N / (8 * std::max<int64_t>(1, at::get_num_threads())));
   const bool fast = use_avx2(impl);
+  const std::vector<float> pp = pairs(dp, sp, T * nb);
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     for (size_t i = 0; i < ws.size(); ++i) {
       const int64_t a = std::max(n0, first[i]), b = std::min(n1, first[i + 1]);
@@ -425,7 +450,7 @@ void linear(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, at::
       float* oc = op + c;
 #ifdef A8_AVX2
       if (fast) {
-        range_avx2(qtypes[i], wp, rb, a - c, b - c, nb, T, qp, dp, sp, K, oc, N);
+        range_avx2(qtypes[i], wp, rb, a - c, b - c, nb, T, qp, dp, sp, pp.data(), K, oc, N);
         continue;
       }
 #endif
