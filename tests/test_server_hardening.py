@@ -10,6 +10,7 @@ degenerate sampling values), which uses one real-model server for the whole modu
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import os
 import signal
@@ -39,6 +40,7 @@ from test_server import (  # the shared harness
 
 from pagedkv.errors import RequestFailedError
 from pagedkv.server import ServerThread, build_app
+from pagedkv.server.app import _H11
 from pagedkv.server.async_engine import AsyncEngine, EngineDeadError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -301,6 +303,111 @@ def test_d4_idle_connection_is_closed() -> None:
         assert httpx.get(thread.url + "/health").status_code == 200
         idle.close()
         half.close()
+
+
+def _connect(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=30)
+
+
+def _ask(sock: socket.socket, *parts: bytes, gap: float = 0.0) -> tuple[int, bytes]:
+    """Sends a request in `parts`, `gap` seconds apart; its response (status, body)."""
+    for i, part in enumerate(parts):
+        if i:
+            time.sleep(gap)
+        sock.sendall(part)
+    r = http.client.HTTPResponse(sock)
+    r.begin()
+    assert not r.will_close, r.headers
+    return r.status, r.read()
+
+
+_HEALTH = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+def _dribble_until_closed(sock: socket.socket, limit: float) -> float | None:
+    """Sends a request header that never ends, one byte per 0.2 s: the seconds until the
+    server closed the connection, or None if it was still open after `limit` seconds."""
+    t0 = time.monotonic()
+    sock.settimeout(0.2)
+    for byte in b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 1000:
+        if time.monotonic() - t0 > limit:
+            return None
+        try:
+            sock.sendall(bytes([byte]))
+            reply = sock.recv(4096)
+        except TimeoutError:
+            continue
+        except (ConnectionResetError, BrokenPipeError):
+            return time.monotonic() - t0
+        assert reply == b"", reply  # closed without an answer
+        return time.monotonic() - t0
+    return None
+
+
+def test_d4_slow_header_on_a_kept_alive_connection_is_closed() -> None:
+    """The header deadline holds for every request of a connection, not only its first: a
+    client that got its answer and then dribbles the next header is cut, as is one idle."""
+    timeout = 1.0
+    app = build_app(FakeEngine(), served_model_name="fake")
+    with ServerThread(app, header_timeout=timeout) as thread:
+        assert issubclass(thread.server.config.http_protocol_class, _H11)  # never httptools
+        slow = _connect(thread.url)
+        try:
+            assert _ask(slow, _HEALTH) == (200, b'{"status":"ok"}')
+            took = _dribble_until_closed(slow, 4 * timeout)
+            assert took is not None, "a dribbled header kept the connection open"
+            assert 0.5 * timeout < took < timeout + 1.0, took
+        finally:
+            slow.close()
+        idle = _connect(thread.url)
+        try:
+            assert _ask(idle, _HEALTH)[0] == 200
+            t0 = time.monotonic()
+            assert _read_all(idle, 5.0) == b""  # uvicorn's keep-alive alone: 5 s
+            assert time.monotonic() - t0 < timeout + 1.0
+        finally:
+            idle.close()
+        assert httpx.get(thread.url + "/health").status_code == 200
+
+
+def test_d4_keep_alive_requests_within_the_header_timeout_all_succeed() -> None:
+    """Each request of a kept-alive connection gets the whole deadline from the end of the
+    previous response (the old timer is replaced, never left to fire on a later wait)."""
+    timeout = 2.0
+    app = build_app(FakeEngine(), served_model_name="fake")
+    with ServerThread(app, header_timeout=timeout) as thread:
+        sock = _connect(thread.url)
+        try:
+            assert _ask(sock, _HEALTH)[0] == 200
+            for _ in range(3):  # idle 0.6 of the deadline, header complete at 0.8
+                time.sleep(0.6 * timeout)
+                assert _ask(sock, _HEALTH[:10], _HEALTH[10:], gap=0.2 * timeout)[0] == 200
+        finally:
+            sock.close()
+
+
+def test_d4_stream_longer_than_the_header_timeout_is_never_cut() -> None:
+    timeout = 1.0
+    app = build_app(FakeEngine(step_delay=0.02), served_model_name="fake")
+    with ServerThread(app, header_timeout=timeout) as thread:
+        sock = _connect(thread.url)
+        body = json.dumps({"prompt": "ab", "max_tokens": 80, "stream": True}).encode()
+        post = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        try:
+            for _ in range(2):  # the second on the same connection, after the long first
+                t0 = time.monotonic()
+                status, events = _ask(sock, post)
+                assert status == 200 and events.endswith(b"data: [DONE]\n\n"), events[-200:]
+                assert time.monotonic() - t0 > 1.5 * timeout  # 80 steps of 20 ms
+                text = "".join(json.loads(e[6:])["choices"][0]["text"]
+                               for e in events.decode().split("\n\n")
+                               if e.startswith("data: {"))
+                assert text == expected_echo("ab", 80)
+            assert _ask(sock, _HEALTH)[0] == 200
+        finally:
+            sock.close()
 
 
 # --- defect 5: API keys ----------------------------------------------------------------------

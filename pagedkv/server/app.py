@@ -23,6 +23,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
+import h11
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -437,22 +438,52 @@ def _add_error_handlers(app: FastAPI, server: OpenAIServer) -> None:
 
 
 class _H11(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol, plus: a connection that has not sent a complete request
-    header within `header_timeout` seconds of connecting is closed (idle sockets and
-    slow-header clients cannot pile up). Later idle time is uvicorn's keep-alive timeout."""
+    """uvicorn's HTTP/1.1 protocol, plus a header deadline on every request of a connection:
+    from the moment the connection is idle (just made, or a response just completed) the
+    client has `header_timeout` seconds to deliver a complete request header, else the
+    connection is closed. So idle sockets and slow-header clients (slowloris) cannot pile up,
+    on a fresh connection or a kept-alive one (uvicorn's keep-alive timer alone would not do:
+    it is cancelled by the first byte that arrives, however slowly the rest follows).
+
+    "No complete header yet" is read from h11's state, not from `self.cycle` (which stays set
+    after a response): the client's side is IDLE (no Request event since the cycle began), or
+    ours is DONE/MUST_CLOSE (the response ended and the client never moved on, e.g. it is still
+    dribbling the body of a request answered early). A request being read or answered,
+    however long its stream, is never cut here (its body has `body_timeout`).
+
+    The server always runs this class (`_uvicorn_config` passes it as `http=`), so uvicorn
+    never picks httptools even where it is installed: the rule has no httptools gap."""
 
     header_timeout = 10.0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._idle_timer = self.loop.call_later(self.header_timeout, self._drop_if_idle)
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._arm_header_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # may already start a pipelined request: fine
+        if not self.transport.is_closing():
+            self._arm_header_timer()
+
+    def _arm_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+        self._header_timer = self.loop.call_later(self.header_timeout, self._drop_if_idle)
+
+    def _awaiting_header(self) -> bool:
+        conn = self.conn
+        return conn.their_state is h11.IDLE or conn.our_state in (h11.DONE, h11.MUST_CLOSE)
 
     def _drop_if_idle(self) -> None:
-        if self.cycle is None and not self.transport.is_closing():
+        self._header_timer = None
+        if self._awaiting_header() and not self.transport.is_closing():
             self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._idle_timer.cancel()
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
         super().connection_lost(exc)
 
 
