@@ -133,4 +133,21 @@ def test_chat_of_many_turns_through_the_server_keeps_answering(smollm2: Any) -> 
             assert reply and r.choices[0].finish_reason in ("stop", "length")
             chat.append({"role": "assistant", "content": reply})
         assert r.usage.prompt_tokens > 96  # the history outgrew the context long ago
+        shifts = _shifts_on_metrics(thread.url)
+        count = "Count: " + ", ".join(str(i) for i in range(1, 22))
+        r = client.completions.create(model="smollm2", prompt=count, max_tokens=24,
+                                      temperature=0.0, extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 24
+        assert r.usage.prompt_tokens < 96 < r.usage.prompt_tokens + 24  # generation shifts
+        assert _shifts_on_metrics(thread.url) > shifts
+        assert _shifts_on_metrics(thread.url) == engine.scheduler.num_context_shifts
     assert engine.scheduler.num_context_shifts >= 1 or not engine.cache.seqs
+
+
+def _shifts_on_metrics(url: str) -> float:
+    import httpx
+
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("pagedkv:context_shifts_total{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("pagedkv:context_shifts_total is not on /metrics")

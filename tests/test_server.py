@@ -396,6 +396,10 @@ def test_models_health_metrics(fake: Running) -> None:
                  'pagedkv:kv_cache_blocks{state="free"}', "pagedkv:prefix_cache_hit_rate",
                  "pagedkv:num_preemptions_total", "pagedkv:num_requests_waiting"]:
         assert name in m
+    assert m["pagedkv:context_shifts_total"] == 0  # the fake never shifts
+    text = httpx.get(fake.url + "/metrics").text
+    assert "# HELP pagedkv:context_shifts_total Times a sequence filled the context" in text
+    assert "# TYPE pagedkv:context_shifts_total counter" in text
 
 
 # --- bad input -------------------------------------------------------------------------------

@@ -53,6 +53,9 @@ ENGINE_COUNTERS = (
      "Requests held until a prefix another prefill was computing was cached."),
     ("prefix_dedup_tokens_saved", "dedup_tokens_saved",
      "Prompt tokens held requests got from the prefix cache instead of computing."),
+    ("context_shifts", "context_shifts",
+     "Times a sequence filled the context and was shifted (oldest tokens after n_keep "
+     "dropped) instead of finishing."),
 )
 
 

@@ -32,7 +32,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--body-timeout", type=float, default=30.0,
                         help="seconds a client has to send its request body (else 408)")
     parser.add_argument("--header-timeout", type=float, default=10.0,
-                        help="seconds a new connection has to send a request header")
+                        help="seconds a client has to send a complete request header, from the "
+                             "connection opening or its previous response ending")
     parser.add_argument("--stream-queue-limit", type=int, default=256,
                         help="updates a stream may fall behind before it is aborted")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
