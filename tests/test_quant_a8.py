@@ -229,15 +229,16 @@ def test_one_call_linear_equals_per_segment_products(impl: int) -> None:
     parts = [(Q.Q4_1, _weights(Q.Q4_1, 23, k, 1)), (Q.Q8_0, _weights(Q.Q8_0, 5, k, 2)),
              (Q.Q4_0, _weights(Q.Q4_0, 38, k, 3))]
     ws = [torch.from_numpy(d.copy()) for _, d in parts]
+    w = QWeight(k, [(q, torch.from_numpy(d.copy())) for q, d in parts])
+    w.set_activations("int8")
     for t in (1, 3, 8, 40):
         x = _acts(t, k, t)
         out = torch.empty(t, 66)
         torch.ops.pagedkv_a8.linear(torch.from_numpy(x), ws, [int(q) for q, _ in parts], out, impl)
         want = np.concatenate([_run(q, d, x, impl) for q, d in parts], axis=1)
         assert np.array_equal(out.numpy(), want)
-    w = QWeight(k, [(q, torch.from_numpy(d.copy())) for q, d in parts])
-    w.set_activations("int8")
-    assert torch.equal(w.linear(torch.from_numpy(x)), out) or impl == 1
+        if t <= quant.A8_ROWS and impl == 0:  # QWeight calls the same op
+            assert torch.equal(w.linear(torch.from_numpy(x)), out)
 
 
 def test_without_the_kernel_int8_mode_is_the_exact_fallback(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,7 +13,9 @@ for the stored blocks; only the summation order differs.
   each weight byte is read once per call (decode is bandwidth-bound). Above TILED_ROWS rows
   (prefill, big batches: compute-bound) the weight is dequantized TILE_ELEMS at a time into a
   float32 tile that one BLAS matmul reuses across all rows; the tile is transient (4 MiB), so the
-  memory cost is that of the quantized model plus one tile.
+  memory cost is that of the quantized model plus one tile. The tile is multiplied by oneDNN
+  (packed.plain_linear), about 2.3x faster than torch.mm's BLAS on the AMD machine measured.
+  TILED_ROWS and A8_ROWS are the measured crossovers for the CPU's vector width (_crossovers).
 - `rows(ids)`: dequantizes only the rows looked up (token embeddings).
 - Without the kernel (no compiler, PAGEDKV_NO_KERNEL=1) the pure-torch fallback dequantizes the
   whole weight once with the gguf package, keeps the float32 copy, and uses F.linear / indexing.
@@ -39,20 +41,30 @@ from gguf.quants import dequantize
 
 from pagedkv.errors import UnsupportedModelError
 from pagedkv.model import qkernel
+from pagedkv.model.packed import plain_linear
 
 Q = GGMLQuantizationType
 KERNEL_TYPES = frozenset(
     {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K}
 )
-# Measured (bench decode, "crossover_ms", SmolLM2 gate/up, 1 thread of a 2-core AVX2 machine):
-# the row-streaming kernel wins at 1-4 activation rows (0.19 vs 0.22 ms at 1, 0.29 vs 0.40 at 4),
-# dequantized tiles + BLAS from 16 rows on (0.79 vs 1.17 ms at 16; 2.5 vs 4.9 at 64). Both read
-# each weight byte once per call.
-TILED_ROWS = 8
 TILE_ELEMS = 1 << 20  # float32 elements per dequantized tile (4 MiB)
 ACTIVATIONS = ("float32", "int8")  # activation modes; "int8" is the approximate, opt-in one
 A8_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q8_0})  # segment types the int8 kernel multiplies
-A8_ROWS = 64  # int8 kernel up to this many rows; see bench decode "a8_crossover_ms"
+
+
+def _crossovers(capability: str) -> tuple[int, int]:
+    """(TILED_ROWS, A8_ROWS): up to how many activation rows the row-streaming kernel, and the
+    int8 kernel, beat dequantized tiles + oneDNN's matmul. They depend on the widest vector ISA
+    the matmul library uses (ATen's CPU capability, which oneDNN's own dispatch agrees with).
+    Measured on SmolLM2's Q4_1 gate/up and its Q8_0 LM head (bench decode "crossover_ms"), one
+    thread of a Zen 5 EPYC, oneDNN limited to AVX2 (ONEDNN_MAX_CPU_ISA) or not:
+    - AVX2: tiles tie the exact kernel at 8 rows and the int8 kernel between 40 and 64.
+    - AVX-512 (twice the FMA width): tiles win from 8 rows on for the layers (0.43 vs 0.59 ms
+      at 8, 0.86 vs 1.46 int8 at 40) and tie the int8 kernel near 16."""
+    return (4, 16) if capability.startswith("AVX512") else (8, 64)
+
+
+TILED_ROWS, A8_ROWS = _crossovers(torch.backends.cpu.get_cpu_capability())
 A8_IMPL = 0  # qmatmul_a8.cpp impl: 0 the fastest built, 1 scalar (same results)
 
 
@@ -176,7 +188,7 @@ class QWeight:
                 t = tile[: b - a]
                 idx = torch.arange(a, b, dtype=torch.int64)
                 torch.ops.pagedkv_q.qrows(data, int(qtype), self.k, idx, t)
-                out[:, col + a : col + b] = torch.mm(x, t.t())
+                out[:, col + a : col + b] = plain_linear(x, t)
             col += data.shape[0]
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
