@@ -434,6 +434,41 @@ void fused_row(int64_t, const uint8_t*, float*, int64_t, int64_t, const float*, 
 void fused_pair_rows(int64_t, const uint8_t*, int64_t, float*, int64_t, const float*, float*, float*) {}
 #endif
 
+// weight rows [n0, n1) against one activation row, two rows at a time
+__attribute__((noinline)) void pair_range(int64_t qtype, const uint8_t* wp, int64_t rb, int64_t n0, int64_t n1,
+                                          int64_t K, const float* xp, float* op) {
+  float buf[512];
+  int64_t n = n0;
+  for (; n + 2 <= n1; n += 2) fused_pair_rows(qtype, wp + n * rb, rb, buf, K, xp, op + n, op + n + 1);
+  if (n < n1) fused_row(qtype, wp + n * rb, buf, 1, K, xp, op + n);
+}
+
+// weight rows [n0, n1) against T activation rows: the fused path in groups of 4 rows while the
+// weight row stays in L1, or (K not a multiple of 32) the row dequantized into a scratch first
+__attribute__((noinline)) void row_range(int64_t qtype, const uint8_t* wp, int64_t rb, int64_t n0, int64_t n1,
+                                         int64_t T, int64_t K, const float* xp, float* op, int64_t ldo,
+                                         bool fused) {
+  std::vector<float> buf(fused ? 256 : K);
+  float r[4];
+  for (int64_t n = n0; n < n1; ++n) {
+    if (fused) {
+      for (int64_t t = 0; t < T; t += 4) {
+        const int64_t m = std::min<int64_t>(4, T - t);
+        fused_row(qtype, wp + n * rb, buf.data(), m, K, xp + t * K, r);
+        for (int64_t i = 0; i < m; ++i) op[(t + i) * ldo + n] = r[i];
+      }
+      continue;
+    }
+    deq_row(wp + n * rb, qtype, K, buf.data());
+    int64_t t = 0;
+    for (; t + 4 <= T; t += 4) {
+      dot4(buf.data(), xp + t * K, K, K, r);
+      for (int k = 0; k < 4; ++k) op[(t + k) * ldo + n] = r[k];
+    }
+    for (; t < T; ++t) op[t * ldo + n] = dot(buf.data(), xp + t * K, K);
+  }
+}
+
 void check_weight(const at::Tensor& w, int64_t qtype, int64_t K) {
   Layout l;
   TORCH_CHECK(layout_of(qtype, l), "qmatmul: unsupported ggml type ", qtype);
@@ -459,29 +494,12 @@ void qmatmul(const at::Tensor& x, const at::Tensor& w, int64_t qtype, at::Tensor
   // grain: enough rows that a chunk is worth a thread wake-up, few enough to balance two cores
   const int64_t grain = std::max<int64_t>(16, N / (8 * std::max<int64_t>(1, at::get_num_threads())));
   const bool fused = fused_ok(T, K);
+  // one activation row: weight rows in pairs (see fused_pair), except Q8_0, where pairs
+  // measured 3-4x slower on a large matrix streamed from memory (SmolLM2's LM head)
+  const bool pairs = fused && T == 1 && qtype != Q8_0;
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    std::vector<float> buf(fused ? 512 : K);
-    float r[4];
-    int64_t n = n0;
-    if (fused && T == 1)  // one activation row: weight rows in pairs (see fused_pair)
-      for (; n + 2 <= n1; n += 2) fused_pair_rows(qtype, wp + n * rb, rb, buf.data(), K, xp, op + n, op + n + 1);
-    for (; n < n1; ++n) {
-      if (fused) {  // groups of 4 activation rows; the weight row stays in L1 between groups
-        for (int64_t t = 0; t < T; t += 4) {
-          const int64_t m = std::min<int64_t>(4, T - t);
-          fused_row(qtype, wp + n * rb, buf.data(), m, K, xp + t * K, r);
-          for (int64_t i = 0; i < m; ++i) op[(t + i) * ldo + n] = r[i];
-        }
-        continue;
-      }
-      deq_row(wp + n * rb, qtype, K, buf.data());
-      int64_t t = 0;
-      for (; t + 4 <= T; t += 4) {
-        dot4(buf.data(), xp + t * K, K, K, r);
-        for (int k = 0; k < 4; ++k) op[(t + k) * ldo + n] = r[k];
-      }
-      for (; t < T; ++t) op[t * ldo + n] = dot(buf.data(), xp + t * K, K);
-    }
+    if (pairs) pair_range(qtype, wp, rb, n0, n1, K, xp, op);
+    else row_range(qtype, wp, rb, n0, n1, T, K, xp, op, ldo, fused);
   });
 }
 

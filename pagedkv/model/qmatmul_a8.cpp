@@ -311,7 +311,7 @@ void range_avx2(const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, int64_t nb
                 float* out, int64_t ldo) {
   std::vector<float> mb(T >= 4 ? 2 * nb : 0);  // the offsets of the current weight rows (tile_late)
   int64_t n = n0;
-  for (; (QT != Q8_0 || T < 4) && n + 2 <= n1; n += 2) rows_avx2<QT, 2>(w + n * rb, rb, nb, T, xq, xd, xs, xp, K, out + n, ldo, mb.data());
+  for (; QT != Q8_0 && n + 2 <= n1; n += 2) rows_avx2<QT, 2>(w + n * rb, rb, nb, T, xq, xd, xs, xp, K, out + n, ldo, mb.data());
   for (; n < n1; ++n) rows_avx2<QT, 1>(w + n * rb, rb, nb, T, xq, xd, xs, xp, K, out + n, ldo, mb.data());
 }
 
