@@ -341,11 +341,13 @@ struct Chunker {
 
 // out[r] = dot(W row, x[r]) for r < R (R <= 4); K a multiple of 32
 template <int R, class C>
-void fused_rows(const C& ch, int64_t K, const float* x, int64_t ldx, float* res) {
+void fused_rows(const C& ch, int64_t K, const float* x, int64_t ldx, float* res, const uint8_t* pf,
+                int64_t pf_step) {
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   __m256 w[4];
   for (int64_t c = 0; c < K / 32; ++c) {
+    _mm_prefetch(reinterpret_cast<const char*>(pf + pf_step * c), _MM_HINT_T0);
     ch.get(c, w);
     for (int r = 0; r < R; ++r) {
       const float* xr = x + r * ldx + 32 * c;
@@ -358,14 +360,18 @@ void fused_rows(const C& ch, int64_t K, const float* x, int64_t ldx, float* res)
   for (int r = 0; r < R; ++r) res[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
 }
 
+constexpr int64_t PF_PAIRS = 4;  // software prefetch distance (pairs of weight rows)
+
 // one activation row against two weight rows (each row's arithmetic exactly as fused_rows<1>):
 // four independent FMA chains instead of two
 template <class C>
-void fused_pair(const C& a, const C& b, int64_t K, const float* x, float* ra, float* rb) {
+void fused_pair(const C& a, const C& b, int64_t K, const float* x, float* ra, float* rb,
+                const uint8_t* pf, int64_t pf_step) {
   __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
   __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
   __m256 wa[4], wb[4];
   for (int64_t c = 0; c < K / 32; ++c) {
+    _mm_prefetch(reinterpret_cast<const char*>(pf + pf_step * c), _MM_HINT_T0);
     a.get(c, wa);
     b.get(c, wb);
     const float* xc = x + 32 * c;
@@ -382,7 +388,9 @@ void fused_pair(const C& a, const C& b, int64_t K, const float* x, float* ra, fl
 
 template <int64_t QT>
 void pair_t(const uint8_t* row, int64_t rb, float* scratch, int64_t K, const float* x, float* r0, float* r1) {
-  fused_pair(Chunker<QT>{row, scratch}, Chunker<QT>{row + rb, scratch + 256}, K, x, r0, r1);
+  // prefetch the pair PF_PAIRS pairs ahead, spread over the chunk loop (2 rb bytes in K / 32 steps)
+  fused_pair(Chunker<QT>{row, scratch}, Chunker<QT>{row + rb, scratch + 256}, K, x, r0, r1,
+             row + PF_PAIRS * 2 * rb, 2 * rb * 32 / K);
 }
 
 // weight rows n and n + 1 (bytes `row`, `row + rb`) against one activation row; scratch: 512 floats
@@ -404,33 +412,36 @@ void fused_pair_rows(int64_t qtype, const uint8_t* row, int64_t rb, float* scrat
 bool fused_ok(int64_t, int64_t K) { return K % 32 == 0; }
 
 template <int64_t QT>
-void fused_row_t(const uint8_t* row, float* scratch, int64_t T, int64_t K, const float* x, float* res) {
+void fused_row_t(const uint8_t* row, int64_t rb, float* scratch, int64_t T, int64_t K, const float* x,
+                 float* res) {
   const Chunker<QT> ch{row, scratch};
+  const uint8_t* pf = row + PF_PAIRS * 2 * rb;  // the row as many bytes ahead as pair_range's
+  const int64_t step = rb * 32 / K;
   switch (T) {
-    case 1: fused_rows<1>(ch, K, x, K, res); return;
-    case 2: fused_rows<2>(ch, K, x, K, res); return;
-    case 3: fused_rows<3>(ch, K, x, K, res); return;
-    default: fused_rows<4>(ch, K, x, K, res); return;
+    case 1: fused_rows<1>(ch, K, x, K, res, pf, step); return;
+    case 2: fused_rows<2>(ch, K, x, K, res, pf, step); return;
+    case 3: fused_rows<3>(ch, K, x, K, res, pf, step); return;
+    default: fused_rows<4>(ch, K, x, K, res, pf, step); return;
   }
 }
 
-void fused_row(int64_t qtype, const uint8_t* row, float* scratch, int64_t T, int64_t K,
+void fused_row(int64_t qtype, const uint8_t* row, int64_t rb, float* scratch, int64_t T, int64_t K,
                const float* x, float* res) {
   switch (qtype) {
-    case Q4_0: fused_row_t<Q4_0>(row, scratch, T, K, x, res); return;
-    case Q4_1: fused_row_t<Q4_1>(row, scratch, T, K, x, res); return;
-    case Q8_0: fused_row_t<Q8_0>(row, scratch, T, K, x, res); return;
-    case F32: fused_row_t<F32>(row, scratch, T, K, x, res); return;
-    case F16: fused_row_t<F16>(row, scratch, T, K, x, res); return;
-    case BF16: fused_row_t<BF16>(row, scratch, T, K, x, res); return;
-    case Q4_K: fused_row_t<Q4_K>(row, scratch, T, K, x, res); return;
-    case Q5_K: fused_row_t<Q5_K>(row, scratch, T, K, x, res); return;
-    default: fused_row_t<Q6_K>(row, scratch, T, K, x, res); return;
+    case Q4_0: fused_row_t<Q4_0>(row, rb, scratch, T, K, x, res); return;
+    case Q4_1: fused_row_t<Q4_1>(row, rb, scratch, T, K, x, res); return;
+    case Q8_0: fused_row_t<Q8_0>(row, rb, scratch, T, K, x, res); return;
+    case F32: fused_row_t<F32>(row, rb, scratch, T, K, x, res); return;
+    case F16: fused_row_t<F16>(row, rb, scratch, T, K, x, res); return;
+    case BF16: fused_row_t<BF16>(row, rb, scratch, T, K, x, res); return;
+    case Q4_K: fused_row_t<Q4_K>(row, rb, scratch, T, K, x, res); return;
+    case Q5_K: fused_row_t<Q5_K>(row, rb, scratch, T, K, x, res); return;
+    default: fused_row_t<Q6_K>(row, rb, scratch, T, K, x, res); return;
   }
 }
 #else
 bool fused_ok(int64_t, int64_t) { return false; }
-void fused_row(int64_t, const uint8_t*, float*, int64_t, int64_t, const float*, float*) {}
+void fused_row(int64_t, const uint8_t*, int64_t, float*, int64_t, int64_t, const float*, float*) {}
 void fused_pair_rows(int64_t, const uint8_t*, int64_t, float*, int64_t, const float*, float*, float*) {}
 #endif
 
@@ -440,7 +451,7 @@ __attribute__((noinline)) void pair_range(int64_t qtype, const uint8_t* wp, int6
   float buf[512];
   int64_t n = n0;
   for (; n + 2 <= n1; n += 2) fused_pair_rows(qtype, wp + n * rb, rb, buf, K, xp, op + n, op + n + 1);
-  if (n < n1) fused_row(qtype, wp + n * rb, buf, 1, K, xp, op + n);
+  if (n < n1) fused_row(qtype, wp + n * rb, rb, buf, 1, K, xp, op + n);
 }
 
 // weight rows [n0, n1) against T activation rows: the fused path in groups of 4 rows while the
@@ -454,7 +465,7 @@ __attribute__((noinline)) void row_range(int64_t qtype, const uint8_t* wp, int64
     if (fused) {
       for (int64_t t = 0; t < T; t += 4) {
         const int64_t m = std::min<int64_t>(4, T - t);
-        fused_row(qtype, wp + n * rb, buf.data(), m, K, xp + t * K, r);
+        fused_row(qtype, wp + n * rb, rb, buf.data(), m, K, xp + t * K, r);
         for (int64_t i = 0; i < m; ++i) op[(t + i) * ldo + n] = r[i];
       }
       continue;

@@ -46,6 +46,7 @@
 namespace a8 {  // named: the sources are built as one translation unit
 
 enum : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
+constexpr int64_t PF_TILES = 4;
 constexpr int64_t QK = 32;
 
 int64_t block_bytes(int64_t t) {
@@ -235,6 +236,9 @@ __attribute__((always_inline)) inline void tile_inline(const uint8_t* row, int64
   for (int64_t b = 0; b < nb; ++b) {
     __m256i w[W], aw[W];
     __m128 dm[W];
+    // fetch the rows PF_TILES tiles ahead (W rows, W * bb bytes per block step: the whole
+    // tile over the block loop); the hardware prefetcher alone left streaming at ~20 GB/s
+    _mm_prefetch(reinterpret_cast<const char*>(row + PF_TILES * W * rb + W * bb * b), _MM_HINT_T0);
     for (int v = 0; v < W; ++v) dm[v] = load_block<QT>(row + v * rb + bb * b, w[v], aw[v]);
     for (int r = 0; r < R; ++r) {
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + QK * b));
@@ -267,6 +271,7 @@ __attribute__((always_inline)) inline void tile_late(const uint8_t* row, int64_t
   for (int64_t b = 0; b < nb; ++b) {
     __m256i w[W], aw[W];
     __m256 dw[W];
+    _mm_prefetch(reinterpret_cast<const char*>(row + PF_TILES * W * rb + W * bb * b), _MM_HINT_T0);
     for (int v = 0; v < W; ++v) {
       const __m128 dm = load_block<QT>(row + v * rb + bb * b, w[v], aw[v]);
       dw[v] = _mm256_broadcastss_ps(dm);

@@ -56,12 +56,15 @@ def _crossovers(capability: str) -> tuple[int, int]:
     """(TILED_ROWS, A8_ROWS): up to how many activation rows the row-streaming kernel, and the
     int8 kernel, beat dequantized tiles + oneDNN's matmul. They depend on the widest vector ISA
     the matmul library uses (ATen's CPU capability, which oneDNN's own dispatch agrees with).
-    Measured on SmolLM2's Q4_1 gate/up and its Q8_0 LM head (bench decode "crossover_ms"), one
-    thread of a Zen 5 EPYC, oneDNN limited to AVX2 (ONEDNN_MAX_CPU_ISA) or not:
-    - AVX2: tiles tie the exact kernel at 8 rows and the int8 kernel between 40 and 64.
-    - AVX-512 (twice the FMA width): tiles win from 8 rows on for the layers (0.43 vs 0.59 ms
-      at 8, 0.86 vs 1.46 int8 at 40) and tie the int8 kernel near 16."""
-    return (4, 16) if capability.startswith("AVX512") else (8, 64)
+    Measured as a decode step sees them: all of SmolLM2's matmuls (30 layers + the Q8_0 LM
+    head, 96 MB, streamed from memory) at T rows, 2 threads of a Zen 5 EPYC, ms per step, with
+    oneDNN limited to AVX2 (ONEDNN_MAX_CPU_ISA) or not. The tiles cost ~15 ms per step whatever
+    T (every weight dequantized to float32 and repacked by oneDNN), then scale well:
+    - AVX-512: exact kernel vs tiles 14.8 vs 24.0 at 8 rows, 30.2 vs 29.2 at 16; int8 kernel
+      vs tiles 34.1 vs 50.6 at 24, 46.6 vs 38.3 at 32, 59.9 vs 45.3 at 40.
+    - AVX2: exact 14.6 vs 30.4 at 8, 30.6 vs 42.3 at 16, 53.2 vs 50.6 at 24; the int8 kernel
+      ties the tiles between 40 and 64 rows (single-thread, earlier)."""
+    return (16, 28) if capability.startswith("AVX512") else (24, 64)
 
 
 TILED_ROWS, A8_ROWS = _crossovers(torch.backends.cpu.get_cpu_capability())
