@@ -107,6 +107,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--activations", default="float32", choices=["float32", "int8"],
                    help="int8: round each quantized matmul's input to 8 bits per 32 values and "
                         "multiply in integers (llama.cpp's way; faster, approximate). float32: exact")
+    p.add_argument("--batch-weights", default="quantized", choices=["quantized", "float32"],
+                   help="float32: also keep a float32 copy of the quantized weights, pre-packed, "
+                        "for prefill and large batches (faster there, exact; costs the memory of "
+                        "a float32 model). quantized: dequantize tile by tile (no extra memory)")
     p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
     p.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 2GiB, 512MB")
     p.add_argument("--kv-cache-dtype", default="auto",
@@ -194,6 +198,7 @@ def make_engine(args: argparse.Namespace):  # noqa: ANN201
         dtype=args.dtype,
         weights=getattr(args, "weights", None),
         activations=getattr(args, "activations", "float32"),
+        batch_weights=getattr(args, "batch_weights", "quantized"),
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         kv_cache_memory=args.kv_cache_memory,

@@ -79,6 +79,8 @@ def engine_lines(engine: Any, source: Any, dtype: str) -> list[str]:
     weights += f", {human_bytes(loaded.weight_bytes)}"
     if getattr(loaded, "activations", "float32") != "float32":
         weights += f"; {loaded.activations} activations (approximate)"
+    if getattr(loaded, "batch_weights", "quantized") != "quantized":
+        weights += f"; + float32 copy for batches, {human_bytes(loaded.model.batch_weight_bytes())}"
     storage, cache = engine.storage, engine.cache
     tokens = cache.num_blocks * cache.block_size
     full = tokens // engine.max_model_len

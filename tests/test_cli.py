@@ -58,6 +58,9 @@ def _one_line_error(r: subprocess.CompletedProcess, *words: str) -> None:
         (("generate", "--activations", "int4", "hi"), ("--activations", "int4")),
         (("generate", "--weights", "float32", "--activations", "int8", "hi"),
          ("activations='int8'", "weights='quantized'")),
+        (("generate", "--batch-weights", "int8", "hi"), ("--batch-weights", "int8")),
+        (("generate", "--weights", "float32", "--batch-weights", "float32", "hi"),
+         ("batch_weights='float32'", "weights='quantized'")),
     ],
 )
 def test_bad_command_is_one_line_and_nonzero(args: tuple[str, ...], words: tuple[str, ...]) -> None:

@@ -208,3 +208,57 @@ def test_smollm2_quantized_logits_match_transformers(smollm2: Any, hf_smollm2: A
     ids = torch.tensor(smollm2.tokenizer("The paged KV cache stores keys and values").input_ids)
     out = run_paged(smollm2.model, [ids], prefill_then_decode(len(ids) - 3, len(ids)), 16)
     assert max_diff(out, [hf_logits(hf_smollm2, ids)]) < F32_TOL
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q6_K], ids=lambda q: q.name)
+def test_batch_weights_float32_copy_is_used_above_the_kernel_rows(qtype: Q) -> None:
+    """batch_weights="float32": calls above PACKED_TILED_ROWS multiply the (packed) float32 copy, equal
+    to the dequantized product up to summation order; smaller calls are untouched (bitwise);
+    back to "quantized" drops the copy and gives the tiles' products again (bitwise)."""
+    if not qkernel.load():
+        pytest.skip(f"kernel unavailable: {qkernel.info()['error']}")
+    w, ref = _case(qtype)
+    big, small = (torch.randn(t, w.k, generator=torch.Generator().manual_seed(t))
+                  for t in (max(quant.TILED_ROWS, quant.PACKED_TILED_ROWS) + 3, 2))
+    tiles, kernel = w.linear(big), w.linear(small)
+    assert w.batch_bytes == 0
+    w.set_batch_weights("float32")
+    assert w.batch_bytes == w.n * w.k * 4
+    got, want = w.linear(big), big @ ref.t()
+    assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max()) + 1e-6
+    assert torch.equal(w.linear(small), kernel)
+    w.set_batch_weights("quantized")
+    assert w.batch_bytes == 0 and torch.equal(w.linear(big), tiles)
+
+
+def test_batch_weights_option_is_validated() -> None:
+    from test_model import _tiny
+
+    w, _ = _case(Q.Q4_1)
+    with pytest.raises(UnsupportedModelError, match="batch weights"):
+        w.set_batch_weights("bfloat16")
+    assert w.batch_bytes == 0  # nothing changed
+    hf = _tiny("qwen2")
+    with pytest.raises(ModelLoadError, match="unsupported batch_weights"):
+        load_model(hf, batch_weights="int8")
+    with pytest.raises(ModelLoadError, match="needs weights='quantized'"):
+        load_model(hf, weights="float32", batch_weights="float32")
+    with pytest.raises(ModelLoadError, match="needs quantized GGUF weights"):
+        load_model(hf, batch_weights="float32")  # not a GGUF: float weights
+
+
+def test_smollm2_batch_weights_float32_matches_transformers(smollm2: Any, hf_smollm2: Any) -> None:
+    """The float32 copy serves the prefill (more rows than TILED_ROWS); logits stay
+    transformers' within the float32 tolerance. The shared model is restored afterwards."""
+    ids = torch.tensor(smollm2.tokenizer("A paged cache hands out fixed-size blocks of KV memory "
+                                         "from a pool, mapped per sequence by a table").input_ids)
+    assert len(ids) - 3 > quant.PACKED_TILED_ROWS
+    m = smollm2.model
+    try:
+        m.set_batch_weights("float32")
+        assert m.batch_weight_bytes() > 4 * smollm2.weight_bytes
+        out = run_paged(m, [ids], prefill_then_decode(len(ids) - 3, len(ids)), 16)
+    finally:
+        m.set_batch_weights("quantized")
+    assert m.batch_weight_bytes() == 0
+    assert max_diff(out, [hf_logits(hf_smollm2, ids)]) < F32_TOL

@@ -84,6 +84,7 @@ class LLMEngine:
         dtype: str | torch.dtype = "float32",
         weights: str | None = None,
         activations: str = "float32",
+        batch_weights: str = "quantized",
         block_size: int = 16,
         num_blocks: int | None = None,
         kv_cache_memory: str | int = "1GiB",
@@ -101,15 +102,22 @@ class LLMEngine:
         n_keep: int = 0,
         n_discard: int | None = None,
     ) -> None:
-        from pagedkv.model.loader import LoadedModel, check_activations, load_model
+        from pagedkv.model.loader import (
+            LoadedModel,
+            check_activations,
+            check_batch_weights,
+            load_model,
+        )
 
         # checked before the model loads: a typo fails fast, naming the supported values
         kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype)
         check_activations(activations, weights)
+        check_batch_weights(batch_weights, weights)
         self.loaded = (
             model
             if isinstance(model, LoadedModel)
-            else load_model(model, dtype=dtype, weights=weights, activations=activations)
+            else load_model(model, dtype=dtype, weights=weights, activations=activations,
+                            batch_weights=batch_weights)
         )
         cfg = self.loaded.config
         self.tokenizer = self.loaded.tokenizer

@@ -276,6 +276,20 @@ class LlamaModel(nn.Module):
             if q is not None:
                 q.set_activations(mode)
 
+    def set_batch_weights(self, mode: str) -> None:
+        """"quantized" (tiles, the default) or "float32": keep a pre-packed float32 copy of every
+        quantized matmul weight for the calls above the kernels' row counts (quant.py).
+        Raises UnsupportedModelError on another mode."""
+        qws = [m.q for m in self.modules() if isinstance(m, Linear) and m.q is not None]
+        for q in dict.fromkeys([*qws, self.lm_head_q]):
+            if q is not None:
+                q.set_batch_weights(mode)
+
+    def batch_weight_bytes(self) -> int:
+        """Bytes of the float32 batch copies (0 unless set_batch_weights("float32"))."""
+        qws = [m.q for m in self.modules() if isinstance(m, Linear) and m.q is not None]
+        return sum(q.batch_bytes for q in dict.fromkeys([*qws, self.lm_head_q]) if q is not None)
+
     def unpack_weights(self) -> None:
         for m in self.modules():
             if isinstance(m, Linear):

@@ -11,6 +11,11 @@ multiplies by exactly the weights transformers builds from the same file.
 `activations="int8"` (quantized weights only; opt-in, approximate): each quantized matmul's
 input is rounded to int8 per 32-element block and multiplied in integers, as llama.cpp does
 (quant.py); "float32" (the default) keeps the exact path.
+
+`batch_weights="float32"` (quantized weights only; opt-in, exact): also keep a float32 copy of
+every quantized matrix, pre-packed for oneDNN, for prefill and large batches (above the
+kernels' row counts), which otherwise dequantize the blocks tile by tile at every call. Costs
+the memory of a float32 model (SmolLM2: +538 MB); "quantized" (the default) keeps none.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from pagedkv.errors import ModelLoadError
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.gguf_file import GGUFFile
 from pagedkv.model.llama import LlamaModel
-from pagedkv.model.quant import ACTIVATIONS, QPart
+from pagedkv.model.quant import ACTIVATIONS, BATCH_WEIGHTS, QPart
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +76,7 @@ class LoadedModel:
     load_seconds: float = 0.0
     weights: str = "float32"  # "quantized": GGUF blocks kept as in the file
     activations: str = "float32"  # "int8": matmul inputs quantized (quantized weights only)
+    batch_weights: str = "quantized"  # "float32": a pre-packed float32 copy for big batches
 
     @property
     def weight_bytes(self) -> int:
@@ -96,6 +102,7 @@ def load_model(
     tokenizer: Any | None = None,
     weights: str | None = None,
     activations: str = "float32",
+    batch_weights: str = "quantized",
 ) -> LoadedModel:
     """Load a Llama-family model.
 
@@ -104,11 +111,13 @@ def load_model(
     in-memory transformers PreTrainedModel (its weights are copied). `tokenizer` overrides the
     one found with the source. `weights`: "quantized" (GGUF only, float32 only) or "float32";
     None picks "quantized" for a GGUF file at float32, else "float32". `activations`: "float32"
-    or "int8" (see the module docstring; needs quantized weights).
+    or "int8" (see the module docstring; needs quantized weights). `batch_weights`: "quantized"
+    or "float32" (a float32 copy for prefill and big batches; needs quantized weights).
     Raises ModelLoadError / UnsupportedModelError.
     """
     t0 = time.perf_counter()
     check_activations(activations, weights)
+    check_batch_weights(batch_weights, weights)
     dt = _resolve_dtype(dtype)
     if weights is not None and weights not in WEIGHTS:
         raise ModelLoadError(f"unsupported weights {weights!r}; choose one of {list(WEIGHTS)}")
@@ -130,6 +139,11 @@ def load_model(
             raise ModelLoadError(f"activations={activations!r} needs quantized GGUF weights")
         out.model.set_activations(activations)
         out.activations = activations
+    if batch_weights != "quantized":
+        if out.weights != "quantized":
+            raise ModelLoadError(f"batch_weights={batch_weights!r} needs quantized GGUF weights")
+        out.model.set_batch_weights(batch_weights)
+        out.batch_weights = batch_weights
     out.model.eval()
     out.model.pack_weights()
     out.load_seconds = time.perf_counter() - t0
@@ -147,6 +161,15 @@ def check_activations(activations: object, weights: str | None = None) -> None:
         raise ModelLoadError(f"unsupported activations {activations!r}; choose one of {list(ACTIVATIONS)}")
     if activations != "float32" and weights == "float32":
         raise ModelLoadError(f"activations={activations!r} needs weights='quantized'")
+
+
+def check_batch_weights(batch_weights: object, weights: str | None = None) -> None:
+    """Raises ModelLoadError unless `batch_weights` is one of BATCH_WEIGHTS (and, for "float32",
+    `weights` is not "float32"): checked before anything loads."""
+    if batch_weights not in BATCH_WEIGHTS:
+        raise ModelLoadError(f"unsupported batch_weights {batch_weights!r}; choose one of {list(BATCH_WEIGHTS)}")
+    if batch_weights != "quantized" and weights == "float32":
+        raise ModelLoadError(f"batch_weights={batch_weights!r} needs weights='quantized'")
 
 
 def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:

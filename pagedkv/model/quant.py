@@ -16,6 +16,9 @@ for the stored blocks; only the summation order differs.
   memory cost is that of the quantized model plus one tile. The tile is multiplied by oneDNN
   (packed.plain_linear), about 2.3x faster than torch.mm's BLAS on the AMD machine measured.
   TILED_ROWS and A8_ROWS are the measured crossovers for the CPU's vector width (_crossovers).
+  Opt-in `set_batch_weights("float32")`: those calls multiply a float32 copy pre-packed for
+  oneDNN instead (the memory of a float32 model on top of the quantized one; no per-call
+  dequantizing, so large batches and prefill run at float32 speed).
 - `rows(ids)`: dequantizes only the rows looked up (token embeddings).
 - Without the kernel (no compiler, PAGEDKV_NO_KERNEL=1) the pure-torch fallback dequantizes the
   whole weight once with the gguf package, keeps the float32 copy, and uses F.linear / indexing.
@@ -41,7 +44,8 @@ from gguf.quants import dequantize
 
 from pagedkv.errors import UnsupportedModelError
 from pagedkv.model import qkernel
-from pagedkv.model.packed import plain_linear
+from pagedkv.model.packed import linear as packed_linear
+from pagedkv.model.packed import pack, plain_linear
 
 Q = GGMLQuantizationType
 KERNEL_TYPES = frozenset(
@@ -49,10 +53,11 @@ KERNEL_TYPES = frozenset(
 )
 TILE_ELEMS = 1 << 20  # float32 elements per dequantized tile (4 MiB)
 ACTIVATIONS = ("float32", "int8")  # activation modes; "int8" is the approximate, opt-in one
+BATCH_WEIGHTS = ("quantized", "float32")  # what calls above the kernels' rows multiply by
 A8_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q8_0})  # segment types the int8 kernel multiplies
 
 
-def _crossovers(capability: str) -> tuple[int, int]:
+def _crossovers(capability: str, packed: bool = False) -> tuple[int, int]:
     """(TILED_ROWS, A8_ROWS): up to how many activation rows the row-streaming kernel, and the
     int8 kernel, beat dequantized tiles + oneDNN's matmul. They depend on the widest vector ISA
     the matmul library uses (ATen's CPU capability, which oneDNN's own dispatch agrees with).
@@ -63,11 +68,19 @@ def _crossovers(capability: str) -> tuple[int, int]:
     - AVX-512: exact kernel vs tiles 14.8 vs 24.0 at 8 rows, 30.2 vs 29.2 at 16; int8 kernel
       vs tiles 34.1 vs 50.6 at 24, 46.6 vs 38.3 at 32, 59.9 vs 45.3 at 40.
     - AVX2: exact 14.6 vs 30.4 at 8, 30.6 vs 42.3 at 16, 53.2 vs 50.6 at 24; the int8 kernel
-      ties the tiles between 40 and 64 rows (single-thread, earlier)."""
-    return (16, 28) if capability.startswith("AVX512") else (24, 64)
+      ties the tiles between 40 and 64 rows (single-thread, earlier).
+    `packed`: against the pre-packed float32 copy (set_batch_weights), which has no fixed cost:
+    - AVX-512: exact kernel vs copy 14.8 vs 19.1 at 8, 30.5 vs 21.1 at 16; int8 12.7 vs 17.2
+      at 8, 23.6 vs 22.0 at 16, 60 vs 35 at 40.
+    - AVX2: exact 30.7 vs 34.2 at 16, 73.4 vs 51.4 at 32; int8 23.4 vs 34.2 at 16, 46.2 vs 51.4
+      at 32."""
+    if capability.startswith("AVX512"):
+        return (8, 16) if packed else (16, 28)
+    return (20, 40) if packed else (24, 64)
 
 
 TILED_ROWS, A8_ROWS = _crossovers(torch.backends.cpu.get_cpu_capability())
+PACKED_TILED_ROWS, PACKED_A8_ROWS = _crossovers(torch.backends.cpu.get_cpu_capability(), packed=True)
 A8_IMPL = 0  # qmatmul_a8.cpp impl: 0 the fastest built, 1 scalar (same results)
 
 
@@ -110,6 +123,7 @@ class QWeight:
         # per-call arguments of the kernel, built once: (blocks, type id, first output column)
         cols = np.cumsum([0] + [d.shape[0] for _, d in self.parts])
         self._calls = [(d, int(q), int(c)) for (q, d), c in zip(self.parts, cols, strict=False)]
+        self._batch: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set_batch_weights
         self.a8 = False  # activations="int8": see set_activations
         self._a8_all = False
         self._a8_args = ([d for _, d in self.parts], [int(q) for q, _ in self.parts])
@@ -120,6 +134,24 @@ class QWeight:
             raise UnsupportedModelError(f"unsupported activations {mode!r}; choose one of {list(ACTIVATIONS)}")
         self.a8 = mode == "int8" and any(q in A8_TYPES for q, _ in self.parts) and self.k % 32 == 0
         self._a8_all = all(q in A8_TYPES for q, _ in self.parts)  # one op call per linear
+
+    def set_batch_weights(self, mode: str) -> None:
+        """"quantized" (the default): calls above the kernels' rows multiply dequantized tiles.
+        "float32": keep a float32 copy of the weight, pre-packed for oneDNN where it can be,
+        for those calls instead (4-8x this weight's bytes; no per-call dequantizing)."""
+        if mode not in BATCH_WEIGHTS:
+            raise UnsupportedModelError(f"unsupported batch weights {mode!r}; choose one of {list(BATCH_WEIGHTS)}")
+        if mode == "quantized":
+            self._batch = None
+        elif self._batch is None:
+            w = self.dequantize()
+            packed = pack(w)  # oneDNN's own copy: the plain one can go
+            self._batch = (w, None) if packed is None else (w[:0], packed)
+
+    @property
+    def batch_bytes(self) -> int:
+        """Bytes of the float32 batch copy (0 without one)."""
+        return 0 if self._batch is None else self.n * self.k * 4
     @property
     def shape(self) -> tuple[int, int]:
         return (self.n, self.k)
@@ -155,14 +187,18 @@ class QWeight:
         t = x.shape[0]
         if out is None:
             out = torch.empty(t, self.n, dtype=torch.float32)
-        if self.a8 and 0 < t <= A8_ROWS:
+        packed = self._batch is not None
+        if self.a8 and 0 < t <= (PACKED_A8_ROWS if packed else A8_ROWS):
             if self._a8_all:  # the common case: one op quantizes x and fills every segment
                 qkernel.a8()[2](x, *self._a8_args, out, A8_IMPL)
             else:
                 self._linear_a8(x, out, op)
             return out
-        if t > TILED_ROWS:
-            self._tiled(x, out)
+        if t > (PACKED_TILED_ROWS if packed else TILED_ROWS):
+            if packed:
+                out.copy_(packed_linear(x, *self._batch))
+            else:
+                self._tiled(x, out)
             return out
         for data, qtype, col in self._calls:
             op(x, data, qtype, out, col)
