@@ -6,7 +6,9 @@
 // equals it up to summation order. Compiled together with qmatmul.cpp (pagedkv/model/qkernel.py)
 // and registered as torch.ops.pagedkv_ops.*.
 //
-// silu_mul(gu [T, 2I], out [T, I]): out = silu(gu[:, :I]) * gu[:, I:] (SwiGLU), one pass.
+// silu_mul(gu [T, 2I], out [T, I]): out = silu(gu[:, :I]) * gu[:, I:] (SwiGLU), one pass; with
+//   AVX2, 8 at a time through exp8 (within ~1 ulp of expf; torch's own vectorized silu is not
+//   bit-identical to expf either).
 // rope(x [T, H, D] rows of stride sx, cos [T, D], sin_signed [T, D], out [T, H, D] contiguous):
 //   out = x * cos + flip_halves(x) * sin_signed (the HF rotate_half layout), one pass over the
 //   q and k heads of a fused qkv row.
@@ -18,7 +20,30 @@
 #include <cmath>
 #include <cstdint>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define FO_AVX2 1
+#endif
+
 namespace {
+
+#ifdef FO_AVX2
+// e^x for 8 floats, x clamped to [-87.3, 88.3] (2^n stays normal): x = n ln2 + r with
+// |r| <= ln2 / 2 (Cody-Waite, ln2 in two parts), e^r by its degree-7 Taylor polynomial
+// (truncation below 1e-8 relative), then times 2^n through the exponent bits.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+  __m256 p = _mm256_set1_ps(1.f / 5040.f);
+  for (const float c : {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f})
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
 
 void add_rms_norm(at::Tensor& x, const at::Tensor& delta, const at::Tensor& w, double eps, at::Tensor& out) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
@@ -65,7 +90,16 @@ void silu_mul(const at::Tensor& gu, at::Tensor& out) {
       const float* gr = g + t * 2 * I;
       const float* ur = gr + I;
       float* orow = o + t * I;
-      for (int64_t i = 0; i < I; ++i) orow[i] = gr[i] / (1.0f + std::exp(-gr[i])) * ur[i];
+      int64_t i = 0;
+#ifdef FO_AVX2
+      const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+      for (; i + 8 <= I; i += 8) {
+        const __m256 g = _mm256_loadu_ps(gr + i);
+        const __m256 s = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, g))));
+        _mm256_storeu_ps(orow + i, _mm256_mul_ps(s, _mm256_loadu_ps(ur + i)));
+      }
+#endif
+      for (; i < I; ++i) orow[i] = gr[i] / (1.0f + std::exp(-gr[i])) * ur[i];
     }
   });
 }
