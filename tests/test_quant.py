@@ -277,3 +277,21 @@ def test_fused_silu_mul_matches_torch() -> None:
     gate, up = gu[:, :77], gu[:, 77:]
     want = torch.nn.functional.silu(gate.double()) * up.double()
     torch.testing.assert_close(out.double(), want, rtol=3e-7, atol=1e-30)
+
+
+def test_batch_weights_copies_are_all_or_nothing(smollm2: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy that cannot be built (memory) leaves no copy behind: the model is as before."""
+    m = smollm2.model
+    calls = {"n": 0}
+    real = QWeight.dequantize
+
+    def fail_third(self: QWeight) -> torch.Tensor:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise MemoryError("no room for the float32 copy")
+        return real(self)
+
+    monkeypatch.setattr(QWeight, "dequantize", fail_third)
+    with pytest.raises(MemoryError):
+        m.set_batch_weights("float32")
+    assert calls["n"] == 3 and m.batch_weight_bytes() == 0

@@ -279,11 +279,19 @@ class LlamaModel(nn.Module):
     def set_batch_weights(self, mode: str) -> None:
         """"quantized" (tiles, the default) or "float32": keep a pre-packed float32 copy of every
         quantized matmul weight for the calls above the kernels' row counts (quant.py).
-        Raises UnsupportedModelError on another mode."""
+        Raises UnsupportedModelError on another mode. All or nothing: if building a copy fails
+        (out of memory), the copies built so far are dropped again."""
         qws = [m.q for m in self.modules() if isinstance(m, Linear) and m.q is not None]
-        for q in dict.fromkeys([*qws, self.lm_head_q]):
-            if q is not None:
+        qws = [q for q in dict.fromkeys([*qws, self.lm_head_q]) if q is not None]
+        had = [q for q in qws if q.batch_bytes]
+        try:
+            for q in qws:
                 q.set_batch_weights(mode)
+        except BaseException:
+            for q in qws:
+                if q not in had:
+                    q.set_batch_weights("quantized")
+            raise
 
     def batch_weight_bytes(self) -> int:
         """Bytes of the float32 batch copies (0 unless set_batch_weights("float32"))."""
