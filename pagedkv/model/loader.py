@@ -157,19 +157,21 @@ def load_model(
 def check_activations(activations: object, weights: str | None = None) -> None:
     """Raises ModelLoadError unless `activations` is one of ACTIVATIONS (and, for "int8",
     `weights` is not "float32"): checked before anything loads."""
-    if activations not in ACTIVATIONS:
-        raise ModelLoadError(f"unsupported activations {activations!r}; choose one of {list(ACTIVATIONS)}")
-    if activations != "float32" and weights == "float32":
-        raise ModelLoadError(f"activations={activations!r} needs weights='quantized'")
+    _check_quantized_option("activations", activations, ACTIVATIONS, weights)
 
 
 def check_batch_weights(batch_weights: object, weights: str | None = None) -> None:
     """Raises ModelLoadError unless `batch_weights` is one of BATCH_WEIGHTS (and, for "float32",
     `weights` is not "float32"): checked before anything loads."""
-    if batch_weights not in BATCH_WEIGHTS:
-        raise ModelLoadError(f"unsupported batch_weights {batch_weights!r}; choose one of {list(BATCH_WEIGHTS)}")
-    if batch_weights != "quantized" and weights == "float32":
-        raise ModelLoadError(f"batch_weights={batch_weights!r} needs weights='quantized'")
+    _check_quantized_option("batch_weights", batch_weights, BATCH_WEIGHTS, weights)
+
+
+def _check_quantized_option(name: str, value: object, choices: tuple[str, ...], weights: str | None) -> None:
+    """`value` must be one of `choices`; any but the first (the default) needs quantized weights."""
+    if value not in choices:
+        raise ModelLoadError(f"unsupported {name} {value!r}; choose one of {list(choices)}")
+    if value != choices[0] and weights == "float32":
+        raise ModelLoadError(f"{name}={value!r} needs weights='quantized'")
 
 
 def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:

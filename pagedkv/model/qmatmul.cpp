@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -393,20 +394,26 @@ void pair_t(const uint8_t* row, int64_t rb, float* scratch, int64_t K, const flo
              row + PF_PAIRS * 2 * rb, 2 * rb * 32 / K);
 }
 
+// f(std::integral_constant<int64_t, T>{}) for the kernel type T == qtype (the K-quants last)
+template <class F>
+void with_type(int64_t qtype, const F& f) {
+  switch (qtype) {
+    case Q4_0: f(std::integral_constant<int64_t, Q4_0>{}); return;
+    case Q4_1: f(std::integral_constant<int64_t, Q4_1>{}); return;
+    case Q8_0: f(std::integral_constant<int64_t, Q8_0>{}); return;
+    case F32: f(std::integral_constant<int64_t, F32>{}); return;
+    case F16: f(std::integral_constant<int64_t, F16>{}); return;
+    case BF16: f(std::integral_constant<int64_t, BF16>{}); return;
+    case Q4_K: f(std::integral_constant<int64_t, Q4_K>{}); return;
+    case Q5_K: f(std::integral_constant<int64_t, Q5_K>{}); return;
+    default: f(std::integral_constant<int64_t, Q6_K>{}); return;
+  }
+}
+
 // weight rows n and n + 1 (bytes `row`, `row + rb`) against one activation row; scratch: 512 floats
 void fused_pair_rows(int64_t qtype, const uint8_t* row, int64_t rb, float* scratch, int64_t K,
                      const float* x, float* r0, float* r1) {
-  switch (qtype) {
-    case Q4_0: pair_t<Q4_0>(row, rb, scratch, K, x, r0, r1); return;
-    case Q4_1: pair_t<Q4_1>(row, rb, scratch, K, x, r0, r1); return;
-    case Q8_0: pair_t<Q8_0>(row, rb, scratch, K, x, r0, r1); return;
-    case F32: pair_t<F32>(row, rb, scratch, K, x, r0, r1); return;
-    case F16: pair_t<F16>(row, rb, scratch, K, x, r0, r1); return;
-    case BF16: pair_t<BF16>(row, rb, scratch, K, x, r0, r1); return;
-    case Q4_K: pair_t<Q4_K>(row, rb, scratch, K, x, r0, r1); return;
-    case Q5_K: pair_t<Q5_K>(row, rb, scratch, K, x, r0, r1); return;
-    default: pair_t<Q6_K>(row, rb, scratch, K, x, r0, r1); return;
-  }
+  with_type(qtype, [&](auto t) { pair_t<decltype(t)::value>(row, rb, scratch, K, x, r0, r1); });
 }
 
 bool fused_ok(int64_t, int64_t K) { return K % 32 == 0; }
@@ -427,17 +434,7 @@ void fused_row_t(const uint8_t* row, int64_t rb, float* scratch, int64_t T, int6
 
 void fused_row(int64_t qtype, const uint8_t* row, int64_t rb, float* scratch, int64_t T, int64_t K,
                const float* x, float* res) {
-  switch (qtype) {
-    case Q4_0: fused_row_t<Q4_0>(row, rb, scratch, T, K, x, res); return;
-    case Q4_1: fused_row_t<Q4_1>(row, rb, scratch, T, K, x, res); return;
-    case Q8_0: fused_row_t<Q8_0>(row, rb, scratch, T, K, x, res); return;
-    case F32: fused_row_t<F32>(row, rb, scratch, T, K, x, res); return;
-    case F16: fused_row_t<F16>(row, rb, scratch, T, K, x, res); return;
-    case BF16: fused_row_t<BF16>(row, rb, scratch, T, K, x, res); return;
-    case Q4_K: fused_row_t<Q4_K>(row, rb, scratch, T, K, x, res); return;
-    case Q5_K: fused_row_t<Q5_K>(row, rb, scratch, T, K, x, res); return;
-    default: fused_row_t<Q6_K>(row, rb, scratch, T, K, x, res); return;
-  }
+  with_type(qtype, [&](auto t) { fused_row_t<decltype(t)::value>(row, rb, scratch, T, K, x, res); });
 }
 #else
 bool fused_ok(int64_t, int64_t) { return false; }
