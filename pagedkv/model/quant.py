@@ -146,12 +146,13 @@ class QWeight:
         elif self._batch is None:
             w = self.dequantize()
             packed = pack(w)  # oneDNN's own copy: the plain one can go
-            self._batch = (w, None) if packed is None else (w[:0], packed)
+            self._batch = (w, None) if packed is None else (torch.empty(0, self.k), packed)
 
     @property
     def batch_bytes(self) -> int:
         """Bytes of the float32 batch copy (0 without one)."""
         return 0 if self._batch is None else self.n * self.k * 4
+
     @property
     def shape(self) -> tuple[int, int]:
         return (self.n, self.k)
