@@ -295,3 +295,27 @@ def test_batch_weights_copies_are_all_or_nothing(smollm2: Any, monkeypatch: pyte
     with pytest.raises(MemoryError):
         m.set_batch_weights("float32")
     assert calls["n"] == 3 and m.batch_weight_bytes() == 0
+
+
+def test_fused_argmax_is_torch_max() -> None:
+    """The sampler's row maximum: the first maximum and its index, as torch.max(dim=-1), with
+    NaN winning (first NaN) and +inf/-inf rows as torch reports them; any width."""
+    if not qkernel.load():
+        pytest.skip(f"kernel unavailable: {qkernel.info()['error']}")
+    gen = torch.Generator().manual_seed(5)
+    for v in (1, 7, 8, 9, 64, 49152 + 3):
+        x = torch.randn(9, v, generator=gen)
+        x[1] = x[1].round()  # many ties: the first maximum wins
+        x[2, v // 2] = float("nan")
+        x[3, -1] = float("inf")
+        x[4] = float("-inf")
+        x[5] = 7.0  # all equal
+        if v > 3:
+            x[6, 1] = x[6, v - 1] = float("nan")
+            x[7, 2] = x[7, v - 2] = 100.0  # a tie at the maximum, far apart
+        best, idx = torch.empty(9), torch.empty(9, dtype=torch.int64)
+        qkernel.argmax()(x, best, idx)
+        want_best, want_idx = x.max(dim=-1)
+        assert torch.equal(idx, want_idx), (v, idx, want_idx)
+        assert torch.equal(best.isnan(), want_best.isnan())
+        assert torch.equal(best[~best.isnan()], want_best[~want_best.isnan()])

@@ -9,6 +9,9 @@
 // silu_mul(gu [T, 2I], out [T, I]): out = silu(gu[:, :I]) * gu[:, I:] (SwiGLU), one pass; with
 //   AVX2, 8 at a time through exp8 (within ~1 ulp of expf; torch's own vectorized silu is not
 //   bit-identical to expf either).
+// argmax(x [R, V] f32, best [R] f32, idx [R] i64): per row the first maximum and its index, as
+//   torch.max(x, dim=-1); a row holding NaN gives NaN (its first NaN), so "not finite" flags it
+//   (the sampler fails such rows). torch's own reduction took ~1 ms for 40 x 49152 here.
 // rope(x [T, H, D] rows of stride sx, cos [T, D], sin_signed [T, D], out [T, H, D] contiguous):
 //   out = x * cos + flip_halves(x) * sin_signed (the HF rotate_half layout), one pass over the
 //   q and k heads of a fused qkv row.
@@ -134,16 +137,78 @@ void rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at:
   });
 }
 
+// first maximum of x[0, n) -> (value, index); NaN wins (first NaN)
+void argmax_row(const float* x, int64_t n, float& best, int64_t& at) {
+  int64_t i = 0;
+  float bv = -INFINITY;
+  int64_t bi = 0;
+  bool nan = false;
+#ifdef FO_AVX2
+  if (n >= 8) {
+    __m256 vbest = _mm256_set1_ps(-INFINITY);
+    __m256i vidx = _mm256_setzero_si256(), cur = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 vnan = _mm256_setzero_ps();
+    const __m256i step = _mm256_set1_epi32(8);
+    for (; i + 8 <= n; i += 8) {
+      const __m256 v = _mm256_loadu_ps(x + i);
+      const __m256 gt = _mm256_cmp_ps(v, vbest, _CMP_GT_OQ);  // strict: a lane keeps its first max
+      vbest = _mm256_blendv_ps(vbest, v, gt);
+      vidx = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(vidx), _mm256_castsi256_ps(cur), gt));
+      vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      cur = _mm256_add_epi32(cur, step);
+    }
+    nan = _mm256_movemask_ps(vnan) != 0;
+    alignas(32) float lv[8];
+    alignas(32) int32_t li[8];
+    _mm256_store_ps(lv, vbest);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(li), vidx);
+    bv = lv[0], bi = li[0];
+    for (int l = 1; l < 8; ++l)  // the largest value; among equal ones the smallest index
+      if (lv[l] > bv || (lv[l] == bv && li[l] < bi)) bv = lv[l], bi = li[l];
+  }
+#endif
+  for (; i < n; ++i) {
+    if (x[i] > bv) bv = x[i], bi = i;
+    if (x[i] != x[i]) nan = true;
+  }
+  if (nan) {  // rare: the first NaN, as torch reports it
+    for (int64_t j = 0; j < n; ++j)
+      if (x[j] != x[j]) {
+        bv = x[j], bi = j;
+        break;
+      }
+  }
+  best = bv, at = bi;
+}
+
+void argmax(const at::Tensor& x, at::Tensor& best, at::Tensor& idx) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) > 0,
+              "x must be a contiguous float32 [R, V] tensor, V > 0");
+  const int64_t R = x.size(0), V = x.size(1);
+  TORCH_CHECK(best.scalar_type() == at::kFloat && best.is_contiguous() && best.numel() == R,
+              "best must be a contiguous float32 [R] tensor");
+  TORCH_CHECK(idx.scalar_type() == at::kLong && idx.is_contiguous() && idx.numel() == R,
+              "idx must be a contiguous int64 [R] tensor");
+  const float* xp = x.data_ptr<float>();
+  float* bp = best.data_ptr<float>();
+  int64_t* ip = idx.data_ptr<int64_t>();
+  at::parallel_for(0, R, 4, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) argmax_row(xp + r * V, V, bp[r], ip[r]);
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pagedkv_ops, m) {
   m.def("add_rms_norm(Tensor(a!) x, Tensor delta, Tensor w, float eps, Tensor(b!) out) -> ()");
   m.def("silu_mul(Tensor gu, Tensor(a!) out) -> ()");
   m.def("rope(Tensor x, Tensor cos, Tensor sin, Tensor(a!) out) -> ()");
+  m.def("argmax(Tensor x, Tensor(a!) best, Tensor(b!) idx) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedkv_ops, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_mul", &silu_mul);
   m.impl("rope", &rope);
+  m.impl("argmax", &argmax);
 }

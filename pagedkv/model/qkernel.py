@@ -40,6 +40,7 @@ class _Kernel:
         self.qmatmul = None  # the op's overload, once loaded
         self.a8 = None  # (quantize, matmul, linear) overloads of the activation-quantized path
         self.fused = None  # (rope, silu_mul, add_rms_norm) of fused_ops.cpp
+        self.argmax = None  # fused_ops.cpp's argmax
 
 
 _kernel = _Kernel()
@@ -76,6 +77,7 @@ def load() -> bool:
                 hasattr(torch.ops.pagedkv_q, "qmatmul")
                 and hasattr(torch.ops.pagedkv_ops, "add_rms_norm")
                 and hasattr(torch.ops.pagedkv_a8, "matmul")
+                and hasattr(torch.ops.pagedkv_ops, "argmax")
             ):
                 raise RuntimeError("the library loaded but did not register its ops")
             k.qmatmul = _raw(torch.ops.pagedkv_q.qmatmul.default)
@@ -83,6 +85,7 @@ def load() -> bool:
             k.a8 = tuple(_raw(o.default) for o in (a8.quantize, a8.matmul, a8.linear))
             f = torch.ops.pagedkv_ops
             k.fused = tuple(_raw(o.default) for o in (f.rope, f.silu_mul, f.add_rms_norm))
+            k.argmax = _raw(f.argmax.default)
             k.ok = True
         except Exception as e:  # any build problem means "use the fallback"
             k.error = f"{type(e).__name__}: {e}"
@@ -104,6 +107,11 @@ def a8():  # noqa: ANN201
 def fused():  # noqa: ANN201
     """(rope, silu_mul, add_rms_norm) ops of fused_ops.cpp, or None without the kernel."""
     return _kernel.fused if (_kernel.ok or load()) else None
+
+
+def argmax():  # noqa: ANN201
+    """fused_ops.cpp's argmax(x, best, idx) op, or None without the kernel."""
+    return _kernel.argmax if (_kernel.ok or load()) else None
 
 
 def info() -> dict[str, object]:

@@ -196,10 +196,9 @@ class QWeight:
                 self._linear_a8(x, out, op)
             return out
         if t > (PACKED_TILED_ROWS if packed else TILED_ROWS):
-            if packed:
-                out.copy_(packed_linear(x, *self._batch))
-            else:
-                self._tiled(x, out)
+            if packed:  # oneDNN allocates its result: returned as is (no copy into `out`)
+                return packed_linear(x, *self._batch)
+            self._tiled(x, out)
             return out
         for data, qtype, col in self._calls:
             op(x, data, qtype, out, col)
