@@ -319,3 +319,49 @@ def test_fused_argmax_is_torch_max() -> None:
         assert torch.equal(idx, want_idx), (v, idx, want_idx)
         assert torch.equal(best.isnan(), want_best.isnan())
         assert torch.equal(best[~best.isnan()], want_best[~want_best.isnan()])
+
+
+def test_kernels_build_without_avx2_and_agree(tmp_path: Path) -> None:
+    """The fallback rule's other half: qmatmul.cpp, qmatmul_a8.cpp and fused_ops.cpp built with
+    no AVX2/FMA/F16C (their scalar paths, under renamed op namespaces) compute what the AVX2
+    build computes: the exact matmul up to summation order, the int8 one and the argmax bit for
+    bit, SwiGLU within float32 rounding."""
+    if not qkernel.load():
+        pytest.skip(f"kernel unavailable: {qkernel.info()['error']}")
+    from torch.utils.cpp_extension import load as cpp_load
+
+    text = "\n".join(Path(s).read_text() for s in qkernel._SOURCES)
+    for ns in ("pagedkv_q", "pagedkv_a8", "pagedkv_ops"):
+        text = text.replace(f"TORCH_LIBRARY({ns},", f"TORCH_LIBRARY({ns}_s,")
+        text = text.replace(f"TORCH_LIBRARY_IMPL({ns},", f"TORCH_LIBRARY_IMPL({ns}_s,")
+    src = tmp_path / "scalar.cpp"
+    src.write_text(text)
+    (tmp_path / "build").mkdir()
+    cpp_load("pagedkv_scalar_check", [str(src)], extra_cflags=["-O2", "-fopenmp", "-ffp-contract=off"],
+             extra_ldflags=["-fopenmp"], build_directory=str(tmp_path / "build"), is_python_module=False)
+    ops, sops = (torch.ops.pagedkv_q, torch.ops.pagedkv_a8, torch.ops.pagedkv_ops), (
+        torch.ops.pagedkv_q_s, torch.ops.pagedkv_a8_s, torch.ops.pagedkv_ops_s)
+    gen = torch.Generator().manual_seed(7)
+    for qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q6_K):
+        data = torch.from_numpy(_blocks(qtype, 70, 512, 1).copy())
+        for t in (1, 2, 5):
+            x = torch.randn(t, 512, generator=gen)
+            a, b = torch.empty(t, 70), torch.empty(t, 70)
+            ops[0].qmatmul(x, data, int(qtype), a, 0)
+            sops[0].qmatmul(x, data, int(qtype), b, 0)
+            assert float((a - b).abs().max()) <= 1e-5 * float(a.abs().max()) + 1e-6
+            if qtype in quant.A8_TYPES:
+                ops[1].linear(x, [data], [int(qtype)], a, 0)
+                sops[1].linear(x, [data], [int(qtype)], b, 0)
+                assert torch.equal(a, b)
+    gu = torch.randn(3, 2 * 77, generator=gen) * 5
+    o1, o2 = torch.empty(3, 77), torch.empty(3, 77)
+    ops[2].silu_mul(gu, o1)
+    sops[2].silu_mul(gu, o2)
+    torch.testing.assert_close(o1, o2, rtol=1e-6, atol=1e-7)
+    x = torch.randn(5, 1003, generator=gen)
+    x[2, 5] = float("nan")
+    (b1, i1), (b2, i2) = ((torch.empty(5), torch.empty(5, dtype=torch.int64)) for _ in range(2))
+    ops[2].argmax(x, b1, i1)
+    sops[2].argmax(x, b2, i2)
+    assert torch.equal(i1, i2)
