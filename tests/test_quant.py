@@ -330,7 +330,9 @@ def test_kernels_build_without_avx2_and_agree(tmp_path: Path) -> None:
         pytest.skip(f"kernel unavailable: {qkernel.info()['error']}")
     from torch.utils.cpp_extension import load as cpp_load
 
-    text = "\n".join(Path(s).read_text() for s in qkernel._SOURCES)
+    from pagedkv.attention.kernel import kernel_source
+
+    text = kernel_source(qkernel._SOURCES)
     for ns in ("pagedkv_q", "pagedkv_a8", "pagedkv_ops"):
         text = text.replace(f"TORCH_LIBRARY({ns},", f"TORCH_LIBRARY({ns}_s,")
         text = text.replace(f"TORCH_LIBRARY_IMPL({ns},", f"TORCH_LIBRARY_IMPL({ns}_s,")

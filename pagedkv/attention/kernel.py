@@ -120,6 +120,15 @@ def _ninja_on_path() -> None:
         os.environ["PATH"] = bindir + os.pathsep + path
 
 
+SIMD_PRELUDE = Path(__file__).with_name("simd.inc")  # helpers every kernel source may use
+
+
+def kernel_source(sources: Path | Sequence[Path]) -> str:
+    """The text one library is built from: simd.inc, then `sources` in order."""
+    paths = [Path(sources)] if isinstance(sources, str | Path) else [Path(p) for p in sources]
+    return "\n".join(p.read_text() for p in [SIMD_PRELUDE, *paths])
+
+
 def build_and_load(sources: Path | Sequence[Path], prefix: str,
                    extra_flags: Sequence[str] = ()) -> None:
     """Compile `sources` (one library, cached by content, flags and versions) and load it into
@@ -129,8 +138,7 @@ def build_and_load(sources: Path | Sequence[Path], prefix: str,
     """
     from torch.utils import cpp_extension
 
-    paths = [Path(sources)] if isinstance(sources, str | Path) else [Path(p) for p in sources]
-    source = "\n".join(p.read_text() for p in paths)
+    source = kernel_source(sources)
     flags = [*build_flags(), *extra_flags]
     name = _build_name(source, flags, prefix)
     build_dir = cache_root() / "kernels" / name

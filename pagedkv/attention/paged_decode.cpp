@@ -131,12 +131,7 @@ void store_any(const float* src, void* dst, at::ScalarType t, int64_t n) {
 // Small vector helpers (AVX2 + FMA when compiled for it, scalar otherwise).
 
 #ifdef PKV_AVX2
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using simd::hsum;  // simd.inc, put before this source by kernel.build_and_load
 
 // exp(x) for x <= 0-ish: Cody-Waite reduction x = n ln2 + r, |r| <= ln2/2, then a degree-6
 // Taylor polynomial (relative error ~1e-7, below float32 rounding of the final sums). x is

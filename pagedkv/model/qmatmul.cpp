@@ -214,12 +214,7 @@ void deq_row(const uint8_t* row, int64_t t, int64_t K, float* y) {
 // --- dot products ------------------------------------------------------------------------------
 
 #ifdef PQ_AVX2
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using simd::hsum;  // simd.inc, put before this source by kernel.build_and_load
 #endif
 
 inline float dot(const float* w, const float* x, int64_t K) {

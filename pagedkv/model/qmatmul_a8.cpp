@@ -177,12 +177,7 @@ void row_scalar(int64_t t, const uint8_t* row, int64_t nb, int64_t T, const int8
 // --- AVX2 --------------------------------------------------------------------------------------
 
 #ifdef A8_AVX2
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using simd::hsum;  // simd.inc, put before this source by kernel.build_and_load
 
 float offset_dot_avx2(const float* m, const float* s, int64_t nb) {
   __m256 l = _mm256_setzero_ps();
