@@ -25,7 +25,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define PQ_AVX2 1
 #endif
@@ -260,6 +260,16 @@ inline void dot4(const float* w, const float* x, int64_t ldx, int64_t K, float* 
 // registers and multiplied at once (no scratch round trip) --------------------------------------
 
 #ifdef PQ_AVX2
+// 16 bytes of nibbles -> the 32 values 0..15 as int32, in element order (bytes 0-7 and 8-15
+// widened to 32 bits: the low nibbles are elements 0-15, the high ones 16-31)
+inline void nibbles32(const uint8_t* qs, __m256i q[4]) {
+  const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs)));
+  const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8)));
+  const __m256i nib = _mm256_set1_epi32(0x0F);
+  q[0] = _mm256_and_si256(b0, nib), q[1] = _mm256_and_si256(b1, nib);
+  q[2] = _mm256_srli_epi32(b0, 4), q[3] = _mm256_srli_epi32(b1, 4);
+}
+
 // 32 weights of one chunk -> w[0..3]; `scratch` holds a dequantized 256-block for K-quants
 template <int64_t QT>
 struct Chunker {
@@ -270,26 +280,23 @@ struct Chunker {
       case Q4_0: {
         const uint8_t* b = row + 18 * c;
         const __m256 vd = _mm256_set1_ps(half(b));
-        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
-        const __m128i eight = _mm_set1_epi8(8);
-        const __m128i lo = _mm_sub_epi8(_mm_and_si128(raw, _mm_set1_epi8(0x0F)), eight);
-        const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F)), eight);
-        const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-        for (int k = 0; k < 4; ++k)
-          w[k] = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[k])));
+        __m256i q[4];
+        nibbles32(b + 2, q);
+        const __m256i eight = _mm256_set1_epi32(8);
+        for (int k = 0; k < 4; ++k) w[k] = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[k], eight)));
         return;
       }
       case Q4_1: {
         const uint8_t* b = row + 20 * c;
-        const __m256 vd = _mm256_set1_ps(half(b)), vm = _mm256_set1_ps(half(b + 2));
-        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));
-        const __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(0x0F));
-        const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F));
-        const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+        int32_t dm;  // d and m, both halves converted by one instruction
+        std::memcpy(&dm, b, 4);
+        const __m128 dm4 = _mm_cvtph_ps(_mm_cvtsi32_si128(dm));
+        const __m256 vd = _mm256_broadcastss_ps(dm4), vm = _mm256_broadcastss_ps(_mm_movehdup_ps(dm4));
+        __m256i q[4];
+        nibbles32(b + 4, q);
         // d * q is exact in float32 (11 by 4 significant bits), so the fused multiply-add
         // rounds d * q + m once, exactly as the gguf package's d * q + m does
-        for (int k = 0; k < 4; ++k)
-          w[k] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[k])), vm);
+        for (int k = 0; k < 4; ++k) w[k] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(q[k]), vm);
         return;
       }
       case Q8_0: {
