@@ -271,18 +271,15 @@ class LlamaModel(nn.Module):
     def set_activations(self, mode: str) -> None:
         """"float32" (exact) or "int8": quantize each quantized matmul's input to int8 blocks
         (quant.py; approximate, opt-in). Raises UnsupportedModelError on another mode."""
-        qws = [m.q for m in self.modules() if isinstance(m, Linear) and m.q is not None]
-        for q in dict.fromkeys([*qws, self.lm_head_q]):  # a tied table once
-            if q is not None:
-                q.set_activations(mode)
+        for q in self.qweights():
+            q.set_activations(mode)
 
     def set_batch_weights(self, mode: str) -> None:
         """"quantized" (tiles, the default) or "float32": keep a pre-packed float32 copy of every
         quantized matmul weight for the calls above the kernels' row counts (quant.py).
         Raises UnsupportedModelError on another mode. All or nothing: if building a copy fails
         (out of memory), the copies built so far are dropped again."""
-        qws = [m.q for m in self.modules() if isinstance(m, Linear) and m.q is not None]
-        qws = [q for q in dict.fromkeys([*qws, self.lm_head_q]) if q is not None]
+        qws = self.qweights()
         had = [q for q in qws if q.batch_bytes]
         try:
             for q in qws:
@@ -295,8 +292,12 @@ class LlamaModel(nn.Module):
 
     def batch_weight_bytes(self) -> int:
         """Bytes of the float32 batch copies (0 unless set_batch_weights("float32"))."""
+        return sum(q.batch_bytes for q in self.qweights())
+
+    def qweights(self) -> list[QWeight]:
+        """Every quantized matrix once (the LM head included; a tied table counted once)."""
         qws = [m.q for m in self.modules() if isinstance(m, Linear) and m.q is not None]
-        return sum(q.batch_bytes for q in dict.fromkeys([*qws, self.lm_head_q]) if q is not None)
+        return [q for q in dict.fromkeys([*qws, self.lm_head_q]) if q is not None]
 
     def unpack_weights(self) -> None:
         for m in self.modules():
