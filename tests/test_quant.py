@@ -322,10 +322,10 @@ def test_fused_argmax_is_torch_max() -> None:
 
 
 def test_kernels_build_without_avx2_and_agree(tmp_path: Path) -> None:
-    """The fallback rule's other half: qmatmul.cpp, qmatmul_a8.cpp and fused_ops.cpp built with
-    no AVX2/FMA/F16C (their scalar paths, under renamed op namespaces) compute what the AVX2
-    build computes: the exact matmul up to summation order, the int8 one and the argmax bit for
-    bit, SwiGLU within float32 rounding."""
+    """The fallback rule's other half: qmatmul.cpp, qmatmul_a8.cpp, qmatmul_panel.cpp and
+    fused_ops.cpp built with no AVX2/FMA/F16C (their scalar paths, under renamed op namespaces)
+    compute what the AVX2 build computes: the exact matmul up to summation order, the int8 ones
+    and the argmax bit for bit, SwiGLU within float32 rounding."""
     if not qkernel.load():
         pytest.skip(f"kernel unavailable: {qkernel.info()['error']}")
     from torch.utils.cpp_extension import load as cpp_load
@@ -335,6 +335,7 @@ def test_kernels_build_without_avx2_and_agree(tmp_path: Path) -> None:
     text = kernel_source(qkernel._SOURCES)
     for ns in ("pagedkv_q", "pagedkv_a8", "pagedkv_ops"):
         text = text.replace(f"TORCH_LIBRARY({ns},", f"TORCH_LIBRARY({ns}_s,")
+        text = text.replace(f"TORCH_LIBRARY_FRAGMENT({ns},", f"TORCH_LIBRARY_FRAGMENT({ns}_s,")
         text = text.replace(f"TORCH_LIBRARY_IMPL({ns},", f"TORCH_LIBRARY_IMPL({ns}_s,")
     src = tmp_path / "scalar.cpp"
     src.write_text(text)
@@ -355,6 +356,9 @@ def test_kernels_build_without_avx2_and_agree(tmp_path: Path) -> None:
             if qtype in quant.A8_TYPES:
                 ops[1].linear(x, [data], [int(qtype)], a, 0)
                 sops[1].linear(x, [data], [int(qtype)], b, 0)
+                assert torch.equal(a, b)
+                ops[1].panel(x, [data], [int(qtype)], a, 0)  # VNNI where the CPU has it
+                sops[1].panel(x, [data], [int(qtype)], b, 1)
                 assert torch.equal(a, b)
     gu = torch.randn(3, 2 * 77, generator=gen) * 5
     o1, o2 = torch.empty(3, 77), torch.empty(3, 77)

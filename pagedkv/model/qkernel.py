@@ -1,10 +1,11 @@
 """Lazy build and load of the model's CPU kernels: qmatmul.cpp (quantized matmul), qmatmul_a8.cpp
-(the opt-in activation-quantized matmul) and fused_ops.cpp (residual add + RMSNorm), one library.
+and qmatmul_panel.cpp (the opt-in activation-quantized matmul: few rows, and many rows with
+AVX-512 VNNI) and fused_ops.cpp (residual add + RMSNorm, SwiGLU, RoPE, argmax), one library.
 
 Built like the attention kernel (same compiler flags and cache folder, from
 pagedkv/attention/kernel.py) plus -ffp-contract=off, so that the kernel dequantizes with exactly
 the float32 roundings of the `gguf` package (a fused multiply-add would round d * q + m once).
-Registered as torch.ops.pagedkv_q.{qmatmul,qrows}, torch.ops.pagedkv_a8.{quantize,matmul} and
+Registered as torch.ops.pagedkv_q.{qmatmul,qrows}, torch.ops.pagedkv_a8.{quantize,matmul,linear,panel} and
 torch.ops.pagedkv_ops.add_rms_norm.
 
 Attempted once per process; any failure is logged once and `load()` returns False, and the
@@ -25,7 +26,7 @@ from pagedkv.attention.kernel import build_and_load
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("qmatmul.cpp", "qmatmul_a8.cpp", "fused_ops.cpp")]
+_SOURCES = [Path(__file__).with_name(n) for n in ("qmatmul.cpp", "qmatmul_a8.cpp", "qmatmul_panel.cpp", "fused_ops.cpp")]
 _EXTRA_FLAGS = ["-ffp-contract=off"]
 
 
@@ -41,6 +42,7 @@ class _Kernel:
         self.a8 = None  # (quantize, matmul, linear) overloads of the activation-quantized path
         self.fused = None  # (rope, silu_mul, add_rms_norm) of fused_ops.cpp
         self.argmax = None  # fused_ops.cpp's argmax
+        self.panel = None  # qmatmul_panel.cpp's panel op, where this CPU runs its VNNI code
 
 
 _kernel = _Kernel()
@@ -86,6 +88,8 @@ def load() -> bool:
             f = torch.ops.pagedkv_ops
             k.fused = tuple(_raw(o.default) for o in (f.rope, f.silu_mul, f.add_rms_norm))
             k.argmax = _raw(f.argmax.default)
+            if hasattr(a8, "panel") and a8.panel_vnni():
+                k.panel = _raw(a8.panel.default)
             k.ok = True
         except Exception as e:  # any build problem means "use the fallback"
             k.error = f"{type(e).__name__}: {e}"
@@ -112,6 +116,12 @@ def fused():  # noqa: ANN201
 def argmax():  # noqa: ANN201
     """fused_ops.cpp's argmax(x, best, idx) op, or None without the kernel."""
     return _kernel.argmax if (_kernel.ok or load()) else None
+
+
+def panel():  # noqa: ANN201
+    """qmatmul_panel.cpp's int8-activation op for many rows, or None: no kernel, or a CPU without
+    AVX-512 VNNI (its scalar path is for tests, not speed)."""
+    return _kernel.panel if (_kernel.ok or load()) else None
 
 
 def info() -> dict[str, object]:

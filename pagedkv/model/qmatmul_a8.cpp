@@ -65,7 +65,7 @@ inline float half(const uint8_t* p) {  // exact either way; F16C is one instruct
 
 // --- activation quantization -------------------------------------------------------------------
 
-void quant_block_scalar(const float* x, int8_t* q, float* d, float* s) {
+void quant_block_scalar(const float* x, int8_t* q, float* d, float* s, int32_t* isum) {
   float amax = 0.f;
   for (int i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(x[i]));
   const float dd = amax / 127.f;
@@ -78,10 +78,11 @@ void quant_block_scalar(const float* x, int8_t* q, float* d, float* s) {
   }
   *d = dd;
   *s = dd * static_cast<float>(sum);
+  if (isum) *isum = sum;
 }
 
 #ifdef A8_AVX2
-void quant_block_avx2(const float* x, int8_t* q, float* d, float* s) {
+void quant_block_avx2(const float* x, int8_t* q, float* d, float* s, int32_t* isum) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 v[4];
   __m256 m = _mm256_setzero_ps();
@@ -108,6 +109,7 @@ void quant_block_avx2(const float* x, int8_t* q, float* d, float* s) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), ordered);
   *d = dd;
   *s = dd * static_cast<float>(_mm_cvtsi128_si32(s4));
+  if (isum) *isum = _mm_cvtsi128_si32(s4);
 }
 #endif
 
@@ -353,17 +355,19 @@ std::vector<float> pairs(const float* d, const float* s, int64_t n) {
   return p;
 }
 
-void quantize_blocks(const float* xp, int8_t* qp, float* dp, float* sp, int64_t nblocks, int64_t impl) {
+// isum (optional): each block's integer sum of q
+void quantize_blocks(const float* xp, int8_t* qp, float* dp, float* sp, int64_t nblocks, int64_t impl,
+                     int32_t* isum = nullptr) {
   const bool fast = use_avx2(impl);
   at::parallel_for(0, nblocks, 2048, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
 #ifdef A8_AVX2
       if (fast) {
-        quant_block_avx2(xp + QK * b, qp + QK * b, dp + b, sp + b);
+        quant_block_avx2(xp + QK * b, qp + QK * b, dp + b, sp + b, isum ? isum + b : nullptr);
         continue;
       }
 #endif
-      quant_block_scalar(xp + QK * b, qp + QK * b, dp + b, sp + b);
+      quant_block_scalar(xp + QK * b, qp + QK * b, dp + b, sp + b, isum ? isum + b : nullptr);
     }
   });
   (void)fast;

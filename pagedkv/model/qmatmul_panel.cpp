@@ -1,0 +1,317 @@
+// The int8-activation matmul for many rows ("panel" path of activations=int8): AVX-512 VNNI.
+//
+// qmatmul_a8.cpp streams each weight row once and dots it with a few activation rows; from a
+// handful of rows on, the work is arithmetic, and its per-block float steps (convert, scale,
+// add, per weight row and activation row) cost more than the integer products. Here a panel of
+// 16 weight rows is unpacked once per call into bytes laid out for VNNI: block b, quad j
+// (elements 4j..4j+3), row n at wq[b][j][n] (64 bytes per quad: one zmm, a lane per weight
+// row). One vpdpbusd then multiplies 4 elements of 16 weight rows by 4 elements of one
+// activation row (broadcast) and adds them into 16 int32 lanes; a block's 32 elements take 8,
+// after which one convert, one multiply and one FMA fold the block into 16 float lanes. Each
+// unpacked panel is reused by every activation row (R at a time, in registers).
+//
+// Arithmetic, per weight row n, activation row r and block b (exactly what the scalar path,
+// impl=1, does lane by lane, so both give bit-identical results):
+//   i  = sum_k u[k] * xq[k] - bias * sum_k xq[k]      (int32, exact: |i| < 2^21)
+//        u = Q4 nibbles 0..15 (bias 8 for Q4_0, 0 for Q4_1), Q8_0: w + 128 (bias 128)
+//   y  = fma(float(i), d * dx, y)                       (d the weight block's scale, dx the row's)
+//   y  = fma(m, sx, y)                                  (Q4_1 only: the block's m, sx = dx * sum xq)
+// so Q4_0 and Q8_0 blocks are dotted exactly in integers (their offsets -8 and -128 folded into
+// i), and the result differs from qmatmul_a8's (which sums lanes in float) only by rounding.
+//
+// Op (torch.ops.pagedkv_a8.*, fragment of qmatmul_a8.cpp's library):
+//   panel(x [T, K] f32, ws [w_i [N_i, rb_i] u8], qtypes, out [T, sum N_i] f32, impl): as
+//     linear; impl 0 = VNNI where this CPU has it (else scalar), 1 = scalar.
+//   panel_vnni() -> bool: whether impl 0 runs the VNNI code on this CPU.
+// The VNNI code is compiled with a target attribute and chosen at run time, so the build flags
+// (and the build cache's name) stay those of the other kernels.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define PANEL_X86 1
+#endif
+
+namespace panel {
+
+using a8::Q4_0;
+using a8::Q4_1;
+using a8::Q8_0;
+using a8::QK;
+constexpr int64_t NR = 16;  // weight rows per panel (a zmm lane each)
+
+int32_t bias(int64_t qt) { return qt == Q4_0 ? 8 : qt == Q8_0 ? 128 : 0; }
+
+// One segment's panel of NR weight rows [n0, n0 + NR) (rows past the segment are zeros),
+// unpacked: u [nb][8][NR][4] bytes, d [nb][NR], m [nb][NR] (Q4_1; zeros otherwise).
+struct Buf {
+  std::vector<uint8_t> u;
+  std::vector<float> d, m;
+  void size(int64_t nb) {
+    u.assign(nb * 8 * NR * 4, 0);
+    d.assign(nb * NR, 0.f);
+    m.assign(nb * NR, 0.f);
+  }
+};
+
+void unpack_scalar(int64_t qt, const uint8_t* w, int64_t rb, int64_t rows, int64_t nb, Buf& p) {
+  const int64_t bb = a8::block_bytes(qt);
+  std::fill(p.u.begin(), p.u.end(), 0);
+  std::fill(p.d.begin(), p.d.end(), 0.f);
+  std::fill(p.m.begin(), p.m.end(), 0.f);
+  for (int64_t n = 0; n < rows; ++n)
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = w + n * rb + b * bb;
+      uint8_t v[QK];
+      if (qt == Q8_0) {
+        for (int i = 0; i < QK; ++i) v[i] = static_cast<uint8_t>(blk[2 + i] ^ 0x80);  // w + 128
+      } else {
+        const uint8_t* qs = blk + (qt == Q4_1 ? 4 : 2);
+        for (int i = 0; i < 16; ++i) v[i] = qs[i] & 0x0F, v[i + 16] = qs[i] >> 4;
+      }
+      for (int j = 0; j < 8; ++j) std::memcpy(&p.u[((b * 8 + j) * NR + n) * 4], v + 4 * j, 4);
+      p.d[b * NR + n] = a8::half(blk);
+      if (qt == Q4_1) p.m[b * NR + n] = a8::half(blk + 2);
+    }
+}
+
+void rows_scalar(int64_t qt, const Buf& p, int64_t nb, int64_t T, const int8_t* xq, const float* xd,
+                 const float* xs, const int32_t* xsum, int64_t K, float* out, int64_t ldo, int64_t cols) {
+  const int32_t bi = bias(qt);
+  for (int64_t r = 0; r < T; ++r)
+    for (int64_t n = 0; n < cols; ++n) {
+      float y = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        int32_t i = -bi * xsum[r * nb + b];
+        const int8_t* x = xq + r * K + QK * b;
+        for (int j = 0; j < 8; ++j)
+          for (int e = 0; e < 4; ++e) i += p.u[((b * 8 + j) * NR + n) * 4 + e] * x[4 * j + e];
+        y = std::fmaf(static_cast<float>(i), p.d[b * NR + n] * xd[r * nb + b], y);
+        if (qt == Q4_1) y = std::fmaf(p.m[b * NR + n], xs[r * nb + b], y);
+      }
+      out[r * ldo + n] = y;
+    }
+}
+
+#ifdef PANEL_X86
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vnni")
+
+bool cpu_has_vnni() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vnni");
+}
+
+// 16 rows' 16-byte pieces at p[n] + off -> 4 zmm: out[j] lane n = bytes 4j..4j+3 of row n
+inline void transpose16(const uint8_t* const* p, int64_t off, __m512i out[4]) {
+  __m512i z[4];
+  for (int a = 0; a < 4; ++a) {  // z[a] 128-bit lane l = row 4l + a
+    __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p[a] + off)));
+    v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[4 + a] + off)), 1);
+    v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[8 + a] + off)), 2);
+    z[a] = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[12 + a] + off)), 3);
+  }
+  const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+  const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+  out[0] = _mm512_unpacklo_epi64(t0, t2);
+  out[1] = _mm512_unpackhi_epi64(t0, t2);
+  out[2] = _mm512_unpacklo_epi64(t1, t3);
+  out[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+inline __m512 halves16(const uint8_t* const* p, int64_t off) {
+  alignas(32) uint16_t h[NR];
+  for (int n = 0; n < NR; ++n) std::memcpy(&h[n], p[n] + off, 2);
+  return _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(h)));
+}
+
+// the same layout as unpack_scalar; p: the NR row pointers (rows past the end at a zero row)
+template <int64_t QT>
+void unpack_vnni(const uint8_t* const* p, int64_t nb, Buf& buf) {
+  constexpr int64_t bb = QT == Q4_0 ? 18 : QT == Q4_1 ? 20 : 34;
+  const __m512i lo = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i* u = reinterpret_cast<__m512i*>(buf.u.data() + b * 8 * NR * 4);
+    __m512i q[4];
+    if (QT == Q8_0) {
+      for (int h = 0; h < 2; ++h) {
+        transpose16(p, b * bb + 2 + 16 * h, q);
+        for (int j = 0; j < 4; ++j) _mm512_storeu_si512(u + 4 * h + j, _mm512_xor_si512(q[j], flip));
+      }
+    } else {
+      transpose16(p, b * bb + (QT == Q4_1 ? 4 : 2), q);
+      for (int j = 0; j < 4; ++j) {
+        _mm512_storeu_si512(u + j, _mm512_and_si512(q[j], lo));
+        _mm512_storeu_si512(u + 4 + j, _mm512_and_si512(_mm512_srli_epi16(q[j], 4), lo));
+      }
+    }
+    _mm512_storeu_ps(buf.d.data() + b * NR, halves16(p, b * bb));
+    if (QT == Q4_1) _mm512_storeu_ps(buf.m.data() + b * NR, halves16(p, b * bb + 2));
+  }
+}
+
+// R activation rows x the panel: out[r * ldo + n] for the first `cols` of its NR rows
+template <int64_t QT, int R>
+void rows_vnni(const Buf& p, int64_t nb, const int8_t* xq, const float* xd, const float* xs,
+               const int32_t* xsum, int64_t K, float* out, int64_t ldo, __mmask16 mask) {
+  const int32_t bi = bias(QT);
+  __m512 y[R];
+  for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m512i* u = reinterpret_cast<const __m512i*>(p.u.data() + b * 8 * NR * 4);
+    const int8_t* x = xq + QK * b;
+    // two sums per row (even and odd quads): twice the independent dpbusd chains
+    __m512i acc[R], odd[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_set1_epi32(-bi * xsum[r * nb + b]), odd[r] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; j += 2) {
+      const __m512i w0 = _mm512_loadu_si512(u + j), w1 = _mm512_loadu_si512(u + j + 1);
+      for (int r = 0; r < R; ++r) {
+        int32_t q0, q1;
+        std::memcpy(&q0, x + r * K + 4 * j, 4);
+        std::memcpy(&q1, x + r * K + 4 * j + 4, 4);
+        acc[r] = _mm512_dpbusd_epi32(acc[r], w0, _mm512_set1_epi32(q0));
+        odd[r] = _mm512_dpbusd_epi32(odd[r], w1, _mm512_set1_epi32(q1));
+      }
+    }
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_add_epi32(acc[r], odd[r]);
+    const __m512 d = _mm512_loadu_ps(p.d.data() + b * NR);
+    for (int r = 0; r < R; ++r)
+      y[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_mul_ps(d, _mm512_set1_ps(xd[r * nb + b])), y[r]);
+    if (QT == Q4_1) {
+      const __m512 m = _mm512_loadu_ps(p.m.data() + b * NR);
+      for (int r = 0; r < R; ++r) y[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * nb + b]), y[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * ldo, mask, y[r]);
+}
+
+constexpr int RB = 4;  // activation rows per register block
+
+template <int64_t QT>
+void panel_vnni(const uint8_t* const* rows, int64_t nb, int64_t T, const int8_t* xq, const float* xd,
+                const float* xs, const int32_t* xsum, int64_t K, float* out, int64_t ldo, int64_t cols,
+                Buf& buf) {
+  unpack_vnni<QT>(rows, nb, buf);
+  const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
+  int64_t t = 0;
+  for (; t + RB <= T; t += RB)
+    rows_vnni<QT, RB>(buf, nb, xq + t * K, xd + t * nb, xs + t * nb, xsum + t * nb, K, out + t * ldo, ldo, mask);
+  const int64_t left = T - t;
+  const int8_t* q = xq + t * K;
+  const float *d = xd + t * nb, *s = xs + t * nb;
+  const int32_t* c = xsum + t * nb;
+  float* o = out + t * ldo;
+  switch (left) {
+    case 3: rows_vnni<QT, 3>(buf, nb, q, d, s, c, K, o, ldo, mask); break;
+    case 2: rows_vnni<QT, 2>(buf, nb, q, d, s, c, K, o, ldo, mask); break;
+    case 1: rows_vnni<QT, 1>(buf, nb, q, d, s, c, K, o, ldo, mask); break;
+    default: break;
+  }
+}
+
+void panel_vnni(int64_t qt, const uint8_t* const* rows, int64_t nb, int64_t T, const int8_t* xq,
+                const float* xd, const float* xs, const int32_t* xsum, int64_t K, float* out, int64_t ldo,
+                int64_t cols, Buf& buf) {
+  if (qt == Q4_0) panel_vnni<Q4_0>(rows, nb, T, xq, xd, xs, xsum, K, out, ldo, cols, buf);
+  else if (qt == Q4_1) panel_vnni<Q4_1>(rows, nb, T, xq, xd, xs, xsum, K, out, ldo, cols, buf);
+  else panel_vnni<Q8_0>(rows, nb, T, xq, xd, xs, xsum, K, out, ldo, cols, buf);
+}
+
+#pragma GCC pop_options
+#else
+bool cpu_has_vnni() { return false; }
+#endif
+
+bool vnni() {
+  static const bool has = cpu_has_vnni();
+  return has;
+}
+
+// the weight rows of a panel, towards L2 (a panel is unpacked once and computed for a while:
+// fetching the next one meanwhile hides most of its memory latency)
+void prefetch_panel(at::TensorList ws, std::pair<int64_t, int64_t> panel) {
+#ifdef PANEL_X86
+  const at::Tensor& w = ws[panel.first];
+  const int64_t rb = w.size(1), rows = std::min<int64_t>(NR, w.size(0) - panel.second);
+  const char* p = reinterpret_cast<const char*>(w.data_ptr<uint8_t>() + panel.second * rb);
+  for (int64_t i = 0; i < rows * rb; i += 64) _mm_prefetch(p + i, _MM_HINT_T1);
+#else
+  (void)ws, (void)panel;
+#endif
+}
+
+void panel(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, at::Tensor& out, int64_t impl) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) > 0 &&
+                  x.size(1) % QK == 0,
+              "x must be a contiguous float32 [T, K] tensor, K a multiple of 32");
+  TORCH_CHECK(ws.size() == qtypes.size() && !ws.empty(), "one qtype per weight segment");
+  const int64_t T = x.size(0), K = x.size(1), nb = K / QK;
+  std::vector<int64_t> first{0};  // first output column of each segment
+  for (size_t i = 0; i < ws.size(); ++i) {
+    const int64_t bb = a8::block_bytes(qtypes[i]);
+    TORCH_CHECK(bb > 0, "activation-quantized matmul: unsupported ggml type ", qtypes[i]);
+    TORCH_CHECK(ws[i].dim() == 2 && ws[i].scalar_type() == at::kByte && ws[i].is_contiguous() &&
+                    ws[i].size(1) == nb * bb,
+                "weight must be a contiguous uint8 [N, ", nb * bb, "] tensor");
+    first.push_back(first.back() + ws[i].size(0));
+  }
+  const int64_t N = first.back();
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.is_contiguous() &&
+                  out.size(0) == T && out.size(1) == N,
+              "out must be a contiguous float32 [T, N] tensor");
+  if (T == 0 || N == 0) return;
+  std::vector<int8_t> xq(T * K);
+  std::vector<float> xds(2 * T * nb);  // d, then s
+  std::vector<int32_t> xsum(T * nb);  // each block's integer sum
+  a8::quantize_blocks(x.data_ptr<float>(), xq.data(), xds.data(), xds.data() + T * nb, T * nb, impl, xsum.data());
+  const float *dp = xds.data(), *sp = xds.data() + T * nb;
+  // the panels: (segment, first row), never across segments
+  std::vector<std::pair<int64_t, int64_t>> panels;
+  for (size_t i = 0; i < ws.size(); ++i)
+    for (int64_t n = 0; n < ws[i].size(0); n += NR) panels.emplace_back(static_cast<int64_t>(i), n);
+  const bool fast = impl == 0 && vnni();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, static_cast<int64_t>(panels.size()), 1, [&](int64_t p0, int64_t p1) {
+    Buf buf;
+    buf.size(nb);
+    const std::vector<uint8_t> zrow(nb * 34, 0);  // a row past a segment's end: zeros (scale 0)
+    for (int64_t pi = p0; pi < p1; ++pi) {
+      const auto [seg, n0] = panels[pi];
+      const at::Tensor& w = ws[seg];
+      const int64_t rb = w.size(1), cols = std::min<int64_t>(NR, w.size(0) - n0);
+      const uint8_t* base = w.data_ptr<uint8_t>();
+      float* o = op + first[seg] + n0;
+#ifdef PANEL_X86
+      if (fast) {
+        if (pi + 1 < p1) prefetch_panel(ws, panels[pi + 1]);  // from memory while this one computes
+        const uint8_t* rows[NR];
+        for (int64_t n = 0; n < NR; ++n) rows[n] = n < cols ? base + (n0 + n) * rb : zrow.data();
+        panel_vnni(qtypes[seg], rows, nb, T, xq.data(), dp, sp, xsum.data(), K, o, N, cols, buf);
+        continue;
+      }
+#endif
+      unpack_scalar(qtypes[seg], base + n0 * rb, rb, cols, nb, buf);
+      rows_scalar(qtypes[seg], buf, nb, T, xq.data(), dp, sp, xsum.data(), K, o, N, cols);
+    }
+  });
+}
+
+}  // namespace panel
+
+TORCH_LIBRARY_FRAGMENT(pagedkv_a8, m) {
+  m.def("panel(Tensor x, Tensor[] ws, int[] qtypes, Tensor(a!) out, int impl) -> ()");
+  m.def("panel_vnni() -> bool", &panel::vnni);
+}
+
+TORCH_LIBRARY_IMPL(pagedkv_a8, CPU, m) {
+  m.impl("panel", &panel::panel);
+}

@@ -1,0 +1,125 @@
+"""The int8-activation matmul for many rows (qmatmul_panel.cpp): its scalar path against an
+integer reference of the same arithmetic, the AVX-512 VNNI path against the scalar one (bit for
+bit), QWeight's routing to it, and its argument checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from test_quant_a8 import A8, _acts, _weight_ints, _weights, ref_quantize
+
+from pagedkv.model import qkernel, quant
+from pagedkv.model.quant import QWeight
+
+needs_kernel = pytest.mark.skipif(not qkernel.load(), reason="needs the compiled kernel")
+needs_vnni = pytest.mark.skipif(not qkernel.load() or qkernel.panel() is None,
+                                reason="needs a CPU with AVX-512 VNNI")
+ROWS = [1, 2, 3, 4, 5, 8, 9, 13, 40]
+
+
+def ref_panel(qtype: Q, data: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(y [T, N] float64, sum of |terms| per output): per block, the exact integer dot
+    (Q4_0 and Q8_0 offsets folded in), times d * dx rounded to float32, plus m * sx (Q4_1)."""
+    k = x.shape[1]
+    xq, xd, xs = ref_quantize(x)
+    w, d, m = _weight_ints(qtype, data, k)
+    if qtype == Q.Q4_0:
+        w = w - 8  # the kernel's d * (q - 8), exactly in integers
+    wi, xi = w.astype(np.int64), xq.reshape(x.shape[0], -1, 32).astype(np.int64)
+    isum = np.einsum("nbk,tbk->tnb", wi, xi)
+    asum = np.einsum("nbk,tbk->tnb", np.abs(wi) + 8, np.abs(xi))  # bound for the rounding
+    scale = (d[None] * xd[:, None]).astype(np.float32).astype(np.float64)
+    offset = (m[None] * xs[:, None]).astype(np.float64) if qtype == Q.Q4_1 else 0 * scale
+    mag = (np.abs(scale) * asum).sum(-1) + np.abs(offset).sum(-1)
+    return (scale * isum + offset).sum(-1), mag
+
+
+def _panel(x: np.ndarray, parts: list[tuple[Q, np.ndarray]], impl: int) -> np.ndarray:
+    out = torch.full((x.shape[0], sum(d.shape[0] for _, d in parts)), float("nan"))
+    torch.ops.pagedkv_a8.panel(torch.from_numpy(x), [torch.from_numpy(d) for _, d in parts],
+                               [int(q) for q, _ in parts], out, impl)
+    return out.numpy()
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", A8, ids=lambda q: q.name)
+@pytest.mark.parametrize("n,k", [(1, 32), (37, 96), (130, 576)])
+def test_scalar_panel_matches_integer_reference(qtype: Q, n: int, k: int) -> None:
+    data = _weights(qtype, n, k, seed=n + 3 * k)
+    for t in ROWS:
+        x = _acts(t, k, seed=t + n)
+        got = _panel(x, [(qtype, data)], 1)
+        ref, mag = ref_panel(qtype, data, x)
+        err = np.abs(got - ref)
+        assert (err <= 2e-6 * mag + 1e-30).all(), f"T={t}: max err {err.max()} (mag {mag.max()})"
+
+
+@needs_vnni
+@pytest.mark.parametrize("n,k", [(1, 32), (37, 96), (130, 576), (16, 1536)])
+def test_vnni_panel_equals_scalar_bit_for_bit(n: int, k: int) -> None:
+    """Every type in one call (segments of odd lengths: panels end inside a segment), all row
+    counts: the VNNI path and the scalar path write the same bits into every column."""
+    parts = [(q, _weights(q, n + i, k, seed=i)) for i, q in enumerate(A8)]
+    for t in ROWS:
+        x = _acts(t, k, seed=5 * t)
+        fast, scalar = _panel(x, parts, 0), _panel(x, parts, 1)
+        assert not np.isnan(fast).any()
+        assert np.array_equal(fast, scalar), f"T={t}"
+
+
+@needs_kernel
+def test_panel_is_close_to_exact_product() -> None:
+    data = _weights(Q.Q4_1, 64, 576, 1)
+    x = _acts(12, 576, 5)
+    w = QWeight(576, [(Q.Q4_1, torch.from_numpy(data.copy()))])
+    exact = w.linear(torch.from_numpy(x)).numpy()
+    approx = _panel(x, [(Q.Q4_1, data)], 1)
+    assert 0 < np.linalg.norm(approx - exact) / np.linalg.norm(exact) < 0.02
+
+
+@needs_vnni
+def test_qweight_uses_the_panel_from_panel_rows() -> None:
+    """int8 mode, every segment Q4_0/Q4_1/Q8_0: the panel from PANEL_ROWS rows on, at any count
+    (prefill sizes too); below, the row kernel; a K-quant segment keeps the mixed path."""
+    k = 96
+    parts = [(Q.Q4_1, _weights(Q.Q4_1, 23, k, 1)), (Q.Q8_0, _weights(Q.Q8_0, 5, k, 2))]
+    w = QWeight(k, [(q, torch.from_numpy(d.copy())) for q, d in parts])
+    w.set_activations("int8")
+    ws, qt = [torch.from_numpy(d) for _, d in parts], [int(q) for q, _ in parts]
+    for t in (1, quant.PANEL_ROWS - 1, quant.PANEL_ROWS, 40, 300):
+        x = _acts(t, k, t)
+        got = w.linear(torch.from_numpy(x)).numpy()
+        if t >= quant.PANEL_ROWS:
+            assert np.array_equal(got, _panel(x, parts, 0))
+        else:
+            row = torch.empty(t, 28)
+            torch.ops.pagedkv_a8.linear(torch.from_numpy(x), ws, qt, row, 0)
+            assert np.array_equal(got, row.numpy())
+    from test_quant import _blocks
+
+    mixed = QWeight(256, [(Q.Q4_1, torch.from_numpy(_weights(Q.Q4_1, 8, 256, 0))),
+                          (Q.Q6_K, torch.from_numpy(_blocks(Q.Q6_K, 8, 256, 3)))])
+    mixed.set_activations("int8")
+    x = _acts(40, 256, 9)
+    y = mixed.linear(torch.from_numpy(x))
+    assert not np.array_equal(y[:, :8].numpy(), _panel(x, [(Q.Q4_1, _weights(Q.Q4_1, 8, 256, 0))], 0))
+
+
+@needs_kernel
+def test_panel_rejects_bad_arguments() -> None:
+    op = torch.ops.pagedkv_a8.panel
+    w = torch.zeros(3, 20, dtype=torch.uint8)  # one Q4_1 block per row: K = 32
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        op(torch.zeros(2, 48), [w], [int(Q.Q4_1)], torch.zeros(2, 3), 0)
+    with pytest.raises(RuntimeError, match="unsupported ggml type"):
+        op(torch.zeros(2, 32), [w], [int(Q.Q4_K)], torch.zeros(2, 3), 0)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        op(torch.zeros(2, 32), [w], [int(Q.Q8_0)], torch.zeros(2, 3), 0)
+    with pytest.raises(RuntimeError, match="out must be"):
+        op(torch.zeros(2, 32), [w], [int(Q.Q4_1)], torch.zeros(2, 4), 0)
+    with pytest.raises(RuntimeError, match="one qtype per"):
+        op(torch.zeros(2, 32), [w], [], torch.zeros(2, 3), 0)
+    out = torch.full((0, 3), 1.0)
+    op(torch.zeros(0, 32), [w], [int(Q.Q4_1)], out, 0)  # no rows: nothing to do
