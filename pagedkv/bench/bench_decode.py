@@ -15,8 +15,8 @@ dequantized to float32, "float32"):
   left for Python, scheduling and sampling);
 - resident memory (VmRSS) of `pagedkv serve` with a 256 MiB KV cache, measured in a subprocess.
 Also the kernel-vs-tiles crossover of the quantized matmul (the rule behind quant.TILED_ROWS),
-the exact vs int8-activation kernels alone at 1, 8 and 40 rows (and the int8 kernel vs tiles:
-the rule behind quant.A8_ROWS), and how often greedy decoding with int8 activations picks the
+the exact vs int8-activation kernels alone at 1, 8 and 40 rows (and a whole step's int8 matmuls
+by rows, row kernel vs VNNI panel vs tiles: the rules behind quant.PANEL_ROWS and quant.A8_ROWS), and how often greedy decoding with int8 activations picks the
 exact mode's tokens (agreement, first divergences).
 """
 
@@ -105,6 +105,7 @@ def _prefill(engine, n: int) -> float:  # noqa: ANN001
 
 _FAMILIES = {
     "linear": ("pagedkv_q::qmatmul", "pagedkv_q::qrows", "pagedkv_a8::linear", "pagedkv_a8::matmul",
+               "pagedkv_a8::panel",
                "pagedkv_a8::quantize", "mkldnn::_linear_pointwise", "aten::mm",
                "aten::addmm", "aten::linear"),
     "attention": ("pagedkv_attn::paged_decode", "aten::index_put_", "aten::index_copy_"),
@@ -146,8 +147,41 @@ def crossover(threads: int) -> dict:
 
 
 def a8_crossover(threads: int) -> dict:
-    """ms of SmolLM2's gate/up by rows: int8-activation kernel vs the exact tiles + BLAS."""
-    return _crossover(threads, "A8_ROWS", "int8", "int8", (16, 32, 64, 128, 256))
+    """ms of all of SmolLM2's matmuls of one step (30 layers + the LM head, streamed from memory
+    as a step sees them) by activation rows, int8 activations: the row kernel (qmatmul_a8.cpp),
+    the VNNI panel kernel (where the CPU has it) and the exact tiles + BLAS; median of 5. The
+    rules behind quant.PANEL_ROWS and quant.A8_ROWS."""
+    from pagedkv.model import load_model, qkernel, quant
+
+    torch.set_num_threads(threads)
+    m = load_model(weights="quantized", activations="int8").model
+    qs = [lin.q for layer in m.layers
+          for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)] + [m.lm_head_q]
+    modes = {"rows": (1 << 30, 1 << 30), "tiles": (0, 1 << 30)}  # (A8_ROWS, PANEL_ROWS)
+    if qkernel.panel() is not None:
+        modes["panel"] = (1 << 30, 1)
+    saved, res = (quant.A8_ROWS, quant.PANEL_ROWS), {}
+    try:
+        for rows in (1, 2, 4, 8, 16, 40, 64, 256):
+            calls = [(q, torch.randn(rows, q.k), torch.empty(rows, q.n)) for q in qs]
+            t = {}
+            for mode, (a8_rows, panel_rows) in modes.items():
+                if mode == "tiles" and rows < 16:
+                    continue
+                quant.A8_ROWS, quant.PANEL_ROWS = a8_rows, panel_rows
+                t[mode] = round(statistics.median(_timed_calls(calls) for _ in range(5)) * 1e3, 2)
+            res[rows] = t
+    finally:
+        quant.A8_ROWS, quant.PANEL_ROWS = saved
+    return {"rows": res, "a8_rows_setting": saved[0], "panel_rows_setting": saved[1],
+            "panel_available": "panel" in modes}
+
+
+def _timed_calls(calls: list) -> float:
+    t = time.perf_counter()
+    for q, x, out in calls:
+        q.linear(x, out)
+    return time.perf_counter() - t
 
 
 def _crossover(threads: int, setting: str, activations: str, name: str, rows_list: tuple) -> dict:

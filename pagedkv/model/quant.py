@@ -86,9 +86,10 @@ PACKED_TILED_ROWS, PACKED_A8_ROWS = _crossovers(torch.backends.cpu.get_cpu_capab
 A8_IMPL = 0  # qmatmul_a8.cpp impl: 0 the fastest built, 1 scalar (same results)
 # From this many rows on, int8 mode multiplies by the VNNI panel kernel (qmatmul_panel.cpp) where
 # the CPU has it, at any row count (it beats the tiles and the float32 copy everywhere). SmolLM2's
-# matmuls of one step (layers + LM head), 2 threads of the Zen 5 EPYC, ms: panel vs the int8
-# row kernel 7.6 vs 7.3 at 4 rows, 7.5 vs 12.3 at 8, 17.9 vs 44.8 (tiles) at 40, 84 vs 224 at 256.
-PANEL_ROWS = 5
+# matmuls of one step (layers + LM head, streamed from memory), 2 threads of the Zen 5 EPYC, ms
+# (bench decode's a8_crossover_ms): panel vs the int8 row kernel 6.5 vs 3.7 at 1 row, 6.7 vs 5.0
+# at 2, 6.2-7.6 vs 7.3 at 4, 7.8 vs 12.7 at 8; at 40 rows 17.9 vs 51 (tiles), at 256 83 vs 198.
+PANEL_ROWS = 4
 
 
 def row_bytes(qtype: GGMLQuantizationType, k: int) -> int:
