@@ -82,6 +82,33 @@ def test_rows_and_products_match_gguf(qtype: Q, path: str, monkeypatch: pytest.M
             assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max()) + 1e-6
 
 
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda q: q.name)
+def test_exact_rows_do_not_depend_on_the_batch(qtype: Q, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the streaming kernel, each row gets the bits it gets alone at every row count
+    (weight-row pairs for one row, groups of 4 and their remainders), on the AVX2 path and on
+    the AVX-512 one where the CPU has it (pagedkv_q.limit_isa); the two agree up to summation
+    order."""
+    if not qkernel.load():
+        pytest.skip(f"kernel unavailable: {qkernel.info()['error']}")
+    qw, ref = _case(qtype)
+    monkeypatch.setattr(quant, "TILED_ROWS", 1 << 30)
+    x = torch.randn(9, qw.k, generator=torch.Generator().manual_seed(4))
+    limit, alone = torch.ops.pagedkv_q.limit_isa, {}
+    try:
+        for level in (1, 2):
+            limit(level)
+            alone[level] = torch.cat([qw.linear(x[i : i + 1]) for i in range(9)])
+            for t in (2, 3, 4, 5, 9):
+                assert torch.equal(qw.linear(x[:t]), alone[level][:t]), (level, t)
+    finally:
+        limit(2)
+    want = x @ ref.t()
+    for got in alone.values():
+        assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max()) + 1e-6
+    with pytest.raises(RuntimeError, match="level must be"):
+        limit(3)
+
+
 def test_mixed_segments_and_output_columns(path: str) -> None:
     """A fused projection whose parts have different types writes each part's columns."""
     a, ra = _case(Q.Q4_K, n=32, seed=1)
