@@ -87,7 +87,7 @@ def test_exact_rows_do_not_depend_on_the_batch(qtype: Q, monkeypatch: pytest.Mon
     """Through the streaming kernel, each row gets the bits it gets alone at every row count
     (weight-row pairs for one row, groups of 4 and their remainders), on the AVX2 path and on
     the AVX-512 one where the CPU has it (pagedkv_q.limit_isa); the two agree up to summation
-    order."""
+    order, and both dequantize rows (qrows: the tiles) bit for bit."""
     if not qkernel.load():
         pytest.skip(f"kernel unavailable: {qkernel.info()['error']}")
     qw, ref = _case(qtype)
@@ -97,6 +97,7 @@ def test_exact_rows_do_not_depend_on_the_batch(qtype: Q, monkeypatch: pytest.Mon
     try:
         for level in (1, 2):
             limit(level)
+            assert torch.equal(qw.rows(torch.arange(qw.n)), ref)  # the tiles' dequantizer
             alone[level] = torch.cat([qw.linear(x[i : i + 1]) for i in range(9)])
             for t in (2, 3, 4, 5, 9):
                 assert torch.equal(qw.linear(x[:t]), alone[level][:t]), (level, t)
@@ -107,6 +108,45 @@ def test_exact_rows_do_not_depend_on_the_batch(qtype: Q, monkeypatch: pytest.Mon
         assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max()) + 1e-6
     with pytest.raises(RuntimeError, match="level must be"):
         limit(3)
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda q: q.name)
+def test_gemm_for_many_rows(qtype: Q) -> None:
+    """qgemm (QWeight's path from TILED_ROWS + 1 to GEMM_ROWS rows with AVX-512; qmatmul's
+    paths otherwise): gguf's values up to summation order, only its columns written, each row
+    the same bits at every row count, and QWeight routes those calls to it."""
+    if not qkernel.load():
+        pytest.skip(f"kernel unavailable: {qkernel.info()['error']}")
+    qw, ref = _case(qtype, n=75)  # 75 rows: a partial block of weight rows
+    data, gen = qw.parts[0][1], torch.Generator().manual_seed(9)
+    x = torch.randn(100, qw.k, generator=gen)
+    full = torch.empty(100, qw.n)
+    torch.ops.pagedkv_q.qgemm(x, data, int(qtype), full, 0)
+    want = x @ ref.t()
+    assert float((full - want).abs().max()) <= 1e-5 * float(want.abs().max()) + 1e-6
+    for t in (1, 16, 17, 33, 48, 49, 64, 65):  # every lane split (16, 32, 48, 32 + 32, ...)
+        out = torch.full((t, qw.n + 3), float("nan"))
+        torch.ops.pagedkv_q.qgemm(x[:t], data, int(qtype), out, 2)
+        assert out[:, :2].isnan().all() and out[:, -1].isnan().all()
+        if qkernel.gemm() is not None:
+            assert torch.equal(out[:, 2:-1], full[:t]), t
+        if quant.TILED_ROWS < t <= quant.GEMM_ROWS and qkernel.gemm() is not None:
+            assert torch.equal(qw.linear(x[:t]), full[:t])
+
+
+def test_gemm_rejects_bad_arguments() -> None:
+    if not qkernel.load():
+        pytest.skip(f"kernel unavailable: {qkernel.info()['error']}")
+    qw, _ = _case(Q.Q4_1)
+    data, op = qw.parts[0][1], torch.ops.pagedkv_q.qgemm
+    with pytest.raises(RuntimeError, match="out must be"):
+        op(torch.zeros(20, qw.k), data, int(Q.Q4_1), torch.zeros(20, qw.n - 1), 0)
+    with pytest.raises(RuntimeError, match="out must be"):
+        op(torch.zeros(20, qw.k), data, int(Q.Q4_1), torch.zeros(20, qw.n), 1)
+    with pytest.raises(RuntimeError):
+        op(torch.zeros(20, qw.k), data, int(Q.Q8_0), torch.zeros(20, qw.n), 0)  # wrong row bytes
+    with pytest.raises(RuntimeError, match="contiguous"):
+        op(torch.zeros(qw.k, 20).t(), data, int(Q.Q4_1), torch.zeros(20, qw.n), 0)
 
 
 def test_mixed_segments_and_output_columns(path: str) -> None:

@@ -43,6 +43,7 @@ class _Kernel:
         self.fused = None  # (rope, silu_mul, add_rms_norm) of fused_ops.cpp
         self.argmax = None  # fused_ops.cpp's argmax
         self.panel = None  # qmatmul_panel.cpp's panel op, where this CPU runs its VNNI code
+        self.gemm = None  # qmatmul.cpp's qgemm, where this CPU runs its AVX-512 code
 
 
 _kernel = _Kernel()
@@ -90,6 +91,8 @@ def load() -> bool:
             k.argmax = _raw(f.argmax.default)
             if hasattr(a8, "panel") and a8.panel_vnni():
                 k.panel = _raw(a8.panel.default)
+            if torch.ops.pagedkv_q.has_gemm():
+                k.gemm = _raw(torch.ops.pagedkv_q.qgemm.default)
             k.ok = True
         except Exception as e:  # any build problem means "use the fallback"
             k.error = f"{type(e).__name__}: {e}"
@@ -122,6 +125,11 @@ def panel():  # noqa: ANN201
     """qmatmul_panel.cpp's int8-activation op for many rows, or None: no kernel, or a CPU without
     AVX-512 VNNI (its scalar path is for tests, not speed)."""
     return _kernel.panel if (_kernel.ok or load()) else None
+
+
+def gemm():  # noqa: ANN201
+    """qmatmul.cpp's exact qgemm for many rows, or None: no kernel, or a CPU without AVX-512."""
+    return _kernel.gemm if (_kernel.ok or load()) else None
 
 
 def info() -> dict[str, object]:

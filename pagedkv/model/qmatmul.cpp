@@ -16,6 +16,8 @@
 // Ops (registered as torch.ops.pagedkv_q.*):
 //   qmatmul(x [T, K] f32, w [N, rb] u8, qtype, out [T, >= col0 + N] f32, col0): out[:, col0:+N] = x W^T
 //   qrows(w [N, rb] u8, qtype, K, idx [R] i64, out [R, K] f32): out[r] = dequant(W[idx[r]])
+//   qgemm(x, w, qtype, out, col0): qmatmul for many rows (the AVX-512 gemm below; qmatmul's
+//     paths without AVX-512 or with K not a multiple of 32); has_gemm() -> whether it is the gemm
 //   limit_isa(level) -> previous: 2 = AVX-512 where available (default), 1 = AVX2 at most
 // Built by pagedkv/model/qkernel.py with the attention kernel's build helpers.
 
@@ -446,6 +448,25 @@ void fused_row_avx2(int64_t qtype, const uint8_t* row, int64_t rb, float* scratc
   with_type(qtype, [&](auto t) { fused_row_t<decltype(t)::value>(row, rb, scratch, T, K, x, res); });
 }
 
+// One row (K a multiple of 32, not a K-quant) -> floats, through the chunk dequantizer: the
+// tiles of prefill and big batches (qrows), several times faster than the per-type loops.
+bool is_k_quant(int64_t t) { return t == Q4_K || t == Q5_K || t == Q6_K; }
+
+void deq_row_avx2(const uint8_t* row, int64_t qtype, int64_t K, float* y) {
+  with_type(qtype, [&](auto t) {
+    constexpr int64_t QT = decltype(t)::value;
+    if constexpr (QT == Q4_K || QT == Q5_K || QT == Q6_K) deq_row(row, QT, K, y);
+    else {
+      const Chunker<QT> ch{row, nullptr};
+      __m256 w[4];
+      for (int64_t c = 0; c < K / 32; ++c) {
+        ch.get(c, w);
+        for (int k = 0; k < 4; ++k) _mm256_storeu_ps(y + 32 * c + 8 * k, w[k]);
+      }
+    }
+  });
+}
+
 // The widest path the fused kernels may take (tests and benchmarks lower it to compare paths):
 // 2 = AVX-512 where the CPU has it, 1 = AVX2. Op: pagedkv_q.limit_isa(level) -> previous level.
 std::atomic<int64_t> isa_limit{2};
@@ -601,6 +622,132 @@ void row(int64_t qtype, const uint8_t* row, int64_t rb, float* scratch, int64_t 
   });
 }
 
+void deq_row(const uint8_t* row, int64_t qtype, int64_t K, float* y) {  // as deq_row_avx2
+  with_type(qtype, [&](auto t) {
+    constexpr int64_t QT = decltype(t)::value;
+    if constexpr (QT == Q4_K || QT == Q5_K || QT == Q6_K) {
+      ::deq_row(row, QT, K, y);
+    } else {
+      const Chunker<QT> ch{row, nullptr};
+      __m512 w[2];
+      for (int64_t c = 0; c < K / 32; ++c) {
+        ch.get(c, w);
+        _mm512_storeu_ps(y + 32 * c, w[0]);
+        _mm512_storeu_ps(y + 32 * c + 16, w[1]);
+      }
+    }
+  });
+}
+
+// --- many activation rows (prefill, big batches): gemm ------------------------------------------
+// Blocks of NB weight rows are dequantized (exact values) into a row-major float scratch that
+// stays in L1/L2, and multiplied against x transposed once per call to xt [K][Tp] (Tp = T
+// rounded up to 16, zero lanes past T): per k, V zmm of 16 activation rows are loaded and each
+// of the NB weights w[n][k] is broadcast and FMA'd into its V accumulators (NB x V <= 24
+// registers). Every output is one sequential FMA chain over k: the same bits whatever T.
+
+constexpr int NB = 24;  // weight rows dequantized per block (the broadcast side)
+
+// rows [0, R) of the block's scratch w [.., K] against V zmm of activation rows (R x V <= 24
+// accumulators): tile[n * 48 + lane]
+template <int V, int R>
+inline void gemm_block(const float* w, int64_t K, const float* xt, int64_t Tp, float* tile) {
+  __m512 acc[R][V];
+  for (int n = 0; n < R; ++n)
+    for (int v = 0; v < V; ++v) acc[n][v] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 xv[V];
+    for (int v = 0; v < V; ++v) xv[v] = _mm512_loadu_ps(xt + k * Tp + 16 * v);
+    for (int n = 0; n < R; ++n) {
+      const __m512 b = _mm512_set1_ps(w[n * K + k]);
+      for (int v = 0; v < V; ++v) acc[n][v] = _mm512_fmadd_ps(b, xv[v], acc[n][v]);
+    }
+  }
+  for (int n = 0; n < R; ++n)
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(tile + n * 48 + 16 * v, acc[n][v]);
+}
+
+// the block's NB rows against `lanes` (16, 32 or 48) activation rows
+inline void gemm_lanes(const float* w, int64_t K, const float* xt, int64_t Tp, int64_t lanes, float* tile) {
+  if (lanes == 48)
+    for (int n = 0; n < NB; n += 8) gemm_block<3, 8>(w + n * K, K, xt, Tp, tile + n * 48);
+  else if (lanes == 32)
+    for (int n = 0; n < NB; n += 12) gemm_block<2, 12>(w + n * K, K, xt, Tp, tile + n * 48);
+  else
+    gemm_block<1, 24>(w, K, xt, Tp, tile);
+}
+
+// x [T, K] -> xt [K, Tp]: 16 x 16 blocks through registers
+void transpose_x(const float* x, int64_t T, int64_t K, float* xt, int64_t Tp) {
+  for (int64_t t0 = 0; t0 < Tp; t0 += 16)
+    for (int64_t k0 = 0; k0 < K; k0 += 16) {
+      alignas(64) float blk[16][16];
+      for (int r = 0; r < 16; ++r) {
+        if (t0 + r < T) std::memcpy(blk[r], x + (t0 + r) * K + k0, 16 * sizeof(float));
+        else std::memset(blk[r], 0, sizeof(blk[r]));
+      }
+      for (int c = 0; c < 16; ++c) {
+        const __m512i idx = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_set1_epi32(16),
+                                             _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
+                                             _mm512_set1_epi32(c));
+        _mm512_storeu_ps(xt + (k0 + c) * Tp + t0, _mm512_i32gather_ps(idx, &blk[0][0], 4));
+      }
+    }
+}
+
+// out[:, col0 + n] for the weight rows n of [0, N), T > 0 rows; K a multiple of 32
+void gemm(int64_t qtype, const uint8_t* wp, int64_t rb, int64_t N, int64_t T, int64_t K, const float* x,
+          float* out, int64_t ldo) {
+  const int64_t Tp = (T + 15) / 16 * 16;
+  std::vector<float> xt(K * Tp);
+  transpose_x(x, T, K, xt.data(), Tp);
+  // tasks of SB weight rows: their outputs are staged [T][SB] and written as row pieces (a
+  // column-wise write into a wide out, the LM head's, thrashes the TLB)
+  constexpr int64_t SB = 2 * NB;
+  const int64_t tasks = (N + SB - 1) / SB;
+  at::parallel_for(0, tasks, 1, [&](int64_t a0, int64_t a1) {
+    std::vector<float> w(NB * K), ks(NB * 256), tile(NB * 48), stage(T * SB);
+    for (int64_t task = a0; task < a1; ++task) {
+      const int64_t s0 = task * SB, s1 = std::min<int64_t>(N, s0 + SB);
+      for (int64_t n0 = s0; n0 < s1; n0 += NB) {
+        const int64_t rows = std::min<int64_t>(NB, s1 - n0);
+        if (n0 + NB < N) {  // the next block's bytes towards L2 while this one computes
+          const char* nx = reinterpret_cast<const char*>(wp + (n0 + NB) * rb);
+          const int64_t bytes = std::min<int64_t>(NB, N - n0 - NB) * rb;
+          for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(nx + i, _MM_HINT_T1);
+        }
+        with_type(qtype, [&](auto t) {
+          constexpr int64_t QT = decltype(t)::value;
+          for (int64_t n = 0; n < NB; ++n) {
+            float* y = w.data() + n * K;
+            if (n >= rows) {
+              std::fill(y, y + K, 0.f);
+              continue;
+            }
+            const Chunker<QT> ch{wp + (n0 + n) * rb, ks.data() + n * 256};
+            __m512 v[2];
+            for (int64_t c = 0; c < K / 32; ++c) {
+              ch.get(c, v);
+              _mm512_storeu_ps(y + 32 * c, v[0]);
+              _mm512_storeu_ps(y + 32 * c + 16, v[1]);
+            }
+          }
+        });
+        // activation rows in chunks of 48 lanes, or 32 + 32 rather than 48 + 16
+        for (int64_t r0 = 0; r0 < Tp;) {
+          const int64_t left = Tp - r0, lanes = left == 64 ? 32 : std::min<int64_t>(48, left);
+          gemm_lanes(w.data(), K, xt.data() + r0, Tp, lanes, tile.data());
+          for (int64_t n = 0; n < rows; ++n)
+            for (int64_t r = 0; r < lanes && r0 + r < T; ++r) stage[(r0 + r) * SB + n0 - s0 + n] = tile[n * 48 + r];
+          r0 += lanes;
+        }
+      }
+      for (int64_t r = 0; r < T; ++r)
+        std::memcpy(out + r * ldo + s0, stage.data() + r * SB, (s1 - s0) * sizeof(float));
+    }
+  });
+}
+
 }  // namespace z
 #pragma GCC pop_options
 
@@ -621,8 +768,16 @@ void fused_row(int64_t qtype, const uint8_t* row, int64_t rb, float* scratch, in
   if (has_avx512()) z::row(qtype, row, rb, scratch, T, K, x, res);
   else fused_row_avx2(qtype, row, rb, scratch, T, K, x, res);
 }
+
+// deq_row, through the chunk dequantizers where they apply (same values)
+void deq_row_fast(const uint8_t* row, int64_t qtype, int64_t K, float* y) {
+  if (K % 32 != 0 || is_k_quant(qtype)) deq_row(row, qtype, K, y);
+  else if (has_avx512()) z::deq_row(row, qtype, K, y);
+  else deq_row_avx2(row, qtype, K, y);
+}
 #else
 int64_t limit_isa(int64_t level) { return level; }  // nothing to limit: the scalar path
+void deq_row_fast(const uint8_t* row, int64_t qtype, int64_t K, float* y) { deq_row(row, qtype, K, y); }
 bool fused_ok(int64_t, int64_t) { return false; }
 void fused_row(int64_t, const uint8_t*, int64_t, float*, int64_t, int64_t, const float*, float*) {}
 void fused_pair_rows(int64_t, const uint8_t*, int64_t, float*, int64_t, const float*, float*, float*) {}
@@ -697,6 +852,35 @@ void qmatmul(const at::Tensor& x, const at::Tensor& w, int64_t qtype, at::Tensor
   });
 }
 
+// qmatmul for many rows: the AVX-512 gemm (K a multiple of 32), else qmatmul's own paths
+void qgemm(const at::Tensor& x, const at::Tensor& w, int64_t qtype, at::Tensor& out, int64_t col0) {
+#ifdef PQ_AVX2
+  const bool ok = has_avx512() && x.dim() == 2 && x.size(1) % 32 == 0;
+#else
+  const bool ok = false;
+#endif
+  if (!ok) return qmatmul(x, w, qtype, out, col0);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be a contiguous float32 [T, K] tensor");
+  const int64_t T = x.size(0), K = x.size(1), N = w.size(0);
+  check_weight(w, qtype, K);
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.stride(1) == 1 &&
+                  out.size(0) == T && col0 >= 0 && col0 + N <= out.size(1),
+              "out must be float32 [T, >= col0 + N] with contiguous rows");
+  if (T == 0 || N == 0) return;
+#ifdef PQ_AVX2
+  z::gemm(qtype, w.data_ptr<uint8_t>(), w.size(1), N, T, K, x.data_ptr<float>(), out.data_ptr<float>() + col0,
+          out.stride(0));
+#endif
+}
+
+bool has_gemm() {
+#ifdef PQ_AVX2
+  return has_avx512();
+#else
+  return false;
+#endif
+}
+
 void qrows(const at::Tensor& w, int64_t qtype, int64_t K, const at::Tensor& idx, at::Tensor& out) {
   check_weight(w, qtype, K);
   TORCH_CHECK(idx.dim() == 1 && idx.scalar_type() == at::kLong && idx.is_contiguous(),
@@ -713,7 +897,7 @@ void qrows(const at::Tensor& w, int64_t qtype, int64_t K, const at::Tensor& idx,
   const int64_t rb = w.size(1);
   float* op = out.data_ptr<float>();
   at::parallel_for(0, R, 64, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) deq_row(wp + ip[r] * rb, qtype, K, op + r * K);
+    for (int64_t r = r0; r < r1; ++r) deq_row_fast(wp + ip[r] * rb, qtype, K, op + r * K);
   });
 }
 
@@ -722,10 +906,13 @@ void qrows(const at::Tensor& w, int64_t qtype, int64_t K, const at::Tensor& idx,
 TORCH_LIBRARY(pagedkv_q, m) {
   m.def("qmatmul(Tensor x, Tensor w, int qtype, Tensor(a!) out, int col0) -> ()");
   m.def("qrows(Tensor w, int qtype, int K, Tensor idx, Tensor(a!) out) -> ()");
+  m.def("qgemm(Tensor x, Tensor w, int qtype, Tensor(a!) out, int col0) -> ()");
   m.def("limit_isa(int level) -> int", &limit_isa);
+  m.def("has_gemm() -> bool", &has_gemm);
 }
 
 TORCH_LIBRARY_IMPL(pagedkv_q, CPU, m) {
   m.impl("qmatmul", &qmatmul);
+  m.impl("qgemm", &qgemm);
   m.impl("qrows", &qrows);
 }
