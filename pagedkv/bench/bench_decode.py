@@ -142,8 +142,29 @@ def step_breakdown(engine, ids: list[int], steps: int = 24) -> dict:  # noqa: AN
 
 
 def crossover(threads: int) -> dict:
-    """ms of one SmolLM2 gate/up matmul by activation rows: row-streaming kernel vs tiles + BLAS."""
-    return _crossover(threads, "TILED_ROWS", "float32", "kernel", (1, 4, 8, 16, 32, 64, 128, 256))
+    """ms of one SmolLM2 gate/up matmul by activation rows (exact), weight in cache: the
+    row-streaming kernel, the tiles + BLAS, and qgemm where the CPU has AVX-512 (the rules
+    behind quant.TILED_ROWS and quant.GEMM_ROWS)."""
+    from pagedkv.model import load_model, qkernel, quant
+
+    torch.set_num_threads(threads)
+    q = load_model(weights="quantized").model.layers[0].gate_up_proj.q
+    modes = {"kernel": (1 << 30, 0), "tiles": (0, 0)}  # (TILED_ROWS, GEMM_ROWS)
+    if qkernel.gemm() is not None:
+        modes["gemm"] = (0, 1 << 30)
+    saved, res = (quant.TILED_ROWS, quant.GEMM_ROWS), {}
+    try:
+        for rows in (1, 4, 8, 16, 32, 64, 128, 256):
+            x = torch.randn(rows, q.k)
+            t = {}
+            for mode, (tiled, gemm) in modes.items():
+                quant.TILED_ROWS, quant.GEMM_ROWS = tiled, gemm
+                q.linear(x)
+                t[mode] = round(min(_timed(q.linear, x) for _ in range(7)) * 1e3, 3)
+            res[rows] = t
+    finally:
+        quant.TILED_ROWS, quant.GEMM_ROWS = saved
+    return {"rows": res, "tiled_rows_setting": saved[0], "gemm_rows_setting": saved[1]}
 
 
 def a8_crossover(threads: int) -> dict:
@@ -182,29 +203,6 @@ def _timed_calls(calls: list) -> float:
     for q, x, out in calls:
         q.linear(x, out)
     return time.perf_counter() - t
-
-
-def _crossover(threads: int, setting: str, activations: str, name: str, rows_list: tuple) -> dict:
-    """Time q.linear with quant.<setting> forced high (the kernel) and to 0 (tiles), by rows."""
-    from pagedkv.model import load_model, quant
-
-    torch.set_num_threads(threads)
-    q = load_model(weights="quantized").model.layers[0].gate_up_proj.q
-    saved, res = getattr(quant, setting), {}
-    try:
-        q.set_activations(activations)
-        for rows in rows_list:
-            x = torch.randn(rows, q.k)
-            t = {}
-            for mode, limit in ((name, 1 << 30), ("tiles", 0)):
-                setattr(quant, setting, limit)
-                q.linear(x)
-                t[mode] = min(_timed(q.linear, x) for _ in range(7)) * 1e3
-            res[rows] = {k: round(v, 3) for k, v in t.items()}
-    finally:
-        setattr(quant, setting, saved)
-        q.set_activations("float32")
-    return {"rows": res, f"{setting.lower()}_setting": saved}
 
 
 def _timed(f, x) -> float:  # noqa: ANN001
