@@ -414,15 +414,17 @@ void matmul(const at::Tensor& xq, const at::Tensor& xd, const at::Tensor& xs, co
   (void)fast;
 }
 
-// One call per Linear: x quantized once (into buffers of this call), then every segment w[i]
-// (rows of one type) multiplied into its columns of out, all rows in one parallel loop.
-void linear(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, at::Tensor& out, int64_t impl) {
+// The arguments of linear (and panel): x [T, K] f32 (K a multiple of 32), weight segments of
+// the int8 types with K / 32 blocks per row, out [T, sum N_i]; returns each segment's first
+// output column (and the total last).
+std::vector<int64_t> check_segments(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes,
+                                    const at::Tensor& out) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) > 0 &&
                   x.size(1) % QK == 0,
               "x must be a contiguous float32 [T, K] tensor, K a multiple of 32");
   TORCH_CHECK(ws.size() == qtypes.size() && !ws.empty(), "one qtype per weight segment");
-  const int64_t T = x.size(0), K = x.size(1), nb = K / QK;
-  std::vector<int64_t> first{0};  // first output column of each segment
+  const int64_t nb = x.size(1) / QK;
+  std::vector<int64_t> first{0};
   for (size_t i = 0; i < ws.size(); ++i) {
     const int64_t bb = block_bytes(qtypes[i]);
     TORCH_CHECK(bb > 0, "activation-quantized matmul: unsupported ggml type ", qtypes[i]);
@@ -431,10 +433,17 @@ void linear(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, at::
                 "weight must be a contiguous uint8 [N, ", nb * bb, "] tensor");
     first.push_back(first.back() + ws[i].size(0));
   }
-  const int64_t N = first.back();
   TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.is_contiguous() &&
-                  out.size(0) == T && out.size(1) == N,
+                  out.size(0) == x.size(0) && out.size(1) == first.back(),
               "out must be a contiguous float32 [T, N] tensor");
+  return first;
+}
+
+// One call per Linear: x quantized once (into buffers of this call), then every segment w[i]
+// (rows of one type) multiplied into its columns of out, all rows in one parallel loop.
+void linear(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, at::Tensor& out, int64_t impl) {
+  const std::vector<int64_t> first = check_segments(x, ws, qtypes, out);
+  const int64_t T = x.size(0), K = x.size(1), nb = K / QK, N = first.back();
   if (T == 0 || N == 0) return;
   std::vector<int8_t> xq(T * K);
   std::vector<float> xds(2 * T * nb);  // d, then s

@@ -250,24 +250,8 @@ void prefetch_panel(at::TensorList ws, std::pair<int64_t, int64_t> panel) {
 }
 
 void panel(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, at::Tensor& out, int64_t impl) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) > 0 &&
-                  x.size(1) % QK == 0,
-              "x must be a contiguous float32 [T, K] tensor, K a multiple of 32");
-  TORCH_CHECK(ws.size() == qtypes.size() && !ws.empty(), "one qtype per weight segment");
-  const int64_t T = x.size(0), K = x.size(1), nb = K / QK;
-  std::vector<int64_t> first{0};  // first output column of each segment
-  for (size_t i = 0; i < ws.size(); ++i) {
-    const int64_t bb = a8::block_bytes(qtypes[i]);
-    TORCH_CHECK(bb > 0, "activation-quantized matmul: unsupported ggml type ", qtypes[i]);
-    TORCH_CHECK(ws[i].dim() == 2 && ws[i].scalar_type() == at::kByte && ws[i].is_contiguous() &&
-                    ws[i].size(1) == nb * bb,
-                "weight must be a contiguous uint8 [N, ", nb * bb, "] tensor");
-    first.push_back(first.back() + ws[i].size(0));
-  }
-  const int64_t N = first.back();
-  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.is_contiguous() &&
-                  out.size(0) == T && out.size(1) == N,
-              "out must be a contiguous float32 [T, N] tensor");
+  const std::vector<int64_t> first = a8::check_segments(x, ws, qtypes, out);
+  const int64_t T = x.size(0), K = x.size(1), nb = K / QK, N = first.back();
   if (T == 0 || N == 0) return;
   std::vector<int8_t> xq(T * K);
   std::vector<float> xds(2 * T * nb);  // d, then s
