@@ -5,8 +5,9 @@ AVX-512 VNNI) and fused_ops.cpp (residual add + RMSNorm, SwiGLU, RoPE, argmax), 
 Built like the attention kernel (same compiler flags and cache folder, from
 pagedkv/attention/kernel.py) plus -ffp-contract=off, so that the kernel dequantizes with exactly
 the float32 roundings of the `gguf` package (a fused multiply-add would round d * q + m once).
-Registered as torch.ops.pagedkv_q.{qmatmul,qrows}, torch.ops.pagedkv_a8.{quantize,matmul,linear,panel} and
-torch.ops.pagedkv_ops.add_rms_norm.
+Registered as torch.ops.pagedkv_q.{qmatmul,qgemm,qrows,has_gemm,limit_isa},
+torch.ops.pagedkv_a8.{quantize,matmul,linear,panel,panel_vnni} and
+torch.ops.pagedkv_ops.{add_rms_norm,silu_mul,rope,argmax}.
 
 Attempted once per process; any failure is logged once and `load()` returns False, and the
 callers (quant.py) use the pure-torch fallback. `PAGEDKV_NO_KERNEL=1` in the environment at the
