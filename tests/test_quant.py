@@ -73,6 +73,7 @@ def test_rows_and_products_match_gguf(qtype: Q, path: str, monkeypatch: pytest.M
     ids = torch.tensor([5, 0, 71, 5])
     assert torch.equal(qw.rows(ids), ref[ids])  # bit-identical dequantization
     gen = torch.Generator().manual_seed(1)
+    monkeypatch.setattr(quant, "GEMM_MIN_ROWS", 1 << 30)  # qgemm: test_gemm_for_many_rows
     for limit in (1 << 30, 0):  # every row count through the streaming kernel, then the tiles
         monkeypatch.setattr(quant, "TILED_ROWS", limit)
         for t in (1, 2, 3, 4, 5, 7, 16, 41):  # fused groups of 4 and their remainders
@@ -112,25 +113,25 @@ def test_exact_rows_do_not_depend_on_the_batch(qtype: Q, monkeypatch: pytest.Mon
 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda q: q.name)
 def test_gemm_for_many_rows(qtype: Q) -> None:
-    """qgemm (QWeight's path from TILED_ROWS + 1 to GEMM_ROWS rows with AVX-512; qmatmul's
+    """qgemm (QWeight's path from GEMM_MIN_ROWS to GEMM_MAX_ROWS rows with AVX-512; qmatmul's
     paths otherwise): gguf's values up to summation order, only its columns written, each row
     the same bits at every row count, and QWeight routes those calls to it."""
     if not qkernel.load():
         pytest.skip(f"kernel unavailable: {qkernel.info()['error']}")
-    qw, ref = _case(qtype, n=75)  # 75 rows: a partial block of weight rows
+    qw, ref = _case(qtype, n=75)  # 75 rows: a partial panel of weight rows (11, past 16)
     data, gen = qw.parts[0][1], torch.Generator().manual_seed(9)
     x = torch.randn(100, qw.k, generator=gen)
     full = torch.empty(100, qw.n)
     torch.ops.pagedkv_q.qgemm(x, data, int(qtype), full, 0)
     want = x @ ref.t()
     assert float((full - want).abs().max()) <= 1e-5 * float(want.abs().max()) + 1e-6
-    for t in (1, 16, 17, 33, 48, 49, 64, 65):  # every lane split (16, 32, 48, 32 + 32, ...)
+    for t in (1, 5, 6, 7, 13, 40, 65):  # whole register blocks of 6 rows and remainders
         out = torch.full((t, qw.n + 3), float("nan"))
         torch.ops.pagedkv_q.qgemm(x[:t], data, int(qtype), out, 2)
         assert out[:, :2].isnan().all() and out[:, -1].isnan().all()
         if qkernel.gemm() is not None:
             assert torch.equal(out[:, 2:-1], full[:t]), t
-        if quant.TILED_ROWS < t <= quant.GEMM_ROWS and qkernel.gemm() is not None:
+        if quant.GEMM_MIN_ROWS <= t <= quant.GEMM_MAX_ROWS and qkernel.gemm() is not None:
             assert torch.equal(qw.linear(x[:t]), full[:t])
 
 

@@ -14,7 +14,8 @@ dequantized to float32, "float32"):
 - the breakdown of a batch-1 decode step (torch profiler, self time per op family, and what is
   left for Python, scheduling and sampling);
 - resident memory (VmRSS) of `pagedkv serve` with a 256 MiB KV cache, measured in a subprocess.
-Also the kernel-vs-tiles crossover of the quantized matmul (the rule behind quant.TILED_ROWS),
+Also the kernel / tiles / qgemm crossover of the quantized matmul (the rules behind
+quant.TILED_ROWS and quant.GEMM_MIN_ROWS),
 the exact vs int8-activation kernels alone at 1, 8 and 40 rows (and a whole step's int8 matmuls
 by rows, row kernel vs VNNI panel vs tiles: the rules behind quant.PANEL_ROWS and quant.A8_ROWS), and how often greedy decoding with int8 activations picks the
 exact mode's tokens (agreement, first divergences).
@@ -144,41 +145,44 @@ def step_breakdown(engine, ids: list[int], steps: int = 24) -> dict:  # noqa: AN
 def crossover(threads: int) -> dict:
     """ms of one SmolLM2 gate/up matmul by activation rows (exact), weight in cache: the
     row-streaming kernel, the tiles + BLAS, and qgemm where the CPU has AVX-512 (the rules
-    behind quant.TILED_ROWS and quant.GEMM_ROWS)."""
+    behind quant.TILED_ROWS and quant.GEMM_MIN_ROWS / GEMM_MAX_ROWS)."""
     from pagedkv.model import load_model, qkernel, quant
 
     torch.set_num_threads(threads)
     q = load_model(weights="quantized").model.layers[0].gate_up_proj.q
-    modes = {"kernel": (1 << 30, 0), "tiles": (0, 0)}  # (TILED_ROWS, GEMM_ROWS)
+    never = 1 << 30
+    modes = {"kernel": (never, never), "tiles": (0, never)}  # (TILED_ROWS, GEMM_MIN_ROWS)
     if qkernel.gemm() is not None:
-        modes["gemm"] = (0, 1 << 30)
-    saved, res = (quant.TILED_ROWS, quant.GEMM_ROWS), {}
+        modes["gemm"] = (0, 0)
+    saved, res = (quant.TILED_ROWS, quant.GEMM_MIN_ROWS), {}
     try:
         for rows in (1, 4, 8, 16, 32, 64, 128, 256):
             x = torch.randn(rows, q.k)
             t = {}
             for mode, (tiled, gemm) in modes.items():
-                quant.TILED_ROWS, quant.GEMM_ROWS = tiled, gemm
+                if mode == "gemm" and rows > quant.GEMM_MAX_ROWS:
+                    continue
+                quant.TILED_ROWS, quant.GEMM_MIN_ROWS = tiled, gemm
                 q.linear(x)
                 t[mode] = round(min(_timed(q.linear, x) for _ in range(7)) * 1e3, 3)
             res[rows] = t
     finally:
-        quant.TILED_ROWS, quant.GEMM_ROWS = saved
-    return {"rows": res, "tiled_rows_setting": saved[0], "gemm_rows_setting": saved[1]}
+        quant.TILED_ROWS, quant.GEMM_MIN_ROWS = saved
+    return {"rows": res, "tiled_rows_setting": saved[0], "gemm_rows_setting": [saved[1], quant.GEMM_MAX_ROWS]}
 
 
 def a8_crossover(threads: int) -> dict:
     """ms of all of SmolLM2's matmuls of one step (30 layers + the LM head, streamed from memory
     as a step sees them) by activation rows, int8 activations: the row kernel (qmatmul_a8.cpp),
-    the VNNI panel kernel (where the CPU has it) and the exact tiles + BLAS; median of 5. The
-    rules behind quant.PANEL_ROWS and quant.A8_ROWS."""
+    the VNNI panel kernel (where the CPU has it) and the exact path (float32 activations: qgemm
+    or the tiles); median of 5. The rules behind quant.PANEL_ROWS and quant.A8_ROWS."""
     from pagedkv.model import load_model, qkernel, quant
 
     torch.set_num_threads(threads)
     m = load_model(weights="quantized", activations="int8").model
     qs = [lin.q for layer in m.layers
           for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)] + [m.lm_head_q]
-    modes = {"rows": (1 << 30, 1 << 30), "tiles": (0, 1 << 30)}  # (A8_ROWS, PANEL_ROWS)
+    modes = {"rows": (1 << 30, 1 << 30), "exact": (0, 1 << 30)}  # (A8_ROWS, PANEL_ROWS)
     if qkernel.panel() is not None:
         modes["panel"] = (1 << 30, 1)
     saved, res = (quant.A8_ROWS, quant.PANEL_ROWS), {}
@@ -187,7 +191,7 @@ def a8_crossover(threads: int) -> dict:
             calls = [(q, torch.randn(rows, q.k), torch.empty(rows, q.n)) for q in qs]
             t = {}
             for mode, (a8_rows, panel_rows) in modes.items():
-                if mode == "tiles" and rows < 16:
+                if mode == "exact" and rows < 16:
                     continue
                 quant.A8_ROWS, quant.PANEL_ROWS = a8_rows, panel_rows
                 t[mode] = round(statistics.median(_timed_calls(calls) for _ in range(5)) * 1e3, 2)

@@ -640,110 +640,113 @@ void deq_row(const uint8_t* row, int64_t qtype, int64_t K, float* y) {  // as de
 }
 
 // --- many activation rows (prefill, big batches): gemm ------------------------------------------
-// Blocks of NB weight rows are dequantized (exact values) into a row-major float scratch that
-// stays in L1/L2, and multiplied against x transposed once per call to xt [K][Tp] (Tp = T
-// rounded up to 16, zero lanes past T): per k, V zmm of 16 activation rows are loaded and each
-// of the NB weights w[n][k] is broadcast and FMA'd into its V accumulators (NB x V <= 24
-// registers). Every output is one sequential FMA chain over k: the same bits whatever T.
+// Panels of 32 weight rows are dequantized (exact values) and transposed into a scratch
+// wt [K][32] that stays in L1/L2; then, RB activation rows at a time, each x[r][k] is broadcast
+// and FMA'd with wt[k] (two zmm: the panel's 32 rows) into 2 RB accumulators. Every output is one
+// sequential FMA chain over k: the same bits whatever the row count.
 
-constexpr int NB = 24;  // weight rows dequantized per block (the broadcast side)
+constexpr int64_t PN = 32;  // weight rows per panel
+constexpr int RB = 6;       // activation rows per register block
 
-// rows [0, R) of the block's scratch w [.., K] against V zmm of activation rows (R x V <= 24
-// accumulators): tile[n * 48 + lane]
-template <int V, int R>
-inline void gemm_block(const float* w, int64_t K, const float* xt, int64_t Tp, float* tile) {
-  __m512 acc[R][V];
-  for (int n = 0; n < R; ++n)
-    for (int v = 0; v < V; ++v) acc[n][v] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    __m512 xv[V];
-    for (int v = 0; v < V; ++v) xv[v] = _mm512_loadu_ps(xt + k * Tp + 16 * v);
-    for (int n = 0; n < R; ++n) {
-      const __m512 b = _mm512_set1_ps(w[n * K + k]);
-      for (int v = 0; v < V; ++v) acc[n][v] = _mm512_fmadd_ps(b, xv[v], acc[n][v]);
+// 16 x 16 floats: r[i] (row i) -> r[j] (column j)
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int h = 0; h < 16; h += 8)
+    for (int i = 0; i < 4; ++i) {
+      t[h + i] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0x88);
+      t[h + i + 4] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0xDD);
+    }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+  }
+}
+
+// rows [0, rows) of a panel (the rest zeros) -> wt [K][32]; tmp: [32][K] floats
+template <int64_t QT>
+void panel_f32(const uint8_t* w, int64_t rb, int64_t rows, int64_t K, float* tmp, float* ks, float* wt) {
+  for (int64_t n = 0; n < PN; ++n) {
+    float* y = tmp + n * K;
+    if (n >= rows) {
+      std::fill(y, y + K, 0.f);
+      continue;
+    }
+    const Chunker<QT> ch{w + n * rb, ks + n * 256};
+    __m512 v[2];
+    for (int64_t c = 0; c < K / 32; ++c) {
+      ch.get(c, v);
+      _mm512_storeu_ps(y + 32 * c, v[0]);
+      _mm512_storeu_ps(y + 32 * c + 16, v[1]);
     }
   }
-  for (int n = 0; n < R; ++n)
-    for (int v = 0; v < V; ++v) _mm512_storeu_ps(tile + n * 48 + 16 * v, acc[n][v]);
-}
-
-// the block's NB rows against `lanes` (16, 32 or 48) activation rows
-inline void gemm_lanes(const float* w, int64_t K, const float* xt, int64_t Tp, int64_t lanes, float* tile) {
-  if (lanes == 48)
-    for (int n = 0; n < NB; n += 8) gemm_block<3, 8>(w + n * K, K, xt, Tp, tile + n * 48);
-  else if (lanes == 32)
-    for (int n = 0; n < NB; n += 12) gemm_block<2, 12>(w + n * K, K, xt, Tp, tile + n * 48);
-  else
-    gemm_block<1, 24>(w, K, xt, Tp, tile);
-}
-
-// x [T, K] -> xt [K, Tp]: 16 x 16 blocks through registers
-void transpose_x(const float* x, int64_t T, int64_t K, float* xt, int64_t Tp) {
-  for (int64_t t0 = 0; t0 < Tp; t0 += 16)
-    for (int64_t k0 = 0; k0 < K; k0 += 16) {
-      alignas(64) float blk[16][16];
-      for (int r = 0; r < 16; ++r) {
-        if (t0 + r < T) std::memcpy(blk[r], x + (t0 + r) * K + k0, 16 * sizeof(float));
-        else std::memset(blk[r], 0, sizeof(blk[r]));
-      }
-      for (int c = 0; c < 16; ++c) {
-        const __m512i idx = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_set1_epi32(16),
-                                             _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
-                                             _mm512_set1_epi32(c));
-        _mm512_storeu_ps(xt + (k0 + c) * Tp + t0, _mm512_i32gather_ps(idx, &blk[0][0], 4));
-      }
+  __m512 r[16];
+  for (int64_t k0 = 0; k0 < K; k0 += 16)
+    for (int64_t g = 0; g < PN; g += 16) {
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(tmp + (g + i) * K + k0);
+      transpose16(r);
+      for (int j = 0; j < 16; ++j) _mm512_storeu_ps(wt + (k0 + j) * PN + g, r[j]);
     }
 }
 
-// out[:, col0 + n] for the weight rows n of [0, N), T > 0 rows; K a multiple of 32
+// R activation rows x the panel: out[r * ldo + n] for n < 32 (mask: the panel's real rows)
+template <int R>
+inline void gemm_rows(const float* wt, int64_t K, const float* x, float* out, int64_t ldo, __mmask16 m0,
+                      __mmask16 m1) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m512 w0 = _mm512_loadu_ps(wt + k * PN), w1 = _mm512_loadu_ps(wt + k * PN + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 b = _mm512_set1_ps(x[r * K + k]);
+      acc[r][0] = _mm512_fmadd_ps(w0, b, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(w1, b, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_mask_storeu_ps(out + r * ldo, m0, acc[r][0]);
+    _mm512_mask_storeu_ps(out + r * ldo + 16, m1, acc[r][1]);
+  }
+}
+
+// out[:, n] for the weight rows n of [0, N), T > 0 rows; K a multiple of 32
 void gemm(int64_t qtype, const uint8_t* wp, int64_t rb, int64_t N, int64_t T, int64_t K, const float* x,
           float* out, int64_t ldo) {
-  const int64_t Tp = (T + 15) / 16 * 16;
-  std::vector<float> xt(K * Tp);
-  transpose_x(x, T, K, xt.data(), Tp);
-  // tasks of SB weight rows: their outputs are staged [T][SB] and written as row pieces (a
-  // column-wise write into a wide out, the LM head's, thrashes the TLB)
-  constexpr int64_t SB = 2 * NB;
-  const int64_t tasks = (N + SB - 1) / SB;
-  at::parallel_for(0, tasks, 1, [&](int64_t a0, int64_t a1) {
-    std::vector<float> w(NB * K), ks(NB * 256), tile(NB * 48), stage(T * SB);
-    for (int64_t task = a0; task < a1; ++task) {
-      const int64_t s0 = task * SB, s1 = std::min<int64_t>(N, s0 + SB);
-      for (int64_t n0 = s0; n0 < s1; n0 += NB) {
-        const int64_t rows = std::min<int64_t>(NB, s1 - n0);
-        if (n0 + NB < N) {  // the next block's bytes towards L2 while this one computes
-          const char* nx = reinterpret_cast<const char*>(wp + (n0 + NB) * rb);
-          const int64_t bytes = std::min<int64_t>(NB, N - n0 - NB) * rb;
-          for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(nx + i, _MM_HINT_T1);
-        }
-        with_type(qtype, [&](auto t) {
-          constexpr int64_t QT = decltype(t)::value;
-          for (int64_t n = 0; n < NB; ++n) {
-            float* y = w.data() + n * K;
-            if (n >= rows) {
-              std::fill(y, y + K, 0.f);
-              continue;
-            }
-            const Chunker<QT> ch{wp + (n0 + n) * rb, ks.data() + n * 256};
-            __m512 v[2];
-            for (int64_t c = 0; c < K / 32; ++c) {
-              ch.get(c, v);
-              _mm512_storeu_ps(y + 32 * c, v[0]);
-              _mm512_storeu_ps(y + 32 * c + 16, v[1]);
-            }
-          }
-        });
-        // activation rows in chunks of 48 lanes, or 32 + 32 rather than 48 + 16
-        for (int64_t r0 = 0; r0 < Tp;) {
-          const int64_t left = Tp - r0, lanes = left == 64 ? 32 : std::min<int64_t>(48, left);
-          gemm_lanes(w.data(), K, xt.data() + r0, Tp, lanes, tile.data());
-          for (int64_t n = 0; n < rows; ++n)
-            for (int64_t r = 0; r < lanes && r0 + r < T; ++r) stage[(r0 + r) * SB + n0 - s0 + n] = tile[n * 48 + r];
-          r0 += lanes;
-        }
+  const int64_t panels = (N + PN - 1) / PN;
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> tmp(PN * K), wt(K * PN), ks(PN * 256);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * PN, rows = std::min<int64_t>(PN, N - n0);
+      if (p + 1 < p1) {  // the next panel's bytes towards L2 while this one computes
+        const char* nx = reinterpret_cast<const char*>(wp + (n0 + PN) * rb);
+        const int64_t bytes = std::min<int64_t>(PN, N - n0 - PN) * rb;
+        for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(nx + i, _MM_HINT_T1);
       }
-      for (int64_t r = 0; r < T; ++r)
-        std::memcpy(out + r * ldo + s0, stage.data() + r * SB, (s1 - s0) * sizeof(float));
+      with_type(qtype, [&](auto t) {
+        panel_f32<decltype(t)::value>(wp + n0 * rb, rb, rows, K, tmp.data(), ks.data(), wt.data());
+      });
+      const __mmask16 m0 = static_cast<__mmask16>(rows >= 16 ? 0xFFFF : (1u << rows) - 1);
+      const __mmask16 m1 = static_cast<__mmask16>(rows >= 32 ? 0xFFFF : rows <= 16 ? 0 : (1u << (rows - 16)) - 1);
+      float* o = out + n0;
+      int64_t r = 0;
+      for (; r + RB <= T; r += RB) gemm_rows<RB>(wt.data(), K, x + r * K, o + r * ldo, ldo, m0, m1);
+      switch (T - r) {
+        case 5: gemm_rows<5>(wt.data(), K, x + r * K, o + r * ldo, ldo, m0, m1); break;
+        case 4: gemm_rows<4>(wt.data(), K, x + r * K, o + r * ldo, ldo, m0, m1); break;
+        case 3: gemm_rows<3>(wt.data(), K, x + r * K, o + r * ldo, ldo, m0, m1); break;
+        case 2: gemm_rows<2>(wt.data(), K, x + r * K, o + r * ldo, ldo, m0, m1); break;
+        case 1: gemm_rows<1>(wt.data(), K, x + r * K, o + r * ldo, ldo, m0, m1); break;
+        default: break;
+      }
     }
   });
 }

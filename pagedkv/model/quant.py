@@ -19,9 +19,10 @@ for the stored blocks; only the summation order differs.
   Opt-in `set_batch_weights("float32")`: those calls multiply a float32 copy pre-packed for
   oneDNN instead (the memory of a float32 model on top of the quantized one; no per-call
   dequantizing, so large batches and prefill run at float32 speed).
-  On a CPU with AVX-512, calls of TILED_ROWS + 1 to GEMM_ROWS rows (many users decoding at
-  once) go to the kernel's qgemm instead: no float32 tile in memory, no oneDNN repacking, and
-  each output one sequential FMA chain over K (the same bits whatever the row count).
+  On a CPU with AVX-512, calls of GEMM_MIN_ROWS to GEMM_MAX_ROWS rows (many users decoding at
+  once; not with the float32 copy) go to the kernel's qgemm instead: no float32 tile in memory,
+  no oneDNN repacking, and each output one sequential FMA chain over K (the same bits whatever
+  the row count).
 - `rows(ids)`: dequantizes only the rows looked up (token embeddings).
 - Without the kernel (no compiler, PAGEDKV_NO_KERNEL=1) the pure-torch fallback dequantizes the
   whole weight once with the gguf package, keeps the float32 copy, and uses F.linear / indexing.
@@ -93,11 +94,12 @@ A8_IMPL = 0  # qmatmul_a8.cpp impl: 0 the fastest built, 1 scalar (same results)
 # (bench decode's a8_crossover_ms): panel vs the int8 row kernel 6.5 vs 3.7 at 1 row, 6.7 vs 5.0
 # at 2, 6.2-7.6 vs 7.3 at 4, 7.8 vs 12.7 at 8; at 40 rows 17.9 vs 51 (tiles), at 256 83 vs 198.
 PANEL_ROWS = 4
-# Exact mode, AVX-512: from TILED_ROWS + 1 up to GEMM_ROWS rows, qmatmul.cpp's qgemm (blocks of
-# 24 weight rows dequantized into L1/L2, broadcast against x transposed) instead of the tiles +
-# oneDNN. Whole step's matmuls, ms, qgemm vs tiles: 28.0 vs 33.6 at 24 rows, 39.1 vs 44.4 at 40,
-# 49.6 vs 61.9 at 64, 72.7 vs 80.7 at 96, 114.0 vs 126.3 at 160, 188.2 vs 177.8 at 256.
-GEMM_ROWS = 192
+# Exact mode, AVX-512: from GEMM_MIN_ROWS to GEMM_MAX_ROWS rows, qmatmul.cpp's qgemm (panels of
+# 32 weight rows dequantized and transposed into L1/L2, activations broadcast) instead of the row
+# kernel or the tiles + oneDNN. Whole step's matmuls, ms, row kernel / tiles / qgemm: 19.3 / 25.0
+# / 19.2 at 12 rows, 23.1 / 26.4 / 21.7 at 14, 26.1 / 28.2 / 21.8 at 16, 43.1 (tiles) / 34.7 at
+# 40, 64.3 / 46.8 at 64, 95.9 / 83.1 at 128, 178.4 / 183.1 at 256.
+GEMM_MIN_ROWS, GEMM_MAX_ROWS = 13, 192
 
 
 def row_bytes(qtype: GGMLQuantizationType, k: int) -> int:
@@ -214,13 +216,14 @@ class QWeight:
             else:
                 self._linear_a8(x, out, op)
             return out
+        if (not packed and GEMM_MIN_ROWS <= t <= GEMM_MAX_ROWS and self.k % 32 == 0
+                and (gemm := qkernel.gemm()) is not None):
+            for data, qtype, col in self._calls:
+                gemm(x, data, qtype, out, col)
+            return out
         if t > (PACKED_TILED_ROWS if packed else TILED_ROWS):
             if packed:  # oneDNN allocates its result: returned as is (no copy into `out`)
                 return packed_linear(x, *self._batch)
-            if t <= GEMM_ROWS and self.k % 32 == 0 and (gemm := qkernel.gemm()) is not None:
-                for data, qtype, col in self._calls:
-                    gemm(x, data, qtype, out, col)
-                return out
             self._tiled(x, out)
             return out
         for data, qtype, col in self._calls:
