@@ -672,30 +672,32 @@ inline void transpose16(__m512 r[16]) {
   }
 }
 
-// rows [0, rows) of a panel (the rest zeros) -> wt [K][32]; tmp: [32][K] floats
+// rows [0, rows) of a panel (the rest zeros) -> wt [K][32]: 16 rows' 32-weight chunks are
+// dequantized into registers and transposed there (no row-major round trip)
 template <int64_t QT>
-void panel_f32(const uint8_t* w, int64_t rb, int64_t rows, int64_t K, float* tmp, float* ks, float* wt) {
-  for (int64_t n = 0; n < PN; ++n) {
-    float* y = tmp + n * K;
-    if (n >= rows) {
-      std::fill(y, y + K, 0.f);
-      continue;
-    }
-    const Chunker<QT> ch{w + n * rb, ks + n * 256};
-    __m512 v[2];
+void panel_f32(const uint8_t* w, int64_t rb, int64_t rows, int64_t K, float* ks, float* wt) {
+  for (int64_t g = 0; g < PN; g += 16) {
     for (int64_t c = 0; c < K / 32; ++c) {
-      ch.get(c, v);
-      _mm512_storeu_ps(y + 32 * c, v[0]);
-      _mm512_storeu_ps(y + 32 * c + 16, v[1]);
+      __m512 lo[16], hi[16];
+      for (int i = 0; i < 16; ++i) {
+        const int64_t n = g + i;
+        if (n >= rows) {
+          lo[i] = hi[i] = _mm512_setzero_ps();
+          continue;
+        }
+        __m512 v[2];
+        Chunker<QT>{w + n * rb, ks + n * 256}.get(c, v);
+        lo[i] = v[0], hi[i] = v[1];
+      }
+      transpose16(lo);
+      transpose16(hi);
+      float* o = wt + 32 * c * PN + g;
+      for (int j = 0; j < 16; ++j) {
+        _mm512_storeu_ps(o + j * PN, lo[j]);
+        _mm512_storeu_ps(o + (16 + j) * PN, hi[j]);
+      }
     }
   }
-  __m512 r[16];
-  for (int64_t k0 = 0; k0 < K; k0 += 16)
-    for (int64_t g = 0; g < PN; g += 16) {
-      for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(tmp + (g + i) * K + k0);
-      transpose16(r);
-      for (int j = 0; j < 16; ++j) _mm512_storeu_ps(wt + (k0 + j) * PN + g, r[j]);
-    }
 }
 
 // R activation rows x the panel: out[r * ldo + n] for n < 32 (mask: the panel's real rows)
@@ -723,7 +725,7 @@ void gemm(int64_t qtype, const uint8_t* wp, int64_t rb, int64_t N, int64_t T, in
           float* out, int64_t ldo) {
   const int64_t panels = (N + PN - 1) / PN;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<float> tmp(PN * K), wt(K * PN), ks(PN * 256);
+    std::vector<float> wt(K * PN), ks(PN * 256);
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * PN, rows = std::min<int64_t>(PN, N - n0);
       if (p + 1 < p1) {  // the next panel's bytes towards L2 while this one computes
@@ -732,7 +734,7 @@ void gemm(int64_t qtype, const uint8_t* wp, int64_t rb, int64_t N, int64_t T, in
         for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(nx + i, _MM_HINT_T1);
       }
       with_type(qtype, [&](auto t) {
-        panel_f32<decltype(t)::value>(wp + n0 * rb, rb, rows, K, tmp.data(), ks.data(), wt.data());
+        panel_f32<decltype(t)::value>(wp + n0 * rb, rb, rows, K, ks.data(), wt.data());
       });
       const __mmask16 m0 = static_cast<__mmask16>(rows >= 16 ? 0xFFFF : (1u << rows) - 1);
       const __mmask16 m1 = static_cast<__mmask16>(rows >= 32 ? 0xFFFF : rows <= 16 ? 0 : (1u << (rows - 16)) - 1);
