@@ -113,26 +113,33 @@ def test_exact_rows_do_not_depend_on_the_batch(qtype: Q, monkeypatch: pytest.Mon
 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda q: q.name)
 def test_gemm_for_many_rows(qtype: Q) -> None:
-    """qgemm (QWeight's path from GEMM_MIN_ROWS to GEMM_MAX_ROWS rows with AVX-512; qmatmul's
-    paths otherwise): gguf's values up to summation order, only its columns written, each row
-    the same bits at every row count, and QWeight routes those calls to it."""
+    """qgemm (QWeight's path from GEMM_MIN_ROWS to GEMM_MAX_ROWS rows), on its AVX2 path and on
+    its AVX-512 one where the CPU has it (pagedkv_q.limit_isa): gguf's values up to summation
+    order, only its columns written, each row the same bits at every row count, and QWeight
+    routes those calls to it."""
     if not qkernel.load():
         pytest.skip(f"kernel unavailable: {qkernel.info()['error']}")
-    qw, ref = _case(qtype, n=75)  # 75 rows: a partial panel of weight rows (11, past 16)
+    qw, ref = _case(qtype, n=75)  # 75 rows: a partial panel of weight rows (past 16 and 32)
     data, gen = qw.parts[0][1], torch.Generator().manual_seed(9)
     x = torch.randn(100, qw.k, generator=gen)
-    full = torch.empty(100, qw.n)
-    torch.ops.pagedkv_q.qgemm(x, data, int(qtype), full, 0)
     want = x @ ref.t()
-    assert float((full - want).abs().max()) <= 1e-5 * float(want.abs().max()) + 1e-6
-    for t in (1, 5, 6, 7, 13, 40, 65):  # whole register blocks of 6 rows and remainders
-        out = torch.full((t, qw.n + 3), float("nan"))
-        torch.ops.pagedkv_q.qgemm(x[:t], data, int(qtype), out, 2)
-        assert out[:, :2].isnan().all() and out[:, -1].isnan().all()
-        if qkernel.gemm() is not None:
-            assert torch.equal(out[:, 2:-1], full[:t]), t
-        if quant.GEMM_MIN_ROWS <= t <= quant.GEMM_MAX_ROWS and qkernel.gemm() is not None:
-            assert torch.equal(qw.linear(x[:t]), full[:t])
+    limit = torch.ops.pagedkv_q.limit_isa
+    try:
+        for level in (1, 2):
+            limit(level)
+            full = torch.empty(100, qw.n)
+            torch.ops.pagedkv_q.qgemm(x, data, int(qtype), full, 0)
+            assert float((full - want).abs().max()) <= 1e-5 * float(want.abs().max()) + 1e-6
+            for t in (1, 4, 5, 6, 7, 13, 40, 65):  # whole register blocks (5 or 6) and the rest
+                out = torch.full((t, qw.n + 3), float("nan"))
+                torch.ops.pagedkv_q.qgemm(x[:t], data, int(qtype), out, 2)
+                assert out[:, :2].isnan().all() and out[:, -1].isnan().all()
+                if qkernel.gemm() is not None:
+                    assert torch.equal(out[:, 2:-1], full[:t]), (level, t)
+                if quant.GEMM_MIN_ROWS <= t <= quant.GEMM_MAX_ROWS and qkernel.gemm() is not None:
+                    assert torch.equal(qw.linear(x[:t]), full[:t])
+    finally:
+        limit(2)
 
 
 def test_gemm_rejects_bad_arguments() -> None:

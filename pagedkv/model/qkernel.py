@@ -44,7 +44,7 @@ class _Kernel:
         self.fused = None  # (rope, silu_mul, add_rms_norm) of fused_ops.cpp
         self.argmax = None  # fused_ops.cpp's argmax
         self.panel = None  # qmatmul_panel.cpp's panel op, where this CPU runs its VNNI code
-        self.gemm = None  # qmatmul.cpp's qgemm, where this CPU runs its AVX-512 code
+        self.gemm = None  # qmatmul.cpp's qgemm, where the build has its AVX2 / AVX-512 code
 
 
 _kernel = _Kernel()
@@ -129,7 +129,8 @@ def panel():  # noqa: ANN201
 
 
 def gemm():  # noqa: ANN201
-    """qmatmul.cpp's exact qgemm for many rows, or None: no kernel, or a CPU without AVX-512."""
+    """qmatmul.cpp's exact qgemm for many rows (AVX-512 or AVX2), or None: no kernel, or a
+    build without AVX2 (where qgemm would only run qmatmul's scalar paths)."""
     return _kernel.gemm if (_kernel.ok or load()) else None
 
 

@@ -467,6 +467,109 @@ void deq_row_avx2(const uint8_t* row, int64_t qtype, int64_t K, float* y) {
   });
 }
 
+// --- many activation rows, AVX2: the gemm of `z` (below) 8 lanes wide -------------------------
+// Panels of 16 weight rows (two ymm per k), 5 broadcast activation rows per pass (10
+// accumulators of the 16 ymm registers); the same sequential FMA chain per output.
+namespace y {
+
+constexpr int64_t PN = 16;
+constexpr int RB = 5;
+
+// 8 x 8 floats: r[i] (row i) -> r[j] (column j)
+inline void transpose8(__m256 r[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+
+// rows [0, rows) of a panel (the rest zeros) -> wt [K][16]
+template <int64_t QT>
+void panel_f32(const uint8_t* w, int64_t rb, int64_t rows, int64_t K, float* ks, float* wt) {
+  for (int64_t g = 0; g < PN; g += 8)
+    for (int64_t c = 0; c < K / 32; ++c) {
+      __m256 q[4][8];  // q[quarter][row]: weights 8 * quarter .. + 8 of the chunk
+      for (int i = 0; i < 8; ++i) {
+        const int64_t n = g + i;
+        __m256 v[4];
+        if (n < rows) Chunker<QT>{w + n * rb, ks + n * 256}.get(c, v);
+        else v[0] = v[1] = v[2] = v[3] = _mm256_setzero_ps();
+        for (int k = 0; k < 4; ++k) q[k][i] = v[k];
+      }
+      for (int k = 0; k < 4; ++k) {
+        transpose8(q[k]);
+        for (int j = 0; j < 8; ++j) _mm256_storeu_ps(wt + (32 * c + 8 * k + j) * PN + g, q[k][j]);
+      }
+    }
+}
+
+template <int R>
+inline void gemm_rows(const float* wt, int64_t K, const float* x, float* out, int64_t ldo, int64_t cols) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 w0 = _mm256_loadu_ps(wt + k * PN), w1 = _mm256_loadu_ps(wt + k * PN + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 b = _mm256_broadcast_ss(x + r * K + k);
+      acc[r][0] = _mm256_fmadd_ps(w0, b, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(w1, b, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if (cols == PN) {
+      _mm256_storeu_ps(out + r * ldo, acc[r][0]);
+      _mm256_storeu_ps(out + r * ldo + 8, acc[r][1]);
+    } else {  // the last panel of a segment
+      alignas(32) float tmp[PN];
+      _mm256_store_ps(tmp, acc[r][0]);
+      _mm256_store_ps(tmp + 8, acc[r][1]);
+      std::memcpy(out + r * ldo, tmp, cols * sizeof(float));
+    }
+  }
+}
+
+void gemm(int64_t qtype, const uint8_t* wp, int64_t rb, int64_t N, int64_t T, int64_t K, const float* x,
+          float* out, int64_t ldo) {
+  const int64_t panels = (N + PN - 1) / PN;
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> wt(K * PN), ks(PN * 256);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * PN, rows = std::min<int64_t>(PN, N - n0);
+      if (p + 1 < p1) {  // the next panel's bytes towards L2 while this one computes
+        const char* nx = reinterpret_cast<const char*>(wp + (n0 + PN) * rb);
+        const int64_t bytes = std::min<int64_t>(PN, N - n0 - PN) * rb;
+        for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(nx + i, _MM_HINT_T1);
+      }
+      with_type(qtype, [&](auto t) {
+        panel_f32<decltype(t)::value>(wp + n0 * rb, rb, rows, K, ks.data(), wt.data());
+      });
+      float* o = out + n0;
+      int64_t r = 0;
+      for (; r + RB <= T; r += RB) gemm_rows<RB>(wt.data(), K, x + r * K, o + r * ldo, ldo, rows);
+      switch (T - r) {
+        case 4: gemm_rows<4>(wt.data(), K, x + r * K, o + r * ldo, ldo, rows); break;
+        case 3: gemm_rows<3>(wt.data(), K, x + r * K, o + r * ldo, ldo, rows); break;
+        case 2: gemm_rows<2>(wt.data(), K, x + r * K, o + r * ldo, ldo, rows); break;
+        case 1: gemm_rows<1>(wt.data(), K, x + r * K, o + r * ldo, ldo, rows); break;
+        default: break;
+      }
+    }
+  });
+}
+
+}  // namespace y
+
 // The widest path the fused kernels may take (tests and benchmarks lower it to compare paths):
 // 2 = AVX-512 where the CPU has it, 1 = AVX2. Op: pagedkv_q.limit_isa(level) -> previous level.
 std::atomic<int64_t> isa_limit{2};
@@ -857,10 +960,10 @@ void qmatmul(const at::Tensor& x, const at::Tensor& w, int64_t qtype, at::Tensor
   });
 }
 
-// qmatmul for many rows: the AVX-512 gemm (K a multiple of 32), else qmatmul's own paths
+// qmatmul for many rows: the gemm, AVX-512 or AVX2 (K a multiple of 32), else qmatmul's own paths
 void qgemm(const at::Tensor& x, const at::Tensor& w, int64_t qtype, at::Tensor& out, int64_t col0) {
 #ifdef PQ_AVX2
-  const bool ok = has_avx512() && x.dim() == 2 && x.size(1) % 32 == 0;
+  const bool ok = x.dim() == 2 && x.size(1) % 32 == 0;
 #else
   const bool ok = false;
 #endif
@@ -873,14 +976,15 @@ void qgemm(const at::Tensor& x, const at::Tensor& w, int64_t qtype, at::Tensor& 
               "out must be float32 [T, >= col0 + N] with contiguous rows");
   if (T == 0 || N == 0) return;
 #ifdef PQ_AVX2
-  z::gemm(qtype, w.data_ptr<uint8_t>(), w.size(1), N, T, K, x.data_ptr<float>(), out.data_ptr<float>() + col0,
-          out.stride(0));
+  const auto gemm = has_avx512() ? z::gemm : y::gemm;
+  gemm(qtype, w.data_ptr<uint8_t>(), w.size(1), N, T, K, x.data_ptr<float>(), out.data_ptr<float>() + col0,
+       out.stride(0));
 #endif
 }
 
 bool has_gemm() {
 #ifdef PQ_AVX2
-  return has_avx512();
+  return true;
 #else
   return false;
 #endif

@@ -19,8 +19,8 @@ for the stored blocks; only the summation order differs.
   Opt-in `set_batch_weights("float32")`: those calls multiply a float32 copy pre-packed for
   oneDNN instead (the memory of a float32 model on top of the quantized one; no per-call
   dequantizing, so large batches and prefill run at float32 speed).
-  On a CPU with AVX-512, calls of GEMM_MIN_ROWS to GEMM_MAX_ROWS rows (many users decoding at
-  once; not with the float32 copy) go to the kernel's qgemm instead: no float32 tile in memory,
+  Calls of GEMM_MIN_ROWS to GEMM_MAX_ROWS rows (many users decoding at once; not with the
+  float32 copy) go to the kernel's qgemm instead (AVX-512 or AVX2): no float32 tile in memory,
   no oneDNN repacking, and each output one sequential FMA chain over K (the same bits whatever
   the row count).
 - `rows(ids)`: dequantizes only the rows looked up (token embeddings).
@@ -94,12 +94,23 @@ A8_IMPL = 0  # qmatmul_a8.cpp impl: 0 the fastest built, 1 scalar (same results)
 # (bench decode's a8_crossover_ms): panel vs the int8 row kernel 6.5 vs 3.7 at 1 row, 6.7 vs 5.0
 # at 2, 6.2-7.6 vs 7.3 at 4, 7.8 vs 12.7 at 8; at 40 rows 17.9 vs 51 (tiles), at 256 83 vs 198.
 PANEL_ROWS = 4
-# Exact mode, AVX-512: from GEMM_MIN_ROWS to GEMM_MAX_ROWS rows, qmatmul.cpp's qgemm (panels of
-# 32 weight rows dequantized and transposed into L1/L2, activations broadcast) instead of the row
-# kernel or the tiles + oneDNN. Whole step's matmuls, ms, row kernel / tiles / qgemm: 19.3 / 25.0
-# / 19.2 at 12 rows, 23.1 / 26.4 / 21.7 at 14, 26.1 / 28.2 / 21.8 at 16, 43.1 (tiles) / 34.7 at
-# 40, 64.3 / 46.8 at 64, 95.9 / 83.1 at 128, 178.4 / 183.1 at 256.
-GEMM_MIN_ROWS, GEMM_MAX_ROWS = 13, 192
+
+
+def _gemm_rows(capability: str) -> tuple[int, int]:
+    """(GEMM_MIN_ROWS, GEMM_MAX_ROWS): the exact path's calls with that many rows go to
+    qmatmul.cpp's qgemm (panels of weight rows dequantized and transposed into L1/L2, activations
+    broadcast: 32 rows and 6 activation rows per pass with AVX-512, 16 and 5 with AVX2) instead
+    of the row kernel or the tiles + oneDNN. Whole step's matmuls (SmolLM2, 2 threads), ms, row
+    kernel / tiles / qgemm:
+    - AVX-512: 19.3 / 25.0 / 19.2 at 12 rows, 23.1 / 26.4 / 21.7 at 14, 26.1 / 28.2 / 21.8 at 16;
+      43.1 (tiles) / 34.7 at 40, 64.3 / 46.8 at 64, 95.9 / 83.1 at 128, 178.4 / 183.1 at 256.
+    - AVX2 (our kernels limited to AVX2, oneDNN to AVX2 by ONEDNN_MAX_CPU_ISA): 30.3 / 41.5 /
+      30.0 at 16, 53.3 / 48.7 / 36.4 at 24; 70.1 / 54.8 at 40, 140.3 / 82.4 at 64, 216.9 / 155.3
+      at 128, 359.8 / 358.0 at 256."""
+    return (13, 192) if capability.startswith("AVX512") else (17, 192)
+
+
+GEMM_MIN_ROWS, GEMM_MAX_ROWS = _gemm_rows(torch.backends.cpu.get_cpu_capability())
 
 
 def row_bytes(qtype: GGMLQuantizationType, k: int) -> int:
