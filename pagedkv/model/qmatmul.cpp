@@ -16,8 +16,9 @@
 // Ops (registered as torch.ops.pagedkv_q.*):
 //   qmatmul(x [T, K] f32, w [N, rb] u8, qtype, out [T, >= col0 + N] f32, col0): out[:, col0:+N] = x W^T
 //   qrows(w [N, rb] u8, qtype, K, idx [R] i64, out [R, K] f32): out[r] = dequant(W[idx[r]])
-//   qgemm(x, w, qtype, out, col0): qmatmul for many rows (the AVX-512 gemm below; qmatmul's
-//     paths without AVX-512 or with K not a multiple of 32); has_gemm() -> whether it is the gemm
+//   qgemm(x, w, qtype, out, col0): qmatmul for many rows (the gemms below, AVX-512 or AVX2;
+//     qmatmul's paths without AVX2 or with K not a multiple of 32); has_gemm() -> whether the
+//     build has a gemm
 //   limit_isa(level) -> previous: 2 = AVX-512 where available (default), 1 = AVX2 at most
 // Built by pagedkv/model/qkernel.py with the attention kernel's build helpers.
 
@@ -448,10 +449,10 @@ void fused_row_avx2(int64_t qtype, const uint8_t* row, int64_t rb, float* scratc
   with_type(qtype, [&](auto t) { fused_row_t<decltype(t)::value>(row, rb, scratch, T, K, x, res); });
 }
 
-// One row (K a multiple of 32, not a K-quant) -> floats, through the chunk dequantizer: the
-// tiles of prefill and big batches (qrows), several times faster than the per-type loops.
 bool is_k_quant(int64_t t) { return t == Q4_K || t == Q5_K || t == Q6_K; }
 
+// One row (K a multiple of 32) -> floats, through the chunk dequantizer (K-quants: deq_row): the
+// tiles of prefill and big batches (qrows), several times faster than the per-type loops.
 void deq_row_avx2(const uint8_t* row, int64_t qtype, int64_t K, float* y) {
   with_type(qtype, [&](auto t) {
     constexpr int64_t QT = decltype(t)::value;
