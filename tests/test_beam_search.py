@@ -106,3 +106,20 @@ def test_too_long_or_too_wide_is_refused_and_changes_nothing(llm) -> None:  # no
         llm.beam_search([[1, 2]], BeamSearchParams(64, 1000))
     assert not llm.engine.cache.seqs and not llm.engine.scheduler.running
     assert not llm.engine.scheduler.waiting
+
+
+def test_beam_search_steps_through_the_engines_step_primitive(smollm2, chat_ids, tmp_path) -> None:  # noqa: ANN001
+    """Beam search runs LLMEngine.forward, as step() does: its full blocks reach the KV tier and
+    its forward passes count in the engine's timing."""
+    llm = LLM(smollm2, num_blocks=256, block_size=4, kv_tier=f"disk:{tmp_path}")
+    try:
+        before = llm.engine.stats()
+        llm.beam_search(chat_ids[:1], BeamSearchParams(2, 4))
+        llm.engine.tiers.connector.writer.flush()
+        after = llm.engine.stats()
+        assert llm.engine.tier_stats()["blocks_written"] >= len(chat_ids[0]) // 4
+        assert after.forward_seconds > before.forward_seconds
+        assert after.step_seconds >= after.forward_seconds
+        assert llm.engine.is_idle()
+    finally:
+        llm.engine.close()

@@ -61,7 +61,7 @@ def test_a_row_that_cannot_be_sampled_fails_only_its_request(smollm2) -> None:  
         return logits
 
     eng.runner.run = poisoned
-    eng.add_request("bad", "Tell me a story", SamplingParams(temperature=0.8, max_tokens=8))
+    eng.add_request("bad", "Tell me a story", SamplingParams(temperature=0.8, max_tokens=8, seed=5))
     for i, (pr, p) in enumerate(zip(prompts, params, strict=True)):
         eng.add_request(str(i), pr, p)
     done = {}

@@ -34,7 +34,7 @@ class AttentionMetadata:
     # whether slot_mapping holds a -1; None until the first layer's write checks it, once per step
     has_skips: bool | None = None
     # paged.py's per-step plan (counts, checks, decode backend): None until the first layer
-    # builds it; every layer of the step reuses it (see paged.StepPlan)
+    # builds it; every layer of the step reuses it (see paged.AttentionPlan)
     plan: object | None = None
 
     @property

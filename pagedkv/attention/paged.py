@@ -44,7 +44,7 @@ _FALLBACK_CHUNK_TOKENS = 512
 
 
 @dataclass(slots=True)
-class StepPlan:
+class AttentionPlan:
     """What paged_attention decides once per step, from the metadata and the first layer's
     inputs: token counts (checked against q/k), the slot check, the scales check and the decode
     backend. Valid for every layer whose q and cache have the dtypes it was built for (all the
@@ -69,7 +69,7 @@ class StepPlan:
         )
 
 
-def _plan(q: torch.Tensor, k: torch.Tensor, cache: LayerKV, meta: AttentionMetadata) -> StepPlan:
+def _plan(q: torch.Tensor, k: torch.Tensor, cache: LayerKV, meta: AttentionMetadata) -> AttentionPlan:
     num_tokens = q.shape[0]
     num_prefill = meta.num_prefill_tokens
     if num_prefill + meta.num_decodes != num_tokens or k.shape[0] != num_tokens:
@@ -91,7 +91,7 @@ def _plan(q: torch.Tensor, k: torch.Tensor, cache: LayerKV, meta: AttentionMetad
             tables = tables.to(torch.int32).contiguous()
         if lens.dtype != torch.int32 or not lens.is_contiguous():
             lens = lens.to(torch.int32).contiguous()
-    return StepPlan(num_tokens, num_prefill, meta.num_decodes, q.dtype, cache.k.dtype,
+    return AttentionPlan(num_tokens, num_prefill, meta.num_decodes, q.dtype, cache.k.dtype,
                     _kernel.CONFIG.use_kernel, kernel, tables, lens, op)
 
 

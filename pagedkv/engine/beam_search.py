@@ -100,13 +100,15 @@ class _Group:
 
 
 class BeamSearch:
-    """Drives an idle LLMEngine's scheduler for one batch of beam-search prompts."""
+    """Drives an idle LLMEngine for one batch of beam-search prompts, through its public calls:
+    `forward` (the step primitive step() uses too: schedule, run, commit or undo, tier writes,
+    timing), new_sequence / add_sequence / fork_sequence / finish_sequence, block_ids."""
 
     def __init__(self, engine: LLMEngine, params: BeamSearchParams,
                  on_step: Callable[[BeamStepStats], None] | None = None) -> None:
         if not isinstance(params, BeamSearchParams):
             raise InvalidParamsError("params must be a BeamSearchParams")
-        if engine.has_unfinished_requests() or engine.scheduler.running or engine.scheduler.waiting:
+        if not engine.is_idle():
             raise InvalidParamsError("beam search needs an engine with no other requests")
         self.engine = engine
         self.params = params
@@ -164,15 +166,14 @@ class BeamSearch:
     # --- one prompt ---------------------------------------------------------------------------
 
     def _start(self, i: int, ids: list[int]) -> _Group:
-        eng = self.engine
         sp = SamplingParams(max_tokens=self.params.max_tokens, ignore_eos=True)
         req = Request(f"beam-{i}", ids, sp)
         s = self._seq(req, list(ids))
-        eng.scheduler.add(s)
+        self.engine.add_sequence(s)
         return _Group(req, len(ids), [(s, 0.0)])
 
     def _seq(self, req: Request, token_ids: list[int]) -> Sequence:
-        s = self.engine._new_seq(req, next(self._ids), token_ids)
+        s = self.engine.new_sequence(req, next(self._ids), token_ids)
         req.seqs.append(s)
         return s
 
@@ -241,41 +242,32 @@ class BeamSearch:
         g.beams = []
         g.done = True
 
-    # --- the engine's scheduler and runner ----------------------------------------------------
+    # --- the engine ---------------------------------------------------------------------------
 
     def _forward(self) -> tuple[list[Sequence], torch.Tensor]:
-        """One scheduled forward pass: the sequences that sample now and their logits."""
-        sched = self.engine.scheduler
-        plan = sched.schedule()
-        if plan.empty:
+        """One engine step's forward pass: the sequences that sample now and their logits."""
+        done = self.engine.forward()
+        if done is None:
             raise RuntimeError("beam search: nothing could be scheduled")
-        try:
-            logits = self.engine.runner.run(plan)
-        except BaseException:
-            sched.undo(plan)
-            raise
-        sched.commit(plan)
-        return plan.samplers, logits
+        return done.plan.samplers, done.logits
 
     def _fork(self, parent: Sequence, child: Sequence) -> None:
         """child (a copy of parent's tokens) shares parent's blocks and runs."""
-        self.engine.scheduler.fork(parent, child)
+        self.engine.fork_sequence(parent, child)
 
     def _drop(self, s: Sequence) -> None:
         """A pruned or finished beam leaves; its blocks go back at once."""
-        if not s.finished:
-            self.engine.scheduler.finish(s, "abort")
+        self.engine.finish_sequence(s, "abort")
 
     def _report(self, groups: list[_Group]) -> None:
         if self.on_step is None:
             return
-        cache = self.engine.cache
-        seqs = [s for g in groups for s, _ in g.beams if s.seq_id in cache]  # admitted ones
-        if not seqs:
+        tables = [t for g in groups for s, _ in g.beams
+                  if (t := self.engine.block_ids(s)) is not None]  # admitted beams
+        if not tables:
             return
-        tables = [cache.block_ids(s.seq_id) for s in seqs]
         shared = len({b for t in tables for b in t})
-        self.on_step(BeamStepStats(len(seqs), shared, sum(map(len, tables))))
+        self.on_step(BeamStepStats(len(tables), shared, sum(map(len, tables))))
 
     def _output(self, g: _Group) -> BeamSearchOutput:
         tok = self.engine.tokenizer

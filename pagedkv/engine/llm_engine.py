@@ -23,6 +23,7 @@ from pagedkv.engine.sampler import FAILED, Sampler, generator_for, top_logprobs
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.engine.sequence import CompletionOutput, Request, RequestOutput, Sequence, Status
+from pagedkv.engine.step_plan import StepPlan
 from pagedkv.engine.tiers import EngineTiers
 from pagedkv.errors import (
     CacheConfigError,
@@ -31,6 +32,15 @@ from pagedkv.errors import (
 )
 
 Prompt = str | list[int] | list[dict]
+
+
+@dataclass(slots=True)
+class Forward:
+    """One committed forward pass (LLMEngine.forward): row i of `logits` samples for
+    `plan.samplers[i]`."""
+
+    plan: StepPlan
+    logits: torch.Tensor
 
 
 @dataclass(slots=True)
@@ -224,20 +234,45 @@ class LLMEngine:
             stop_ids |= self.eos_ids
         req = Request(request_id, ids, params, prompt if isinstance(prompt, str) else None,
                       cache_salt=cache_salt, stop_ids=stop_ids)
-        req.seqs.append(self._new_seq(req, 0, list(ids)))
+        req.seqs.append(self.new_sequence(req, 0, list(ids)))
         if shift is not None:
             shift.cut_prompt(req.seqs[0], self.max_model_len)
         self.requests[request_id] = req
         self.scheduler.add(req.seqs[0])
         self._prompt_tokens += len(ids)
 
-    def _new_seq(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
+    def new_sequence(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
+        """Sample `index` of `req` over `token_ids` (not queued: see add_sequence / fork_sequence),
+        with its seeded generator and logprob list as the request's params ask."""
         s = Sequence(next(self._seq_ids), req, index, token_ids)
         if req.params.seed is not None:
             s.generator = generator_for(req.params.seed, index)
         if req.params.logprobs is not None:
             s.logprobs = []
         return s
+
+    def add_sequence(self, s: Sequence) -> None:
+        """Queue a sequence made by new_sequence for prefill (beam search's entry; requests go
+        through add_request)."""
+        self.scheduler.add(s)
+
+    def fork_sequence(self, parent: Sequence, child: Sequence) -> int:
+        """child (a copy of parent's tokens) shares parent's blocks and runs; returns the blocks
+        shared."""
+        return self.scheduler.fork(parent, child)
+
+    def finish_sequence(self, s: Sequence, reason: str) -> None:
+        """End s now (its blocks go back at once); a finished sequence is left as it is."""
+        if not s.finished:
+            self.scheduler.finish(s, reason)
+
+    def block_ids(self, s: Sequence) -> list[int] | None:
+        """The KV blocks s holds, or None while it is not admitted."""
+        return self.cache.block_ids(s.seq_id) if s.seq_id in self.cache else None
+
+    def is_idle(self) -> bool:
+        """No request, and nothing queued or running in the scheduler."""
+        return not self.requests and not self.scheduler.running and not self.scheduler.waiting
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request now; its blocks go back to the pool at once. Unknown ids are ignored."""
@@ -254,34 +289,48 @@ class LLMEngine:
 
     # --- one step -----------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward pass, sample; return the requests that progressed.
+    def forward(self) -> Forward | None:
+        """The one step primitive, shared by step() and beam search: schedule -> run the plan ->
+        commit (or undo and re-raise) -> tier writes -> timing. None when nothing could be
+        scheduled.
 
-        If the forward pass raises, the step's sequences go back to the queue with nothing of
-        this step cached (no prefix hash over unwritten K/V), and the error propagates.
+        On return the step's K/V are written and its newly full blocks hashed and offered to the
+        KV tier; row i of the logits samples for `plan.samplers[i]`. If the forward pass raises,
+        the step's sequences go back to the queue with nothing of this step cached (no prefix
+        hash over unwritten K/V), and the error propagates.
         """
         t0 = time.perf_counter()
         sched = self.scheduler
         plan = sched.schedule()
         if plan.empty:
-            return []
+            return None
         tf = time.perf_counter()
         try:
             logits = self.runner.run(plan)
         except BaseException:
             sched.undo(plan)
             raise
-        t1 = time.perf_counter()
-        self._forward_s += t1 - tf
+        self._forward_s += time.perf_counter() - tf
         sched.commit(plan)
         self.tiers.after_step()  # blocks that became full this step go to the KV tier
-        seqs = plan.samplers
+        self._busy_s += time.perf_counter() - t0
+        return Forward(plan, logits)
+
+    def step(self) -> list[RequestOutput]:
+        """One forward pass (`forward`), then sample, append, finish and detokenize; return the
+        requests that progressed."""
+        done = self.forward()
+        if done is None:
+            return []
+        t0 = time.perf_counter()
+        logits = done.logits
+        seqs = done.plan.samplers
         tokens = self.sampler(logits, seqs)
         rows = list(range(len(seqs)))
-        for row, s in enumerate(plan.samplers):
+        for row, s in enumerate(done.plan.samplers):
             if s.request.params.n > 1 and not s.request.forked:
                 seqs, tokens, rows = self._fork_samples(s, logits[row], row, seqs, tokens, rows)
-        sched.postprocess(seqs, tokens)
+        self.scheduler.postprocess(seqs, tokens)
         touched: dict[str, Request] = {}
         now = time.monotonic()
         for s, row, tok in zip(seqs, rows, tokens, strict=True):
@@ -314,8 +363,8 @@ class LLMEngine:
         req.forked = True
         seqs, tokens, rows = list(seqs), list(tokens), list(rows)
         for i in range(1, req.params.n):
-            child = self._new_seq(req, i, list(parent.token_ids))
-            self._fork_shared += self.scheduler.fork(parent, child)
+            child = self.new_sequence(req, i, list(parent.token_ids))
+            self._fork_shared += self.fork_sequence(parent, child)
             req.seqs.append(child)
             seqs.append(child)
             tokens.append(self.sampler(row[None], [child])[0])
