@@ -132,6 +132,9 @@ UNSUPPORTED = [
     ("/v1/completions", "suffix", "!"),
     ("/v1/completions", "use_beam_search", True),
     ("/v1/completions", "skip_special_tokens", False),
+    ("/v1/completions", "grammar", "root ::= \"a\""),  # llama-server's fields
+    ("/v1/chat/completions", "json_schema", {"type": "object"}),
+    ("/v1/completions", "n_probs", 3),
 ]
 
 
@@ -158,6 +161,35 @@ def test_off_values_of_unsupported_fields_pass(rec: Running) -> None:
     assert r.choices[0].message.content == "hi"
     r = rec.client().completions.create(model="fake", prompt="ab", max_tokens=2, best_of=1)
     assert r.choices[0].text == "ab"
+
+
+HI = [{"role": "user", "content": "hi"}]
+INCONSISTENT = [  # (body, the field the 400 names): never silently ignored
+    ({"messages": HI, "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": HI, "top_logprobs": 2, "logprobs": False}, "top_logprobs"),
+    ({"messages": HI, "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "hi", "stream_options": {"include_usage": True}, "stream": False},
+     "stream_options"),
+    ({"messages": HI + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+     "messages"),
+    ({"messages": HI + [{"role": "tool", "content": "42", "tool_call_id": "c1"}]}, "messages"),
+]
+
+
+@pytest.mark.parametrize(("body", "field"), INCONSISTENT)
+def test_fields_that_would_be_ignored_are_a_400(rec: Running, body: dict, field: str) -> None:
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    r = _post(rec, path, {"max_tokens": 2, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and field.split("[")[0] in err["message"]
+    assert rec.engine.params == []
+    ok = {"max_tokens": 2, **body, "stream": True}  # with their partner field
+    if "messages" in body:
+        ok["logprobs"] = True
+    if field in ("top_logprobs", "stream_options"):
+        assert _post(rec, path, ok).status_code == 200
 
 
 def test_openai_client_sees_bad_request_for_tools(rec: Running) -> None:

@@ -66,7 +66,7 @@ from pagedkv.server.protocol import (
 )
 from pagedkv.server.stats_log import configure_logging, log_stats
 from pagedkv.server.stream import Accumulator
-from pagedkv.server.unsupported import check_supported
+from pagedkv.server.unsupported import check_consistent, check_supported
 from pagedkv.server.utility import add_utility_routes
 
 logger = logging.getLogger("pagedkv.server")
@@ -236,6 +236,7 @@ class OpenAIServer:
                 f"'{self.served_model_name}'", param="model", code="model_not_found",
             )
         check_supported(req.model_extra, chat=isinstance(req, ChatCompletionRequest), n=req.n)
+        check_consistent(req)
         req.engine_prompts()  # batch / echo refusals before touching the engine
         req.stop_list()
         requested = req.requested_max_tokens()

@@ -48,6 +48,10 @@ BOTH: dict[str, tuple[Any, ...]] = {
     "priority": (None, 0),
     "return_tokens_as_token_ids": (None, False),
     "lora_request": _OFF,
+    # llama-server extensions
+    "grammar": (None, ""),
+    "json_schema": _OFF,
+    "n_probs": (None, 0),
 }
 COMPLETIONS: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
@@ -65,6 +69,27 @@ CHAT: dict[str, tuple[Any, ...]] = {
 def _is_off(value: Any, off: tuple[Any, ...]) -> bool:
     # exact types: True must not pass for 1, nor 0 for False
     return any(value is None if o is None else type(value) is type(o) and value == o for o in off)
+
+
+# message fields of tool calling (assistant tool_calls, tool results): not implemented, and a
+# prompt built without them would silently differ from what the client sent
+MESSAGE_FIELDS = ("tool_calls", "tool_call_id", "function_call")
+
+
+def check_consistent(req: Any) -> None:
+    """Raise ApiError(400) for fields that only mean something together with another one
+    (OpenAI and vLLM refuse these too) and for tool-calling message fields."""
+    if getattr(req, "top_logprobs", None) is not None and not getattr(req, "logprobs", False):
+        raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    if req.stream_options is not None and not req.stream:
+        raise ApiError(400, "'stream_options' is only allowed with 'stream': true",
+                       param="stream_options")
+    for i, m in enumerate(getattr(req, "messages", None) or []):
+        for name in MESSAGE_FIELDS:
+            if (m.model_extra or {}).get(name) is not None:
+                raise ApiError(400, f"'messages[{i}].{name}' is not supported by this server "
+                               "(no tool calling)", param="messages",
+                               code="unsupported_parameter")
 
 
 def check_supported(extra: dict[str, Any] | None, *, chat: bool, n: int = 1) -> None:
