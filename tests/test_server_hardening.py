@@ -776,3 +776,60 @@ def test_d1_d2_real_engine_hostile_sampling_never_hurts_others(real_tenants: Run
         first, again = post({"seed": seed}).json(), post({"seed": seed}).json()
         assert first["choices"][0]["text"] == again["choices"][0]["text"], seed
     assert_idle(real_tenants)
+
+
+# --- issue 24, item 9: /tokenize is held to a generation request's caps, slots and turns -------
+
+
+def _post_json(url: str, path: str, body: dict, key: str | None = None) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(url + path, json=body, headers=headers, timeout=30)
+
+
+def test_tokenize_takes_a_concurrency_slot(serve_fake: Any) -> None:
+    server = serve_fake(HostileEngine(), max_concurrent=1)
+    slow = threading.Thread(target=_post_json, args=(server.url, "/tokenize", {"prompt": "SLOW"}))
+    slow.start()
+    assert wait_until(lambda: server.app.state.server.in_flight == 1)
+    r = _post_json(server.url, "/tokenize", {"prompt": "a"})
+    assert r.status_code == 429 and r.headers["retry-after"] == "1"
+    assert _post_json(server.url, "/detokenize", {"tokens": [100]}).status_code == 429
+    slow.join()
+    assert _post_json(server.url, "/tokenize", {"prompt": "a"}).status_code == 200
+
+
+def test_tokenize_has_the_generation_character_cap(serve_fake: Any) -> None:
+    engine = HostileEngine()
+    engine.tokenizer.get_vocab = lambda: {bytes([b]).decode("latin-1"): b + 3  # type: ignore
+                                          for b in range(256)}
+    server = serve_fake(engine, max_prompt_tokens=100)
+    assert wait_until(lambda: server.app.state.server.engine.max_token_chars == 1)
+    t0 = time.monotonic()
+    r = _post_json(server.url, "/tokenize", {"prompt": "SLOW" + "x" * 300})  # 1.5 s if tokenized
+    assert time.monotonic() - t0 < 1.0
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    r = _post_json(server.url, "/tokenize",
+                   {"messages": [{"role": "user", "content": "SLOW" + "x" * 300}]})
+    assert r.status_code == 400 and time.monotonic() - t0 < 2.0
+    assert _post_json(server.url, "/tokenize", {"prompt": "x" * 90}).json()["count"] == 90
+
+
+def test_one_clients_burst_never_queues_another_behind_it(serve_fake: Any) -> None:
+    """Tenant A sends 6 slow tokenizations at once (0.5 s each: 3 s in a row); tenant B's
+    request waits for at most the one job running, not for A's whole burst."""
+    engine = HostileEngine()
+    engine.slow_s = 0.5
+    server = serve_fake(engine, api_key=["key-a", "key-b"])
+    burst = [threading.Thread(target=_post_json,
+                              args=(server.url, "/tokenize", {"prompt": f"SLOW {i}"}, "key-a"))
+             for i in range(6)]
+    for t in burst:
+        t.start()
+    time.sleep(0.2)  # A's jobs are queued, the first one running
+    t0 = time.monotonic()
+    r = _post_json(server.url, "/v1/completions", {"prompt": "hi", "max_tokens": 2}, "key-b")
+    waited = time.monotonic() - t0
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "hi"
+    assert waited < 1.2, waited  # FIFO: >= 2.5 s
+    for t in burst:
+        t.join()

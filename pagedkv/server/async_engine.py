@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 
 from pagedkv.errors import RequestFailedError, RequestTooLongError
 from pagedkv.server.openmp import release_team
+from pagedkv.server.prep_queue import FairQueue
 from pagedkv.server.stream import (
     Choice,
     ClientTooSlowError,
@@ -74,6 +75,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._prep = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedkv-prep")
+        self._prep_queue = FairQueue(self._prep)  # per-client turns on that one thread
         self.max_token_chars: int | None = None  # measured on the preprocessing thread
         release_team()  # usually the thread that loaded the model: the engine thread steps it
 
@@ -118,16 +120,18 @@ class AsyncEngine:
     async def call(self, fn: Callable[[Any], T]) -> T:
         return await asyncio.wrap_future(self.submit(fn))
 
-    async def tokenize(self, prompt: Prompt) -> list[int]:
-        """The prompt's token ids, computed on the preprocessing thread."""
-        return list(await self.preprocess(lambda engine: engine.tokenize(prompt)))
+    async def tokenize(self, prompt: Prompt, key: Any = None) -> list[int]:
+        """The prompt's token ids, computed on the preprocessing thread in `key`'s turn."""
+        return list(await self.preprocess(lambda engine: engine.tokenize(prompt), key))
 
-    async def preprocess(self, fn: Callable[[Any], T]) -> T:
+    async def preprocess(self, fn: Callable[[Any], T], key: Any = None) -> T:
         """Runs fn(engine) on the preprocessing thread: tokenizer work only (tokenize,
-        chat templates, decode), which the tokenizer allows next to the engine thread's."""
-        loop = asyncio.get_running_loop()
+        chat templates, decode), which the tokenizer allows next to the engine thread's.
+        Clients (`key`: the tenant) take turns, so one client's burst never queues another's
+        request behind all of it (see prep_queue)."""
+        engine = self.engine
         try:
-            return await loop.run_in_executor(self._prep, fn, self.engine)
+            return await self._prep_queue.run(key, lambda: fn(engine))
         except RuntimeError as exc:  # the executor was shut down
             if self._stopping:
                 raise ShuttingDownError("the server is shutting down") from exc
@@ -161,8 +165,8 @@ class AsyncEngine:
     async def _prepare(self, request_id: str, prompt: Prompt, make_params: Callable[[int], Any],
                        holdback: int, tenant: str | None) -> tuple[RequestStream, list[int], Any]:
         """Tokenized ids, params and a new stream for one prompt; raises if over a limit."""
-        self._check_chars(prompt)
-        ids = await self.tokenize(prompt)
+        self.check_chars(prompt)
+        ids = await self.tokenize(prompt, tenant)
         n, context = len(ids), self.engine.max_model_len
         shift = getattr(self.engine, "context_shift", False)  # longer prompts are cut, not refused
         if shift and n > self.engine.max_prompt_len:
@@ -194,7 +198,7 @@ class AsyncEngine:
         except Exception:  # a tokenizer without a vocabulary: no shortcut
             self.max_token_chars = None
 
-    def _check_chars(self, prompt: Prompt) -> None:
+    def check_chars(self, prompt: Prompt) -> None:
         """Every token covers at most max_token_chars characters (2x margin for normalizers),
         so a longer prompt cannot fit whatever it tokenizes to."""
         if self.max_token_chars is None:

@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("pagedkv.server")
 
 GENERATION_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+# paths that take a concurrency slot: generation, and the tokenizer work that costs as much
+SLOT_PATHS = frozenset(GENERATION_PATHS) | {"/tokenize", "/detokenize"}
 OPEN_PATHS = frozenset({"/health", PAGE_PATH})  # the dashboard page holds no data
 STREAMS_KEY = "pagedkv.streams"  # scope key: the engine requests one HTTP request started
 TENANT_KEY = "pagedkv.tenant"  # scope key: the caller's tenant id (None without keys)
@@ -57,7 +59,7 @@ class Guard:
             if body is None:
                 return
             receive = _replay(body, receive)
-        if scope["path"] not in GENERATION_PATHS:
+        if scope["path"] not in SLOT_PATHS:
             await self.app(scope, receive, send)
             return
         if server.in_flight >= server.max_concurrent:
@@ -96,7 +98,7 @@ class Guard:
 
     def _abort_unfinished(self, scope: Scope) -> None:
         server = self.server
-        for stream in scope.get(STREAMS_KEY, []):
+        for stream in scope.get(STREAMS_KEY, []):  # generation paths only start streams
             if not stream.finished:
                 server.engine.abort(stream.request_id)
                 server.metrics.finished[(GENERATION_PATHS[scope["path"]], "abort")] += 1

@@ -81,7 +81,7 @@ class _Snapshot(Collector):
                 blocks.add_metric([m.model_name, state], getattr(stats, field))
             yield blocks
         yield _one(GaugeMetricFamily, "http_requests_in_flight",
-                   "Generation requests the server is handling.", m.in_flight, label)
+                   "Requests holding a concurrency slot (generation, /tokenize, /detokenize).", m.in_flight, label)
         success = CounterMetricFamily(
             PREFIX + "request_success", "Requests finished, by endpoint and finish reason.",
             labels=["model_name", "endpoint", "finished_reason"])

@@ -1,8 +1,9 @@
 """The utility endpoints vLLM also serves: POST /tokenize, POST /detokenize, GET /version.
 
 /tokenize counts exactly what a generation request would: a `prompt` as /v1/completions
-tokenizes it, `messages` through the chat template as /v1/chat/completions does. The tokenizer
-runs on the engine thread (it is not shared across threads).
+tokenizes it, `messages` through the chat template as /v1/chat/completions does. Both are held to
+what a generation request is: the same concurrency slot (guard.SLOT_PATHS), the same character
+cap before any tokenizing, and the same per-client turns on the preprocessing thread.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagedkv import __version__
-from pagedkv.errors import InvalidParamsError
+from pagedkv.errors import InvalidParamsError, RequestTooLongError
 from pagedkv.server.async_engine import EngineDeadError
+from pagedkv.server.guard import TENANT_KEY
 from pagedkv.server.protocol import ApiError, ChatMessage, parse_request
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -61,10 +63,13 @@ class UtilityRoutes:
             raise ApiError(404, f"The model '{model}' does not exist; this server serves "
                            f"'{name}'", param="model", code="model_not_found")
 
-    async def _call(self, fn: Any) -> Any:
-        """fn(engine) on the preprocessing thread (never the engine thread's time)."""
+    async def _call(self, fn: Any, request: Request) -> Any:
+        """fn(engine) on the preprocessing thread (never the engine thread's time), in the
+        caller's tenant's turn."""
         try:
-            return await self.server.engine.preprocess(fn)
+            return await self.server.engine.preprocess(fn, request.scope.get(TENANT_KEY))
+        except RequestTooLongError as exc:
+            raise ApiError(400, str(exc), param="prompt", code="context_length_exceeded") from None
         except InvalidParamsError as exc:
             raise ApiError(400, str(exc), param=getattr(exc, "param", None)) from None
         except EngineDeadError as exc:
@@ -77,14 +82,18 @@ class UtilityRoutes:
             raise ApiError(400, "send exactly one of 'prompt' and 'messages'", param="prompt")
         prompt: Any = req.prompt if req.prompt is not None else [
             {"role": m.role, "content": m.text()} for m in req.messages or []]
-        ids = await self._call(lambda engine: list(engine.tokenize(prompt)))
+        try:
+            self.server.engine.check_chars(prompt)  # as a generation request: before tokenizing
+        except RequestTooLongError as exc:
+            raise ApiError(400, str(exc), param="prompt", code="context_length_exceeded") from None
+        ids = await self._call(lambda engine: list(engine.tokenize(prompt)), request)
         return JSONResponse({"count": len(ids), "max_model_len": self.server.max_model_len,
                              "tokens": ids})
 
     async def detokenize(self, request: Request) -> Response:
         req = parse_request(DetokenizeRequest, await request.body())
         self._check_model(req.model)
-        text = await self._call(lambda engine: _detokenize(engine, req.tokens))
+        text = await self._call(lambda engine: _detokenize(engine, req.tokens), request)
         return JSONResponse({"prompt": text})
 
     async def version(self) -> Response:
