@@ -74,6 +74,10 @@ def engine_lines(engine: Any, source: Any, dtype: str) -> list[str]:
     fmt = model_format(source)
     if getattr(loaded, "weights", "") == "quantized":
         weights = "kept quantized as in the file"
+        expanded = getattr(loaded.model, "expanded_weights", dict)()
+        if expanded:  # types without a kernel: stored as float32 rows (quant.QWeight)
+            weights += " except " + ", ".join(
+                f"{t} (no kernel: expanded to float32, {human_bytes(n)})" for t, n in expanded.items())
     else:
         weights = "dequantized to " + dtype if fmt.startswith("GGUF") else dtype
     weights += f", {human_bytes(loaded.weight_bytes)}"

@@ -1,9 +1,10 @@
 """Quantized weights (pagedkv/model/quant.py + qmatmul.cpp) against the gguf package.
 
-Every ggml type the kernel reads is checked on blocks made by gguf's own quantizer (or, for the
-K-quants gguf cannot quantize, valid random blocks with sane scales), against
-`gguf.quants.dequantize`: looked-up rows must be bit-identical, products equal up to float32
-summation order. The same holds for the pure-torch fallback.
+Every ggml type the kernel reads is checked on blocks made by gguf's own quantizer (Q4_0, Q4_1,
+Q8_0, F16/BF16/F32) or on random bytes (every byte pattern is a valid block; the fp16 scale
+fields are drawn finite), against `gguf.quants.dequantize`: looked-up rows must be
+bit-identical, products equal up to float32 summation order, on the AVX2 and AVX-512 paths. The
+same holds for the pure-torch fallback.
 """
 
 from __future__ import annotations
@@ -23,8 +24,13 @@ from pagedkv.errors import ModelLoadError, UnsupportedModelError
 from pagedkv.model import load_model, qkernel, quant
 from pagedkv.model.quant import QWeight
 
-KERNEL_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.F16, Q.BF16, Q.F32]
-K_QUANTS = {Q.Q4_K, Q.Q5_K, Q.Q6_K}
+KERNEL_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K,
+                Q.Q6_K, Q.IQ4_XS, Q.F16, Q.BF16, Q.F32]
+GGUF_QUANTIZED = {Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.F16, Q.BF16, Q.F32}  # blocks from gguf's quantizer
+F16_FIELDS = {  # byte offsets of each block's fp16 scales (the rest of a block: any bytes)
+    Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.IQ4_NL: (0,), Q.Q2_K: (80, 82), Q.Q3_K: (108,),
+    Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_XS: (0,), Q.TQ2_0: (64,),
+}
 
 
 def _f16_bytes(a: np.ndarray) -> np.ndarray:
@@ -34,23 +40,20 @@ def _f16_bytes(a: np.ndarray) -> np.ndarray:
 def _blocks(qtype: Q, n: int, k: int, seed: int) -> np.ndarray:
     """uint8 [n, row_bytes] of valid `qtype` blocks."""
     rng = np.random.default_rng(seed)
-    if qtype not in K_QUANTS:
+    if qtype in GGUF_QUANTIZED:
         w = rng.standard_normal((n, k)).astype(np.float32)
         w[0, :32] = 0.0  # an all-zero block (scale 0)
         return np.ascontiguousarray(quantize(w, qtype)).view(np.uint8).reshape(n, -1)
     block, size = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
-    scales = (n, k // block)
-    if qtype in (Q.Q4_K, Q.Q5_K):  # d, dmin: f16 at bytes 0..3; the rest random
-        raw[..., 0:2] = _f16_bytes(rng.uniform(1e-3, 2e-2, scales))
-        raw[..., 2:4] = _f16_bytes(rng.uniform(1e-3, 2e-2, scales))
-    else:  # Q6_K: d is the last 2 bytes
-        raw[..., -2:] = _f16_bytes(rng.uniform(1e-3, 2e-2, scales))
+    for at in F16_FIELDS[qtype]:  # signed scales of either sign, some subnormal, one zero
+        raw[..., at : at + 2] = _f16_bytes(rng.uniform(-2e-2, 2e-2, (n, k // block)))
+    raw[0, 0, F16_FIELDS[qtype][0] : F16_FIELDS[qtype][0] + 2] = 0
     return raw.reshape(n, -1)
 
 
 def _case(qtype: Q, n: int = 72, seed: int = 0) -> tuple[QWeight, torch.Tensor]:
-    k = 512 if qtype in K_QUANTS else 160
+    k = 512 if GGML_QUANT_SIZES[qtype][0] == 256 else 160
     data = _blocks(qtype, n, k, seed)
     ref = torch.from_numpy(dequantize(data, qtype).astype(np.float32)).reshape(n, k)
     return QWeight(k, [(qtype, torch.from_numpy(data.copy()))]), ref
@@ -170,11 +173,26 @@ def test_mixed_segments_and_output_columns(path: str) -> None:
 
 
 def test_types_without_kernel_become_exact_float_rows() -> None:
-    data = _blocks(Q.Q5_0, 8, 64, seed=3)
-    qw = QWeight(64, [(Q.Q5_0, torch.from_numpy(data.copy()))])
-    assert qw.parts[0][0] == Q.F32
-    ref = torch.from_numpy(dequantize(data, Q.Q5_0).astype(np.float32)).reshape(8, 64)
+    """A type no kernel reads (here the ternary TQ2_0) becomes float32 rows, and says so."""
+    data = _blocks(Q.TQ2_0, 8, 512, seed=3)
+    qw = QWeight(512, [(Q.TQ2_0, torch.from_numpy(data.copy()))])
+    assert qw.parts[0][0] == Q.F32 and qw.expanded == {"TQ2_0": 8 * 512 * 4}
+    ref = torch.from_numpy(dequantize(data, Q.TQ2_0).astype(np.float32)).reshape(8, 512)
     assert torch.equal(qw.dequantize(), ref)
+    kept, _ = _case(Q.Q5_0)
+    assert kept.parts[0][0] == Q.Q5_0 and kept.expanded == {}
+
+
+def test_kernel_type_table_matches_gguf() -> None:
+    """ggml_blocks.h's table (pagedkv_q.types) is quant.KERNEL_TYPES at gguf's block sizes; a
+    table that disagrees makes the kernel unusable rather than wrong."""
+    if not qkernel.load():
+        pytest.skip(f"kernel unavailable: {qkernel.info()['error']}")
+    table = list(torch.ops.pagedkv_q.types())
+    assert {Q(t) for t in table[::3]} == quant.KERNEL_TYPES == set(KERNEL_TYPES)
+    qkernel._check_types(table)
+    with pytest.raises(RuntimeError, match="disagrees"):
+        qkernel._check_types([*table[:-1], table[-1] + 2])
 
 
 def test_bad_shapes_are_typed_errors() -> None:
@@ -405,22 +423,25 @@ def test_kernels_build_without_avx2_and_agree(tmp_path: Path) -> None:
         pytest.skip(f"kernel unavailable: {qkernel.info()['error']}")
     from torch.utils.cpp_extension import load as cpp_load
 
-    from pagedkv.attention.kernel import kernel_source
+    from pagedkv.attention.kernel import SIMD_PRELUDE
 
-    text = kernel_source(qkernel._SOURCES)
-    for ns in ("pagedkv_q", "pagedkv_a8", "pagedkv_ops"):
-        text = text.replace(f"TORCH_LIBRARY({ns},", f"TORCH_LIBRARY({ns}_s,")
-        text = text.replace(f"TORCH_LIBRARY_FRAGMENT({ns},", f"TORCH_LIBRARY_FRAGMENT({ns}_s,")
-        text = text.replace(f"TORCH_LIBRARY_IMPL({ns},", f"TORCH_LIBRARY_IMPL({ns}_s,")
-    src = tmp_path / "scalar.cpp"
-    src.write_text(text)
+    sources = []
+    for path in qkernel._SOURCES:  # each its own translation unit, as qkernel builds them
+        text = path.read_text()
+        for ns in ("pagedkv_q", "pagedkv_a8", "pagedkv_ops"):
+            text = text.replace(f"TORCH_LIBRARY({ns},", f"TORCH_LIBRARY({ns}_s,")
+            text = text.replace(f"TORCH_LIBRARY_FRAGMENT({ns},", f"TORCH_LIBRARY_FRAGMENT({ns}_s,")
+            text = text.replace(f"TORCH_LIBRARY_IMPL({ns},", f"TORCH_LIBRARY_IMPL({ns}_s,")
+        sources.append(tmp_path / path.name)
+        sources[-1].write_text(text)
     (tmp_path / "build").mkdir()
-    cpp_load("pagedkv_scalar_check", [str(src)], extra_cflags=["-O2", "-fopenmp", "-ffp-contract=off"],
-             extra_ldflags=["-fopenmp"], build_directory=str(tmp_path / "build"), is_python_module=False)
+    cpp_load("pagedkv_scalar_check", [str(p) for p in sources], extra_cflags=["-O2", "-fopenmp", "-ffp-contract=off"],
+             extra_ldflags=["-fopenmp"], extra_include_paths=[str(qkernel._DIR), str(SIMD_PRELUDE.parent)],
+             build_directory=str(tmp_path / "build"), is_python_module=False)
     ops, sops = (torch.ops.pagedkv_q, torch.ops.pagedkv_a8, torch.ops.pagedkv_ops), (
         torch.ops.pagedkv_q_s, torch.ops.pagedkv_a8_s, torch.ops.pagedkv_ops_s)
     gen = torch.Generator().manual_seed(7)
-    for qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q6_K):
+    for qtype in KERNEL_TYPES:
         data = torch.from_numpy(_blocks(qtype, 70, 512, 1).copy())
         for t in (1, 2, 5):
             x = torch.randn(t, 512, generator=gen)

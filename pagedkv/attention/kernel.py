@@ -166,6 +166,44 @@ def build_and_load(sources: Path | Sequence[Path], prefix: str,
     )
 
 
+def _headers(include_dirs: Sequence[Path]) -> list[Path]:
+    return sorted(p for d in include_dirs for p in Path(d).iterdir() if p.suffix in (".h", ".inc"))
+
+
+def build_and_load_units(sources: Sequence[Path], prefix: str, extra_flags: Sequence[str] = (),
+                         include_dirs: Sequence[Path] = ()) -> None:
+    """Compile each of `sources` as its own translation unit (they `#include` what they use from
+    `include_dirs`, simd.inc's folder always among them) into one library, cached by the text of
+    the sources and of every header in those folders, the flags and the versions, and load it
+    into torch.ops. Raises on any build or load failure."""
+    from torch.utils import cpp_extension
+
+    dirs = [SIMD_PRELUDE.parent, *(Path(d) for d in include_dirs)]
+    key = "\n".join(p.read_text() for p in [*sources, *_headers(dirs)])
+    flags = [*build_flags(), *extra_flags]
+    name = _build_name(key, flags, prefix)
+    build_dir = cache_root() / "kernels" / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    lib = build_dir / f"{name}.so"
+    if lib.exists():
+        try:
+            torch.ops.load_library(str(lib))
+            return
+        except Exception:  # half-written or foreign file: rebuild below
+            logger.debug("cached kernel %s did not load; rebuilding", lib, exc_info=True)
+    _ninja_on_path()
+    cpp_extension.load(
+        name=name,
+        sources=[str(p) for p in sources],
+        extra_cflags=flags,
+        extra_ldflags=["-fopenmp"],
+        extra_include_paths=[str(d) for d in dirs],
+        build_directory=str(build_dir),
+        is_python_module=False,
+        verbose=False,
+    )
+
+
 @dataclass(slots=True)
 class KernelState:
     """What happened to one kernel in this process."""

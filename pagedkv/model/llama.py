@@ -294,6 +294,14 @@ class LlamaModel(nn.Module):
         """Bytes of the float32 batch copies (0 unless set_batch_weights("float32"))."""
         return sum(q.batch_bytes for q in self.qweights())
 
+    def expanded_weights(self) -> dict[str, int]:
+        """Types no kernel reads -> the float32 bytes their tensors became at load (QWeight)."""
+        out: dict[str, int] = {}
+        for q in self.qweights():
+            for name, n in q.expanded.items():
+                out[name] = out.get(name, 0) + n
+        return out
+
     def qweights(self) -> list[QWeight]:
         """Every quantized matrix once (the LM head included; a tied table counted once)."""
         qws = [m.q for m in self.modules() if isinstance(m, Linear) and m.q is not None]

@@ -1,11 +1,15 @@
-"""Lazy build and load of the model's CPU kernels: qmatmul.cpp (quantized matmul), qmatmul_a8.cpp
-and qmatmul_panel.cpp (the opt-in activation-quantized matmul: few rows, and many rows with
-AVX-512 VNNI) and fused_ops.cpp (residual add + RMSNorm, SwiGLU, RoPE, argmax), one library.
+"""Lazy build and load of the model's CPU kernels: qmatmul.cpp (quantized matmul; its vector
+kernels qmatmul_simd.inc built 8 lanes wide in qmatmul_avx2.cpp and 16 wide in
+qmatmul_avx512.cpp), qmatmul_a8.cpp and qmatmul_panel.cpp (the opt-in activation-quantized
+matmul: few rows, and many rows with AVX-512 VNNI) and fused_ops.cpp (residual add + RMSNorm,
+SwiGLU, RoPE, argmax): one library, each source its own translation unit; the block formats are
+one header, ggml_blocks.h, whose type table is checked against quant.KERNEL_TYPES and the gguf
+package's block sizes at load.
 
 Built like the attention kernel (same compiler flags and cache folder, from
 pagedkv/attention/kernel.py) plus -ffp-contract=off, so that the kernel dequantizes with exactly
 the float32 roundings of the `gguf` package (a fused multiply-add would round d * q + m once).
-Registered as torch.ops.pagedkv_q.{qmatmul,qgemm,qrows,has_gemm,limit_isa},
+Registered as torch.ops.pagedkv_q.{qmatmul,qgemm,qrows,has_gemm,limit_isa,types},
 torch.ops.pagedkv_a8.{quantize,matmul,linear,panel,panel_vnni} and
 torch.ops.pagedkv_ops.{add_rms_norm,silu_mul,rope,argmax}.
 
@@ -23,11 +27,14 @@ from pathlib import Path
 
 import torch
 
-from pagedkv.attention.kernel import build_and_load
+from pagedkv.attention.kernel import build_and_load_units
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("qmatmul.cpp", "qmatmul_a8.cpp", "qmatmul_panel.cpp", "fused_ops.cpp")]
+_DIR = Path(__file__).parent
+# one translation unit each; the headers they include (ggml_blocks.h, vec.h, ...) live in _DIR
+_SOURCES = [_DIR / n for n in ("qmatmul.cpp", "qmatmul_avx2.cpp", "qmatmul_avx512.cpp", "qmatmul_a8.cpp",
+                               "qmatmul_panel.cpp", "fused_ops.cpp")]
 _EXTRA_FLAGS = ["-ffp-contract=off"]
 
 
@@ -56,13 +63,25 @@ def _disabled_by_env() -> bool:
 
 
 def _build() -> None:
-    build_and_load(_SOURCES, "pagedkv_qmatmul", _EXTRA_FLAGS)
+    build_and_load_units(_SOURCES, "pagedkv_qmatmul", _EXTRA_FLAGS, [_DIR])
 
 
 def _raw(overload):  # noqa: ANN001, ANN202
     """The overload's underlying builtin (what OpOverload.__call__ forwards to, minus one Python
     frame per call); the overload itself where a torch version lacks `_op`."""
     return getattr(overload, "_op", overload)
+
+
+def _check_types(table: list[int]) -> None:
+    """The kernel's type table ([type, block elements, block bytes] per type, ggml_blocks.h) must
+    be quant.KERNEL_TYPES with the gguf package's block sizes."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from pagedkv.model.quant import KERNEL_TYPES
+
+    rows = {GGMLQuantizationType(t): (b, n) for t, b, n in zip(table[::3], table[1::3], table[2::3], strict=True)}
+    if set(rows) != KERNEL_TYPES or any(GGML_QUANT_SIZES[t] != v for t, v in rows.items()):
+        raise RuntimeError(f"the kernel's type table {rows} disagrees with quant.KERNEL_TYPES / gguf")
 
 
 def load() -> bool:
@@ -84,6 +103,7 @@ def load() -> bool:
                 and hasattr(torch.ops.pagedkv_ops, "argmax")
             ):
                 raise RuntimeError("the library loaded but did not register its ops")
+            _check_types(list(torch.ops.pagedkv_q.types()))
             k.qmatmul = _raw(torch.ops.pagedkv_q.qmatmul.default)
             a8 = torch.ops.pagedkv_a8
             k.a8 = tuple(_raw(o.default) for o in (a8.quantize, a8.matmul, a8.linear))

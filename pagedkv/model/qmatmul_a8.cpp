@@ -27,7 +27,6 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -36,6 +35,10 @@
 #include <cstring>
 #include <vector>
 
+#include "ggml_blocks.h"
+#include "qmatmul_a8.h"
+#include "simd.inc"
+
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -43,24 +46,17 @@
 #define A8_AVX2 1
 #endif
 
-namespace a8 {  // named: the sources are built as one translation unit
+namespace a8 {
 
-enum : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
+using ggml::half;
+using ggml::Q4_0;
+using ggml::Q4_1;
+using ggml::Q8_0;
 constexpr int64_t PF_TILES = 4;
-constexpr int64_t QK = 32;
+constexpr int64_t QK = ggml::QK;
 
-int64_t block_bytes(int64_t t) {
-  return t == Q4_0 ? 18 : t == Q4_1 ? 20 : t == Q8_0 ? 34 : 0;
-}
-
-inline float half(const uint8_t* p) {  // exact either way; F16C is one instruction
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-#ifdef __F16C__
-  return _cvtsh_ss(h);
-#else
-  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
-#endif
+int64_t block_bytes(int64_t t) {  // 0: a type this kernel does not multiply
+  return t == Q4_0 || t == Q4_1 || t == Q8_0 ? ggml::type_info(t)->bytes : 0;
 }
 
 // --- activation quantization -------------------------------------------------------------------
@@ -179,7 +175,7 @@ void row_scalar(int64_t t, const uint8_t* row, int64_t nb, int64_t T, const int8
 // --- AVX2 --------------------------------------------------------------------------------------
 
 #ifdef A8_AVX2
-using simd::hsum;  // simd.inc, put before this source by kernel.build_and_load
+using simd::hsum;
 
 float offset_dot_avx2(const float* m, const float* s, int64_t nb) {
   __m256 l = _mm256_setzero_ps();
@@ -357,7 +353,7 @@ std::vector<float> pairs(const float* d, const float* s, int64_t n) {
 
 // isum (optional): each block's integer sum of q
 void quantize_blocks(const float* xp, int8_t* qp, float* dp, float* sp, int64_t nblocks, int64_t impl,
-                     int32_t* isum = nullptr) {
+                     int32_t* isum) {
   const bool fast = use_avx2(impl);
   at::parallel_for(0, nblocks, 2048, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {

@@ -36,6 +36,9 @@
 #include <cstring>
 #include <vector>
 
+#include "ggml_blocks.h"
+#include "qmatmul_a8.h"
+
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define PANEL_X86 1
@@ -43,10 +46,10 @@
 
 namespace panel {
 
-using a8::Q4_0;
-using a8::Q4_1;
-using a8::Q8_0;
-using a8::QK;
+using ggml::Q4_0;
+using ggml::Q4_1;
+using ggml::Q8_0;
+constexpr int64_t QK = ggml::QK;
 constexpr int64_t NR = 16;  // weight rows per panel (a zmm lane each)
 
 int32_t bias(int64_t qt) { return qt == Q4_0 ? 8 : qt == Q8_0 ? 128 : 0; }
@@ -79,8 +82,8 @@ void unpack_scalar(int64_t qt, const uint8_t* w, int64_t rb, int64_t rows, int64
         for (int i = 0; i < 16; ++i) v[i] = qs[i] & 0x0F, v[i + 16] = qs[i] >> 4;
       }
       for (int j = 0; j < 8; ++j) std::memcpy(&p.u[((b * 8 + j) * NR + n) * 4], v + 4 * j, 4);
-      p.d[b * NR + n] = a8::half(blk);
-      if (qt == Q4_1) p.m[b * NR + n] = a8::half(blk + 2);
+      p.d[b * NR + n] = ggml::half(blk);
+      if (qt == Q4_1) p.m[b * NR + n] = ggml::half(blk + 2);
     }
 }
 

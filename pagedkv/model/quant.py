@@ -2,8 +2,12 @@
 
 A QWeight is an [N, K] matrix stored as row segments, each a contiguous uint8 [n_i, row_bytes]
 tensor of one ggml type (fused projections such as q/k/v may mix types: a Q4_K_M file keeps v in
-Q6_K). Types the kernel reads: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, F32, F16, BF16; a segment of
-any other type the `gguf` package can dequantize is stored as F32 rows instead.
+Q6_K). Types the kernel reads (KERNEL_TYPES, the table of qmatmul.cpp's ggml_blocks.h, checked
+against the gguf package's block sizes when the kernel loads): every type the llama.cpp presets
+Q2_K .. Q8_0 and IQ4_NL / IQ4_XS put into a file (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K,
+Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS) and F32, F16, BF16. A segment of any other type the `gguf`
+package can dequantize (the IQ2/IQ3/IQ1 and ternary types) is stored as F32 rows instead, and
+`expanded` says which types and the float32 bytes they became (the start-up report shows it).
 
 Invariant: every path multiplies by exactly the float32 values `gguf.quants.dequantize` returns
 for the stored blocks; only the summation order differs.
@@ -54,9 +58,10 @@ from pagedkv.model.packed import linear as packed_linear
 from pagedkv.model.packed import pack, plain_linear
 
 Q = GGMLQuantizationType
-KERNEL_TYPES = frozenset(
-    {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K}
-)
+KERNEL_TYPES = frozenset({
+    Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL,
+    Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS,
+})
 TILE_ELEMS = 1 << 20  # float32 elements per dequantized tile (4 MiB)
 ACTIVATIONS = ("float32", "int8")  # activation modes; "int8" is the approximate, opt-in one
 BATCH_WEIGHTS = ("quantized", "float32")  # what calls above the kernels' rows multiply by
@@ -139,11 +144,14 @@ class QWeight:
     def __init__(self, k: int, parts: list[tuple[GGMLQuantizationType, torch.Tensor]]) -> None:
         self.k = k
         self.parts: list[tuple[GGMLQuantizationType, torch.Tensor]] = []
+        self.expanded: dict[str, int] = {}  # type without a kernel -> float32 bytes it became
         for qtype, data in parts:
             qtype = GGMLQuantizationType(qtype)
             if qtype not in KERNEL_TYPES:  # store as float32 rows: exact, just bigger
                 values = dequantize(data.numpy(), qtype).astype(np.float32, copy=False)
-                data, qtype = torch.from_numpy(values.reshape(data.shape[0], k)).view(torch.uint8), Q.F32
+                data = torch.from_numpy(values.reshape(data.shape[0], k)).view(torch.uint8)
+                self.expanded[qtype.name] = self.expanded.get(qtype.name, 0) + data.numel()
+                qtype = Q.F32
             if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != row_bytes(qtype, k):
                 raise UnsupportedModelError(f"{qtype.name} rows of shape {tuple(data.shape)} for K={k}")
             self.parts.append((qtype, data.contiguous()))

@@ -1,0 +1,25 @@
+// The vector kernels of qmatmul_simd.inc, one set per width: y (AVX2, qmatmul_avx2.cpp) and z
+// (AVX-512, qmatmul_avx512.cpp). K is a multiple of 32 and qtype a kernel type (ggml_blocks.h).
+#pragma once
+
+#include <cstdint>
+
+#define PQ_SIMD_ENTRY_POINTS                                                                           \
+  /* weight rows `row` and `row + rb` against one activation row x */                                 \
+  void pair_rows(int64_t qtype, const uint8_t* row, int64_t rb, int64_t K, const float* x, float* r0,  \
+                 float* r1);                                                                           \
+  /* one weight row against T <= 4 activation rows (ldx = K) */                                        \
+  void row(int64_t qtype, const uint8_t* row, int64_t rb, int64_t T, int64_t K, const float* x,        \
+           float* res);                                                                                \
+  /* one weight row -> K floats */                                                                     \
+  void deq_row(const uint8_t* row, int64_t qtype, int64_t K, float* y);                                \
+  /* out[t * ldo + n] = x[t] . W[n] for n < N, t < T (T > 0) */                                        \
+  void gemm(int64_t qtype, const uint8_t* wp, int64_t rb, int64_t N, int64_t T, int64_t K,             \
+            const float* x, float* out, int64_t ldo);
+
+namespace y {
+PQ_SIMD_ENTRY_POINTS
+}
+namespace z {
+PQ_SIMD_ENTRY_POINTS
+}
