@@ -220,8 +220,8 @@ def test_fused_add_rms_norm_matches_torch() -> None:
 # --- whole models -------------------------------------------------------------------------------
 
 
-def _write_quantized_tiny(hf: Any, path: Path) -> None:
-    """A tiny qwen2 GGUF whose matrices are Q8_0 / Q4_0 / Q4_1 blocks made by gguf's quantizer."""
+def _write_quantized_tiny(hf: Any, path: Path, kinds: tuple[Q, ...] = (Q.Q8_0, Q.Q4_0, Q.Q4_1)) -> None:
+    """A tiny qwen2 GGUF whose matrices are `kinds` blocks (in turn) made by gguf's quantizer."""
     import gguf
     from test_model import _GGUF_LAYER_NAMES
 
@@ -236,7 +236,6 @@ def _write_quantized_tiny(hf: Any, path: Path) -> None:
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_vocab_size(c.vocab_size)
-    kinds = [Q.Q8_0, Q.Q4_0, Q.Q4_1]
     for i, (name, t) in enumerate(hf.state_dict().items()):
         if name == "lm_head.weight":
             continue  # tied
@@ -249,7 +248,7 @@ def _write_quantized_tiny(hf: Any, path: Path) -> None:
             gname = f"blk.{li}.{_GGUF_LAYER_NAMES['.'.join(mid)]}.{kind}"
         arr = t.float().numpy()
         if arr.ndim == 2:
-            qt = kinds[i % 3]
+            qt = kinds[i % len(kinds)]
             w.add_tensor(gname, quantize(arr, qt), raw_dtype=qt)
         else:
             w.add_tensor(gname, arr)
@@ -273,6 +272,29 @@ def test_tiny_quantized_gguf_matches_transformers(tmp_path: Path) -> None:
     out = run_paged(quant.model, [seq], prefill_then_decode(17, 21), block_size=16)
     assert max_diff(out, [hf_logits(ref.eval(), seq)]) < F32_TOL
     assert max_diff(out, run_paged(flat.model, [seq], prefill_then_decode(17, 21), 16)) < F32_TOL
+
+
+def test_llama_cpp_fallback_types_stay_quantized(tmp_path: Path) -> None:
+    """Q5_0 / Q5_1 (what llama.cpp's K-quant presets put into matrices whose rows are not a
+    multiple of 256) are kept as the file's blocks, none expanded, and the model computes what
+    the float32 dequantization computes; the start-up line says so."""
+    from test_model import _tiny
+
+    from pagedkv.startup import engine_lines
+
+    _write_quantized_tiny(_tiny("qwen2"), tmp_path / "q.gguf", (Q.Q5_0, Q.Q5_1, Q.Q8_0))
+    quant = load_model(tmp_path / "q.gguf")
+    flat = load_model(tmp_path / "q.gguf", weights="float32")
+    types = {q for w in quant.model.qweights() for q, _ in w.parts}
+    assert {Q.Q5_0, Q.Q5_1} <= types and quant.model.expanded_weights() == {}
+    seq = _tokens(21, seed=3)
+    out = run_paged(quant.model, [seq], prefill_then_decode(17, 21), block_size=16)
+    assert max_diff(out, run_paged(flat.model, [seq], prefill_then_decode(17, 21), 16)) < F32_TOL
+    from pagedkv import LLM
+
+    llm = LLM(str(tmp_path / "q.gguf"), num_blocks=8)
+    line = engine_lines(llm.engine, str(tmp_path / "q.gguf"), "float32")[0]
+    assert "kept quantized as in the file," in line and "expanded" not in line
 
 
 def test_weights_option_is_validated(tmp_path: Path) -> None:

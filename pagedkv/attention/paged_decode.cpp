@@ -224,8 +224,9 @@ inline float exp_sub_sum(float* s, float m, int64_t n) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Tile kernels. A tile is n <= TILE token rows given as float pointers (straight into a float32
-// cache, or into a widened copy for bf16/fp16); `off` selects the kv head inside a row.
+// Tile kernels. A tile is n <= TILE token rows given as pointers: float ones (straight into a
+// float32 cache, or into a widened copy for bf16/fp16) or a quantized cache's own rows (int8,
+// fp8); `off` selects the kv head inside a row.
 
 #ifdef PKV_AVX2
 // Lane j of the result = sum of the 8 lanes of a_j (8 dot products finished at once, cheaper
@@ -239,83 +240,38 @@ inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m25
 }
 #endif
 
-// s[i] = q . rows[i][off : off + D] for i < n
-inline void score_tile(const float* q, const float* const* rows, int64_t off, int64_t n,
-                       int64_t D, float* s) {
-  int64_t i = 0;
-#ifdef PKV_AVX2
-  if (D % 8 == 0) {
-    // 8 tokens at a time: 8 independent FMA chains hide the FMA latency, and q is loaded once
-    // per 8 tokens instead of once per token.
-    for (; i + 8 <= n; i += 8) {
-      const float *k0 = rows[i] + off, *k1 = rows[i + 1] + off, *k2 = rows[i + 2] + off,
-                  *k3 = rows[i + 3] + off, *k4 = rows[i + 4] + off, *k5 = rows[i + 5] + off,
-                  *k6 = rows[i + 6] + off, *k7 = rows[i + 7] + off;
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
-             a7 = a0;
-      for (int64_t d = 0; d < D; d += 8) {
-        const __m256 qv = _mm256_loadu_ps(q + d);
-        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
-        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + d), a1);
-        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + d), a2);
-        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + d), a3);
-        a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k4 + d), a4);
-        a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k5 + d), a5);
-        a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k6 + d), a6);
-        a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k7 + d), a7);
-      }
-      _mm256_storeu_ps(s + i, hsum8(a0, a1, a2, a3, a4, a5, a6, a7));
-    }
-  }
-#endif
-  for (; i < n; ++i) s[i] = dot(q, rows[i] + off, D);
-}
-
-#ifdef PKV_AVX2
-// acc[0 : 8R] += sum_i p[i] * rows[i][off : off + 8R], the accumulator held in R registers
-// across the whole tile (instead of a load + store of acc per token).
-template <int R>
-inline void pv_block(const float* p, const float* const* rows, int64_t off, int64_t n,
-                     float* acc) {
-  __m256 c[R];
-  for (int r = 0; r < R; ++r) c[r] = _mm256_loadu_ps(acc + 8 * r);
-  for (int64_t i = 0; i < n; ++i) {
-    const __m256 pi = _mm256_set1_ps(p[i]);
-    const float* v = rows[i] + off;
-    for (int r = 0; r < R; ++r) c[r] = _mm256_fmadd_ps(pi, _mm256_loadu_ps(v + 8 * r), c[r]);
-  }
-  for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc + 8 * r, c[r]);
-}
-#endif
-
-// acc[0 : D] += sum_i p[i] * rows[i][off : off + D]
-inline void pv_tile(const float* p, const float* const* rows, int64_t off, int64_t n, int64_t D,
-                    float* acc) {
-  int64_t d = 0;
-#ifdef PKV_AVX2
-  for (; d + 64 <= D; d += 64) pv_block<8>(p, rows, off + d, n, acc + d);
-  for (; d + 32 <= D; d += 32) pv_block<4>(p, rows, off + d, n, acc + d);
-  for (; d + 8 <= D; d += 8) pv_block<1>(p, rows, off + d, n, acc + d);
-#endif
-  if (d < D) {
-    for (int64_t i = 0; i < n; ++i) {
-      const float* v = rows[i] + off;
-      for (int64_t e = d; e < D; ++e) acc[e] += p[i] * v[e];
-    }
-  }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Quantized tiles (int8, fp8): K and V rows are read as bytes and converted to float in
-// registers, 8 values at a time; the per-(token, kv head) scales are applied to the 8-token
-// score vector (K) and folded into the softmax weights (V), never to the rows themselves.
+// Element loads of a tile's rows, one struct per row type T: float32 rows (straight into a
+// float32 cache, or a widened copy for bf16/fp16) and quantized ones (int8, fp8: K and V rows
+// read as bytes and converted to float in registers, 8 values at a time; the per-(token, kv
+// head) scales are applied to the 8-token score vector (K) and folded into the softmax weights
+// (V), never to the rows themselves). One score kernel and one value kernel below serve all.
+//   one(p): the value at p; eight(p): 8 values (kVec: whether the vector paths may be used);
+//   dot(q, r, D): a score outside the 8-token groups (its own summation order per type)
 
 template <typename T>
-struct QLoad;
+struct RowLoad;
 
 template <>
-struct QLoad<int8_t> {
+struct RowLoad<float> {
+  static float one(const float* p) { return *p; }
+  static float dot(const float* q, const float* r, int64_t D) { return ::dot(q, r, D); }
+#ifdef PKV_AVX2
+  static constexpr bool kVec = true;
+  static __m256 eight(const float* p) { return _mm256_loadu_ps(p); }
+#endif
+};
+
+template <typename T>
+float scalar_dot(const float* q, const T* r, int64_t D) {
+  float acc = 0.0f;
+  for (int64_t d = 0; d < D; ++d) acc += q[d] * RowLoad<T>::one(r + d);
+  return acc;
+}
+
+template <>
+struct RowLoad<int8_t> {
   static float one(const int8_t* p) { return static_cast<float>(*p); }
+  static float dot(const float* q, const int8_t* r, int64_t D) { return scalar_dot(q, r, D); }
 #ifdef PKV_AVX2
   static constexpr bool kVec = true;
   static __m256 eight(const int8_t* p) {
@@ -326,9 +282,10 @@ struct QLoad<int8_t> {
 };
 
 template <>
-struct QLoad<Fp8> {
+struct RowLoad<Fp8> {
   // the value / FP8_SCALE (the caller multiplies FP8_SCALE into the scale)
   static float one(const Fp8* p) { return c10::detail::fp16_ieee_to_fp32_value(fp8_half_bits(p->bits)); }
+  static float dot(const float* q, const Fp8* r, int64_t D) { return scalar_dot(q, r, D); }
 #if defined(PKV_AVX2) && defined(__F16C__)
   static constexpr bool kVec = true;
   static __m256 eight(const Fp8* p) {
@@ -343,21 +300,23 @@ struct QLoad<Fp8> {
 #endif
 };
 
-// s[i] = q . rows[i][off : off + D] (raw, unscaled) for i < n
+// s[i] = q . rows[i][off : off + D] for i < n (quantized rows: raw, unscaled)
 template <typename T>
-inline void score_tile_q(const float* q, const T* const* rows, int64_t off, int64_t n, int64_t D,
-                         float* s) {
+inline void score_tile(const float* q, const T* const* rows, int64_t off, int64_t n, int64_t D,
+                       float* s) {
   int64_t i = 0;
 #ifdef PKV_AVX2
-  if constexpr (QLoad<T>::kVec) {
+  if constexpr (RowLoad<T>::kVec) {
     if (D % 8 == 0) {
+      // 8 tokens at a time: 8 independent FMA chains hide the FMA latency, and q is loaded
+      // once per 8 tokens instead of once per token.
       for (; i + 8 <= n; i += 8) {
         __m256 a[8];
         for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
         for (int64_t d = 0; d < D; d += 8) {
           const __m256 qv = _mm256_loadu_ps(q + d);
           for (int j = 0; j < 8; ++j) {
-            a[j] = _mm256_fmadd_ps(qv, QLoad<T>::eight(rows[i + j] + off + d), a[j]);
+            a[j] = _mm256_fmadd_ps(qv, RowLoad<T>::eight(rows[i + j] + off + d), a[j]);
           }
         }
         _mm256_storeu_ps(s + i, hsum8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]));
@@ -365,43 +324,40 @@ inline void score_tile_q(const float* q, const T* const* rows, int64_t off, int6
     }
   }
 #endif
-  for (; i < n; ++i) {
-    const T* r = rows[i] + off;
-    float acc = 0.0f;
-    for (int64_t d = 0; d < D; ++d) acc += q[d] * QLoad<T>::one(r + d);
-    s[i] = acc;
-  }
+  for (; i < n; ++i) s[i] = RowLoad<T>::dot(q, rows[i] + off, D);
 }
 
 #ifdef PKV_AVX2
+// acc[0 : 8R] += sum_i p[i] * rows[i][off : off + 8R], the accumulator held in R registers
+// across the whole tile (instead of a load + store of acc per token).
 template <typename T, int R>
-inline void pv_block_q(const float* p, const T* const* rows, int64_t off, int64_t n, float* acc) {
+inline void pv_block(const float* p, const T* const* rows, int64_t off, int64_t n, float* acc) {
   __m256 c[R];
   for (int r = 0; r < R; ++r) c[r] = _mm256_loadu_ps(acc + 8 * r);
   for (int64_t i = 0; i < n; ++i) {
     const __m256 pi = _mm256_set1_ps(p[i]);
     const T* v = rows[i] + off;
-    for (int r = 0; r < R; ++r) c[r] = _mm256_fmadd_ps(pi, QLoad<T>::eight(v + 8 * r), c[r]);
+    for (int r = 0; r < R; ++r) c[r] = _mm256_fmadd_ps(pi, RowLoad<T>::eight(v + 8 * r), c[r]);
   }
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc + 8 * r, c[r]);
 }
 #endif
 
-// acc[0 : D] += sum_i w[i] * rows[i][off : off + D] (raw values; w carries the scales)
+// acc[0 : D] += sum_i w[i] * rows[i][off : off + D] (quantized rows: raw; w carries the scales)
 template <typename T>
-inline void pv_tile_q(const float* w, const T* const* rows, int64_t off, int64_t n, int64_t D,
-                      float* acc) {
+inline void pv_tile(const float* w, const T* const* rows, int64_t off, int64_t n, int64_t D,
+                    float* acc) {
   int64_t d = 0;
 #ifdef PKV_AVX2
-  if constexpr (QLoad<T>::kVec) {
-    for (; d + 64 <= D; d += 64) pv_block_q<T, 8>(w, rows, off + d, n, acc + d);
-    for (; d + 32 <= D; d += 32) pv_block_q<T, 4>(w, rows, off + d, n, acc + d);
-    for (; d + 8 <= D; d += 8) pv_block_q<T, 1>(w, rows, off + d, n, acc + d);
+  if constexpr (RowLoad<T>::kVec) {
+    for (; d + 64 <= D; d += 64) pv_block<T, 8>(w, rows, off + d, n, acc + d);
+    for (; d + 32 <= D; d += 32) pv_block<T, 4>(w, rows, off + d, n, acc + d);
+    for (; d + 8 <= D; d += 8) pv_block<T, 1>(w, rows, off + d, n, acc + d);
   }
 #endif
   for (int64_t i = 0; i < n && d < D; ++i) {
     const T* v = rows[i] + off;
-    for (int64_t e = d; e < D; ++e) acc[e] += w[i] * QLoad<T>::one(v + e);
+    for (int64_t e = d; e < D; ++e) acc[e] += w[i] * RowLoad<T>::one(v + e);
   }
 }
 
@@ -468,7 +424,7 @@ inline void tile_rows<float>(const float* cache, const int64_t* rows, int64_t n,
 }
 
 // A quantized tile's raw K/V row pointers and its scales, transposed to [Hkv][TILE] so a kv
-// head's scales are contiguous (fp8 scales carry FP8_SCALE, see QLoad<Fp8>).
+// head's scales are contiguous (fp8 scales carry FP8_SCALE, see RowLoad<Fp8>).
 template <typename T>
 inline void quant_tile_setup(const Problem& p, const int64_t* rows, int64_t n, Scratch& sc) {
   const float f = std::is_same<T, Fp8>::value ? FP8_SCALE : 1.0f;
@@ -550,13 +506,13 @@ void attend_range(const Problem& p, int64_t b, int64_t t0, int64_t t1, Scratch& 
       for (int64_t hq = 0; hq < Hq; ++hq) {
         float* s = sc.scores.data() + hq * TILE;
         const float* ks = sc.ks.data() + (hq / G) * TILE;
-        score_tile_q<T>(sc.qf.data() + hq * D, krows, (hq / G) * D, n, D, s);
+        score_tile<T>(sc.qf.data() + hq * D, krows, (hq / G) * D, n, D, s);
         for (int64_t i = 0; i < n; ++i) s[i] *= ks[i];
       }
     } else {
       tile_rows<T>(kc, cur, n, row_len, sc.ktile.data(), sc.kptr.data());
       for (int64_t hq = 0; hq < Hq; ++hq) {
-        score_tile(sc.qf.data() + hq * D, sc.kptr.data(), (hq / G) * D, n, D,
+        score_tile<float>(sc.qf.data() + hq * D, sc.kptr.data(), (hq / G) * D, n, D,
                    sc.scores.data() + hq * TILE);
       }
     }
@@ -578,12 +534,12 @@ void attend_range(const Problem& p, int64_t b, int64_t t0, int64_t t1, Scratch& 
         const float* pr = sc.scores.data() + hq * TILE;
         const float* vs = sc.vs.data() + (hq / G) * TILE;
         for (int64_t i = 0; i < n; ++i) sc.w[i] = pr[i] * vs[i];
-        pv_tile_q<T>(sc.w.data(), vrows, (hq / G) * D, n, D, sc.acc.data() + hq * D);
+        pv_tile<T>(sc.w.data(), vrows, (hq / G) * D, n, D, sc.acc.data() + hq * D);
       }
     } else {
       tile_rows<T>(vc, cur, n, row_len, sc.vtile.data(), sc.vptr.data());
       for (int64_t hq = 0; hq < Hq; ++hq) {
-        pv_tile(sc.scores.data() + hq * TILE, sc.vptr.data(), (hq / G) * D, n, D,
+        pv_tile<float>(sc.scores.data() + hq * TILE, sc.vptr.data(), (hq / G) * D, n, D,
                 sc.acc.data() + hq * D);
       }
     }
