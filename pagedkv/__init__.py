@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "LLM": "pagedkv.engine",
     "LLMEngine": "pagedkv.engine",
+    "EngineConfig": "pagedkv.engine",
     "SamplingParams": "pagedkv.engine",
     "BeamSearchParams": "pagedkv.engine",
     "RequestOutput": "pagedkv.engine",
@@ -28,6 +29,7 @@ __all__ = [
     "LLM",
     "BeamSearchParams",
     "CompletionOutput",
+    "EngineConfig",
     "KVStorage",
     "LLMEngine",
     "PagedKVCache",
@@ -42,6 +44,7 @@ if TYPE_CHECKING:  # pragma: no cover
         LLM,
         BeamSearchParams,
         CompletionOutput,
+        EngineConfig,
         LLMEngine,
         RequestOutput,
         SamplingParams,

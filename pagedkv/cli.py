@@ -8,28 +8,45 @@ loaded; torch is imported only once a command runs, so `--help` answers at once.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import os
 import sys
 import time
-from typing import Any, NoReturn
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, NoReturn
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # weights come from local files only
 
 from pagedkv import __version__  # noqa: E402  (after the environment default)
 from pagedkv.errors import InvalidParamsError, PagedKVError  # noqa: E402
+from pagedkv.options import (  # noqa: E402
+    add_arguments,
+    cli_spelling,
+    finite_float,
+    from_namespace,
+    positive_int,
+)
 from pagedkv.startup import say  # noqa: E402
+
+if TYPE_CHECKING:  # pragma: no cover
+    from pagedkv.engine.config import EngineConfig
+
+__all__ = ["build_parser", "engine_config", "main", "make_engine", "positive_int"]
 
 EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 
 
 class _Help(argparse.HelpFormatter):
-    """Shows an option's default when it has a meaningful one (not None / False)."""
+    """Shows an option's default when it has a meaningful one (not None / False, and not for a
+    flag that takes no value)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         default = action.default
-        if default in (None, False, argparse.SUPPRESS) or "default" in text or not action.option_strings:
+        if (default in (None, False, argparse.SUPPRESS) or "default" in text
+                or not action.option_strings or action.nargs == 0):
             return text
         return f"{text} (default: {default})"
 
@@ -47,36 +64,15 @@ class Parser(argparse.ArgumentParser):
 
 # --- argument types: a bad value is a one-line usage error, before anything loads -----------
 
-
-def positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
-    return v
-
-
-def _float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if v != v or v in (float("inf"), float("-inf")):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-    return v
-
-
 def temperature(text: str) -> float:
-    v = _float(text)
+    v = finite_float(text)
     if v < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0 (0 = greedy), got {v}")
     return v
 
 
 def probability(text: str) -> float:
-    v = _float(text)
+    v = finite_float(text)
     if not 0 < v <= 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {v}")
     return v
@@ -92,130 +88,57 @@ def top_k(text: str) -> int:
     return v
 
 
-# --- engine options, shared by generate and serve ------------------------------------------
+# --- engine options, shared by generate and serve: EngineConfig's fields ----------------------
 
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="a .gguf file or a model folder (local files only); default: the shipped "
-                        "SmolLM2-135M-Instruct")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="compute dtype")
-    p.add_argument("--weights", default=None, choices=["quantized", "float32"],
-                   help="GGUF weights: keep the file's quantized blocks (the default for GGUF at "
-                        "float32) or dequantize them to float32 at load")
-    p.add_argument("--activations", default="float32", choices=["float32", "int8"],
-                   help="int8: round each quantized matmul's input to 8 bits per 32 values and "
-                        "multiply in integers (llama.cpp's way; faster, approximate). float32: exact")
-    p.add_argument("--batch-weights", default="quantized", choices=["quantized", "float32"],
-                   help="float32: also keep a float32 copy of the quantized weights, pre-packed, "
-                        "for prefill and large batches (faster there, exact; costs the memory of "
-                        "a float32 model). quantized: dequantize tile by tile (no extra memory)")
-    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
-    p.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 2GiB, 512MB")
-    p.add_argument("--kv-cache-dtype", default="auto",
-                   help="KV storage: auto (the compute dtype), float32, float16, bfloat16, int8, "
-                        "fp8_e4m3 (int8/fp8: ~3.8x the tokens of float32 in the same memory)")
-    p.add_argument("--num-blocks", type=positive_int, default=None,
-                   help="KV blocks (overrides --kv-cache-memory)")
-    p.add_argument("--max-num-seqs", type=positive_int, default=64,
-                   help="sequences decoded together")
-    p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048,
-                   help="tokens per engine step (prefill chunks + decodes)")
-    p.add_argument("--max-model-len", type=positive_int, default=None,
-                   help="context length (default: the model's)")
-    p.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
-    p.add_argument("--context-shift", action="store_true",
-                   help="a sequence that fills the context keeps its first --n-keep tokens, drops "
-                        "the next --n-discard and goes on (llama.cpp's context shift) instead of "
-                        "finishing with 'length'; longer prompts are cut the same way")
-    p.add_argument("--n-keep", type=int, default=0,
-                   help="context shift: tokens always kept at the start (the system prompt)")
-    p.add_argument("--n-discard", type=positive_int, default=None,
-                   help="context shift: tokens dropped per shift (default: half of the rest)")
-    p.add_argument("--kv-tier", default=None,
-                   help="second KV level shared across restarts/replicas: disk:DIR[?max_size=10GiB] "
-                        "or redis://host:port/db[?ttl=SECONDS]")
-    p.add_argument("--kv-snapshot", default=None, metavar="DIR",
-                   help="write every cached KV block here on shutdown, reload it at start")
-    p.add_argument("--kv-snapshot-interval", type=float, default=None, metavar="SECONDS",
-                   help="also snapshot new cached blocks every SECONDS, in the background")
-    p.add_argument("--no-dedup-inflight-prefixes", action="store_true",
-                   help="admit requests that share a prefix with a running prefill at once, "
-                        "instead of holding them until the shared blocks are cached")
-    p.add_argument("--threads", type=positive_int, default=None,
-                   help="torch threads (default: the physical core count; more threads than "
-                        "free cores slows every step down)")
+@contextlib.contextmanager
+def _as_flags() -> Iterator[None]:
+    """A config validation error raised inside names flags (--n-keep), not fields (n_keep)."""
+    from pagedkv.engine.config import EngineConfig
+    from pagedkv.server.config import ServerConfig
+
+    try:
+        yield
+    except PagedKVError as e:
+        cli_spelling(e, EngineConfig, ServerConfig)
+        raise
 
 
-def check_engine_args(args: argparse.Namespace) -> None:
-    """Everything about the engine options that can be checked without loading the model."""
-    from pagedkv.engine import parse_size
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine options, checked as far as they can be without loading the model (the
+    model path first: a missing file or a hub id is the likeliest mistake)."""
+    from pagedkv.engine.config import EngineConfig
     from pagedkv.preflight import check_model_source
 
     check_model_source(args.model)
-    from pagedkv.cache.quant import resolve_kv_cache_dtype
-
-    resolve_kv_cache_dtype(getattr(args, "kv_cache_dtype", "auto"))  # names the supported ones
-    if getattr(args, "kv_tier", None):
-        from pagedkv.cache.tiers import parse_spec
-
-        parse_spec(args.kv_tier)  # TierConfigError names what is wrong
-    if getattr(args, "kv_snapshot_interval", None) is not None and (
-            args.kv_snapshot_interval <= 0 or not args.kv_snapshot):
-        raise InvalidParamsError("--kv-snapshot-interval needs --kv-snapshot and a positive value")
-    if args.num_blocks is None:
-        try:
-            budget = parse_size(args.kv_cache_memory)
-        except (PagedKVError, ValueError, OverflowError) as e:
-            raise InvalidParamsError(f"--kv-cache-memory: {e}") from None
-        if budget < 1:
-            raise InvalidParamsError(f"--kv-cache-memory must be positive, got "
-                                     f"{args.kv_cache_memory!r}")
+    with _as_flags():
+        return from_namespace(EngineConfig, args)
 
 
-def set_threads(args: argparse.Namespace) -> None:
+def set_threads(config: EngineConfig) -> EngineConfig:
+    """Announce the torch threads and set them: --threads, else one per physical core."""
     import torch
 
     from pagedkv.preflight import physical_cores
 
-    n = args.threads or physical_cores()
+    n = config.threads or physical_cores()
     torch.set_num_threads(n)
-    why = "--threads" if args.threads else "one per physical core; --threads N to change"
+    why = "--threads" if config.threads else "one per physical core; --threads N to change"
     say(f"pagedkv {__version__}: {n} threads ({why})")
+    return dataclasses.replace(config, threads=n)
 
 
-def make_engine(args: argparse.Namespace):  # noqa: ANN201
+def make_engine(config: EngineConfig):  # noqa: ANN201
     """The engine the options describe, announced line by line on stderr."""
     from pagedkv.engine import LLMEngine
     from pagedkv.startup import engine_lines, prepare_kernel
 
-    set_threads(args)
+    config = set_threads(config)
     prepare_kernel()
-    say(f"loading {args.model or 'SmolLM2-135M-Instruct'} ...")
-    engine = LLMEngine(
-        args.model,
-        dtype=args.dtype,
-        weights=getattr(args, "weights", None),
-        activations=getattr(args, "activations", "float32"),
-        batch_weights=getattr(args, "batch_weights", "quantized"),
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        kv_cache_memory=args.kv_cache_memory,
-        kv_cache_dtype=args.kv_cache_dtype,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=not args.no_prefix_caching,
-        dedup_inflight_prefixes=not args.no_dedup_inflight_prefixes,
-        max_model_len=args.max_model_len,
-        kv_tier=args.kv_tier,
-        kv_snapshot=args.kv_snapshot,
-        kv_snapshot_interval=args.kv_snapshot_interval,
-        context_shift=args.context_shift,
-        n_keep=args.n_keep,
-        n_discard=args.n_discard,
-    )
-    for line in engine_lines(engine, args.model, args.dtype):
+    say(f"loading {config.model or 'SmolLM2-135M-Instruct'} ...")
+    with _as_flags():
+        engine = LLMEngine(config=config)
+    for line in engine_lines(engine, config.model, config.dtype):
         say(line)
     return engine
 
@@ -293,9 +216,9 @@ def summary_line(out: Any, load_s: float, seconds: float, interrupted: bool = Fa
 def cmd_generate(args: argparse.Namespace) -> int:
     prompt = read_prompt(args)
     params = _sampling(args)
-    check_engine_args(args)
+    config = engine_config(args)
     t_load = time.monotonic()
-    engine = make_engine(args)
+    engine = make_engine(config)
     load_s = time.monotonic() - t_load
     chat = prompt if args.raw else [{"role": "user", "content": prompt}]
     t0 = time.monotonic()
@@ -316,11 +239,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from pagedkv.preflight import check_port
+    from pagedkv.server.config import ServerConfig
+
+    config = engine_config(args)
+    with _as_flags():
+        server = from_namespace(ServerConfig, args)
+    check_port(server.host, server.port)
     from pagedkv.server.app import run_serve
 
-    check_engine_args(args)
-    check_port(args.host, args.port)
-    return run_serve(args, make_engine) or 0
+    return run_serve(args, lambda _args: make_engine(config)) or 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -361,6 +288,12 @@ def _generate_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None, help="sampling seed")
     _engine_args(g)
     g.set_defaults(func=cmd_generate)
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    from pagedkv.engine.config import EngineConfig  # a light module: no torch
+
+    add_arguments(p, EngineConfig)
 
 
 def _serve_parser(sub: Any, common: argparse.ArgumentParser) -> None:

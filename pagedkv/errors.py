@@ -78,6 +78,11 @@ class InvalidParamsError(PagedKVError, ValueError):
     """Invalid sampling parameters or request arguments."""
 
 
+class UnknownOptionError(InvalidParamsError, TypeError):
+    """A keyword option that no config field declares (`LLM(num_block=8)`): the message names
+    it and the closest field. A TypeError too, as Python's own unexpected-keyword error is."""
+
+
 class RequestTooLongError(PagedKVError, ValueError):
     """A request that can never fit: prompt + max_tokens over the context or the whole cache."""
 

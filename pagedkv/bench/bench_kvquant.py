@@ -183,18 +183,20 @@ def end_to_end(loaded, memory: str, n: int, plen: int, out: int, timed: bool = T
     over time, output tok/s. The model-free replay of the same workload (`replay.py`) must make
     the same decisions (`replay_agrees`); `timed=False` reports the replay alone."""
     from pagedkv.bench.replay import StepTrace, replay
+    from pagedkv.cache.sizing import parse_size
     from pagedkv.engine import LLM, SamplingParams
-    from pagedkv.engine.llm_engine import parse_size
+    from pagedkv.engine.config import EngineConfig
 
     cfg = loaded.config
     res, prompts = _workload(loaded, memory, n, plen, out)
     params = SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True)
     outs = {}
     for kv in ["float32", "int8"]:
-        blocks = num_blocks_for_budget(parse_size(memory), cfg.num_layers, 16, cfg.num_kv_heads,
+        bs = EngineConfig.block_size  # the engine's, as the LLM below
+        blocks = num_blocks_for_budget(parse_size(memory), cfg.num_layers, bs, cfg.num_kv_heads,
                                        cfg.head_dim, kv)
         rep = replay(blocks, [len(p) for p in prompts], out, max_num_seqs=n)
-        row = {"kv_tokens_capacity": blocks * 16}
+        row = {"kv_tokens_capacity": blocks * bs}
         if not timed:
             res[kv] = {**row, **rep}
             continue

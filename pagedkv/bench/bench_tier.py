@@ -34,7 +34,7 @@ from typing import Any
 import httpx
 
 DATA = Path(__file__).parent / "data"
-ENGINE = dict(num_blocks=512, max_num_batched_tokens=2048)
+ENGINE = dict(num_blocks=512)  # otherwise the engine's defaults
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:

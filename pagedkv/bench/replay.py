@@ -14,6 +14,7 @@ import itertools
 import statistics
 
 from pagedkv.cache import PagedKVCache
+from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.engine.sequence import Request, Sequence
@@ -65,12 +66,13 @@ def replay(
     prompt_lens: list[int],
     max_tokens: int,
     *,
-    block_size: int = 16,
-    max_num_seqs: int = 64,
-    max_num_batched_tokens: int = 2048,
+    block_size: int = EngineConfig.block_size,
+    max_num_seqs: int = EngineConfig.max_num_seqs,
+    max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens,
 ) -> dict:
     """Run the requests (prompt lengths, each exactly `max_tokens` out, no prefix caching)
-    through a Scheduler on `num_blocks` blocks; the trace summary plus `preemptions`."""
+    through a Scheduler on `num_blocks` blocks; the trace summary plus `preemptions`. The
+    limits default to the engine's (EngineConfig's defaults)."""
     cache = PagedKVCache(num_blocks, block_size, enable_prefix_caching=False)
     sched = Scheduler(cache, max_num_seqs, max_num_batched_tokens)
     ids = itertools.count()

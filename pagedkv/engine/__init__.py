@@ -1,9 +1,27 @@
-"""The serving engine: scheduler, model runner, sampling, and the LLM / LLMEngine APIs."""
+"""The serving engine: scheduler, model runner, sampling, and the LLM / LLMEngine APIs.
 
-from pagedkv.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSequence
-from pagedkv.engine.llm_engine import LLM, EngineStats, LLMEngine, parse_size
-from pagedkv.engine.sampling_params import SamplingParams
-from pagedkv.engine.sequence import CompletionOutput, RequestOutput
+The names are imported on first use, so `pagedkv.engine.config` (read by the CLI's --help)
+loads without torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_LAZY = {
+    "LLM": "pagedkv.engine.llm_engine",
+    "LLMEngine": "pagedkv.engine.llm_engine",
+    "EngineStats": "pagedkv.engine.llm_engine",
+    "EngineConfig": "pagedkv.engine.config",
+    "BeamSearchOutput": "pagedkv.engine.beam_search",
+    "BeamSearchParams": "pagedkv.engine.beam_search",
+    "BeamSequence": "pagedkv.engine.beam_search",
+    "SamplingParams": "pagedkv.engine.sampling_params",
+    "CompletionOutput": "pagedkv.engine.sequence",
+    "RequestOutput": "pagedkv.engine.sequence",
+    "parse_size": "pagedkv.cache.sizing",  # re-exported: it lives in the cache layer
+}
 
 __all__ = [
     "LLM",
@@ -11,9 +29,31 @@ __all__ = [
     "BeamSearchParams",
     "BeamSequence",
     "CompletionOutput",
+    "EngineConfig",
     "EngineStats",
     "LLMEngine",
     "RequestOutput",
     "SamplingParams",
     "parse_size",
 ]
+
+if TYPE_CHECKING:  # pragma: no cover
+    from pagedkv.cache.sizing import parse_size
+    from pagedkv.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSequence
+    from pagedkv.engine.config import EngineConfig
+    from pagedkv.engine.llm_engine import LLM, EngineStats, LLMEngine
+    from pagedkv.engine.sampling_params import SamplingParams
+    from pagedkv.engine.sequence import CompletionOutput, RequestOutput
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pagedkv.engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

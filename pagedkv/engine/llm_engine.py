@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import itertools
-import re
 import sys
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from pagedkv.cache import KVStorage, PagedKVCache
 from pagedkv.cache.quant import resolve_kv_cache_dtype
+from pagedkv.cache.sizing import parse_size
 from pagedkv.cache.storage import num_blocks_for_budget
 from pagedkv.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, BeamStepStats
+from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.context_shift import SHIFT_PROMPT_FACTOR, ContextShift
 from pagedkv.engine.detokenizer import find_stop
 from pagedkv.engine.model_runner import ModelRunner
@@ -25,11 +27,7 @@ from pagedkv.engine.scheduler import Scheduler
 from pagedkv.engine.sequence import CompletionOutput, Request, RequestOutput, Sequence, Status
 from pagedkv.engine.step_plan import StepPlan
 from pagedkv.engine.tiers import EngineTiers
-from pagedkv.errors import (
-    CacheConfigError,
-    InvalidParamsError,
-    RequestTooLongError,
-)
+from pagedkv.errors import InvalidParamsError, RequestTooLongError
 
 Prompt = str | list[int] | list[dict]
 
@@ -72,91 +70,55 @@ class EngineStats:
     context_shifts: int = 0  # times a full context was shifted instead of finishing
 
 
-def parse_size(size: str | int) -> int:
-    """'2GiB', '512MB', '1e9' or an int -> bytes."""
-    if isinstance(size, int):
-        return size
-    m = re.fullmatch(r"\s*([\d.eE+]+)\s*([KMGT]?)(i?)B?\s*", str(size))
-    if not m:
-        raise CacheConfigError(f"cannot parse memory size {size!r} (e.g. 2GiB, 512MB)")
-    base = 1024 if m.group(3) or not m.group(2) else 1000
-    scale = {"": 1, "K": base, "M": base**2, "G": base**3, "T": base**4}[m.group(2)]
-    return int(float(m.group(1)) * scale)
-
-
 class LLMEngine:
     """Continuous-batching engine over the paged KV cache. Not thread-safe: one caller thread."""
 
-    def __init__(
-        self,
-        model: object = None,
-        *,
-        dtype: str | torch.dtype = "float32",
-        weights: str | None = None,
-        activations: str = "float32",
-        batch_weights: str = "quantized",
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        kv_cache_memory: str | int = "1GiB",
-        kv_cache_dtype: str = "auto",
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        enable_prefix_caching: bool = True,
-        max_model_len: int | None = None,
-        kv_tier: str | None = None,
-        kv_tier_queue: int = 256,
-        kv_snapshot: str | None = None,
-        kv_snapshot_interval: float | None = None,
-        dedup_inflight_prefixes: bool = True,
-        context_shift: bool = False,
-        n_keep: int = 0,
-        n_discard: int | None = None,
-    ) -> None:
-        from pagedkv.model.loader import (
-            LoadedModel,
-            check_activations,
-            check_batch_weights,
-            load_model,
-        )
+    def __init__(self, model: object = None, *, config: EngineConfig | None = None,
+                 **options: Any) -> None:
+        """`model` (a path, None for the shipped SmolLM2, a LoadedModel or a transformers model)
+        and any EngineConfig field as a keyword (`block_size=32, kv_cache_memory="2GiB"`), or a
+        whole `config` (keywords then override it). The options are validated before the model
+        loads; an unknown keyword raises UnknownOptionError."""
+        from pagedkv.model.loader import LoadedModel, load_model
 
-        # checked before the model loads: a typo fails fast, naming the supported values
-        kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype)
-        check_activations(activations, weights)
-        check_batch_weights(batch_weights, weights)
+        if model is not None:
+            options["model"] = model
+        self.config = c = EngineConfig.build(config, **options)
+        kv_dtype = resolve_kv_cache_dtype(c.kv_cache_dtype)
+        if c.threads is not None:
+            torch.set_num_threads(c.threads)
         self.loaded = (
-            model
-            if isinstance(model, LoadedModel)
-            else load_model(model, dtype=dtype, weights=weights, activations=activations,
-                            batch_weights=batch_weights)
+            c.model
+            if isinstance(c.model, LoadedModel)
+            else load_model(c.model, dtype=c.dtype, weights=c.weights, activations=c.activations,
+                            batch_weights=c.batch_weights)
         )
         cfg = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.model_name = self.loaded.name
         wdtype = next(self.loaded.model.parameters()).dtype
         kv_dtype = kv_dtype or wdtype  # "auto": the model's dtype
-        if num_blocks is None:
-            num_blocks = num_blocks_for_budget(parse_size(kv_cache_memory), cfg.num_layers,
-                                               block_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
-        self.storage = KVStorage(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads,
-                                 cfg.head_dim, kv_dtype)
         # not capped by the cache: a request that could never fit it is rejected instead
-        self.max_model_len = max_model_len or cfg.max_position_embeddings
-        if cfg.sliding_window:  # no windowed attention: stay where full attention is exact
-            self.max_model_len = min(self.max_model_len, cfg.sliding_window)
-        self.cache = PagedKVCache(num_blocks, block_size, storage=self.storage,
-                                  enable_prefix_caching=enable_prefix_caching,
+        self.max_model_len = c.context_len(cfg.max_position_embeddings, cfg.sliding_window)
+        num_blocks = c.num_blocks or num_blocks_for_budget(
+            c.kv_cache_bytes, cfg.num_layers, c.block_size, cfg.num_kv_heads, cfg.head_dim,
+            kv_dtype)
+        self.storage = KVStorage(cfg.num_layers, num_blocks, c.block_size, cfg.num_kv_heads,
+                                 cfg.head_dim, kv_dtype)
+        self.cache = PagedKVCache(num_blocks, c.block_size, storage=self.storage,
+                                  enable_prefix_caching=c.enable_prefix_caching,
                                   max_seq_len=self.max_model_len)
-        self.context_shift = ContextShift(n_keep, n_discard) if context_shift else None
+        self.context_shift = ContextShift(c.n_keep, c.n_discard) if c.context_shift else None
         if self.context_shift is not None:
-            self.context_shift.check(self.max_model_len, num_blocks * block_size)
+            self.context_shift.check(self.max_model_len, num_blocks * c.block_size)
             self.cache.register_rotation(self.loaded.model.rope.shift_keys)
-        self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens,
+        self.scheduler = Scheduler(self.cache, c.max_num_seqs, c.max_num_batched_tokens,
                                    max_model_len=self.max_model_len,
-                                   dedup_inflight_prefixes=dedup_inflight_prefixes,
+                                   dedup_inflight_prefixes=c.dedup_inflight_prefixes,
                                    context_shift=self.context_shift)
         self.runner = ModelRunner(self.loaded.model, self.storage)
-        self.tiers = EngineTiers(self.loaded, self.cache, kv_tier=kv_tier, queue=kv_tier_queue,
-                                 snapshot=kv_snapshot, snapshot_interval=kv_snapshot_interval)
+        self.tiers = EngineTiers(self.loaded, self.cache, kv_tier=c.kv_tier, queue=c.kv_tier_queue,
+                                 snapshot=c.kv_snapshot, snapshot_interval=c.kv_snapshot_interval)
         self.eos_ids = set(cfg.eos_token_ids or [])
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
@@ -453,8 +415,10 @@ class LLMEngine:
 class LLM:
     """Offline batch generation: `LLM(model).generate(prompts, SamplingParams(...))`."""
 
-    def __init__(self, model: object = None, **engine_kwargs: object) -> None:
-        self.engine = LLMEngine(model, **engine_kwargs)  # type: ignore[arg-type]
+    def __init__(self, model: object = None, *, config: EngineConfig | None = None,
+                 **options: Any) -> None:
+        """The same arguments as LLMEngine: EngineConfig's fields as keywords, or a config."""
+        self.engine = LLMEngine(model, config=config, **options)
         self._ids = itertools.count()
 
     @property
@@ -530,4 +494,4 @@ def _as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
     return list(prompts)
 
 
-__all__ = ["LLM", "EngineStats", "LLMEngine", "Status", "parse_size"]
+__all__ = ["LLM", "EngineConfig", "EngineStats", "LLMEngine", "Status", "parse_size"]

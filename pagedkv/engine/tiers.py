@@ -6,6 +6,8 @@ and, with a snapshot directory, reloads the previous snapshot into the device po
 step (`after_step`) the blocks that became full during the step are handed to the tier's
 background writer; with `snapshot_interval`, new cached blocks also go to the snapshot in the
 background. `snapshot_now` writes synchronously (on SIGTERM, after the server drained).
+The options come validated from EngineConfig (a tier or snapshot only with prefix caching on,
+a positive interval only with a snapshot); nothing here checks them again.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pagedkv.cache.tiers import TierConnector, fingerprint, open_tier, weights_d
 from pagedkv.cache.tiers import snapshot as snap
 from pagedkv.cache.tiers.disk import DiskTier
 from pagedkv.cache.tiers.writer import BackgroundWriter
-from pagedkv.errors import TierConfigError, TierUnavailableError
+from pagedkv.errors import TierUnavailableError
 
 log = logging.getLogger("pagedkv.tier")
 
@@ -35,12 +37,8 @@ class EngineTiers:
         self.interval = snapshot_interval
         self.restored = 0
         self._last_snap = time.monotonic()
-        if snapshot_interval is not None and (snapshot_interval <= 0 or snapshot is None):
-            raise TierConfigError("kv_snapshot_interval needs kv_snapshot and a positive value")
         if not kv_tier and not snapshot:
             return
-        if not cache.enable_prefix_caching:
-            raise TierConfigError("a KV tier or snapshot needs prefix caching on")
         storage = cache.storage
         assert storage is not None
         self.fp = fingerprint(loaded.config, weights_digest(loaded.model),  # type: ignore[attr-defined]

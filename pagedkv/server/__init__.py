@@ -15,13 +15,16 @@ _LAZY = {
     "run_serve": "pagedkv.server.app",
     "serve": "pagedkv.server.app",
     "add_serve_args": "pagedkv.server.options",
+    "ServerConfig": "pagedkv.server.config",
 }
 
-__all__ = ["AsyncEngine", "ServerThread", "add_serve_args", "build_app", "run_serve", "serve"]
+__all__ = ["AsyncEngine", "ServerConfig", "ServerThread", "add_serve_args", "build_app",
+           "run_serve", "serve"]
 
 if TYPE_CHECKING:  # pragma: no cover
     from pagedkv.server.app import ServerThread, build_app, run_serve, serve
     from pagedkv.server.async_engine import AsyncEngine
+    from pagedkv.server.config import ServerConfig
     from pagedkv.server.options import add_serve_args
 
 

@@ -20,7 +20,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import h11
@@ -33,6 +33,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from pagedkv.engine import SamplingParams
 from pagedkv.errors import InvalidParamsError, PagedKVError, RequestTooLongError
+from pagedkv.options import from_namespace
 from pagedkv.server.async_engine import (
     AsyncEngine,
     Choice,
@@ -44,6 +45,7 @@ from pagedkv.server.async_engine import (
 )
 from pagedkv.server.auth import ApiKeys, cache_salt
 from pagedkv.server.batch import MergedStream
+from pagedkv.server.config import ServerConfig
 from pagedkv.server.dashboard import add_dashboard
 from pagedkv.server.guard import (
     CUTOFF_KEY,
@@ -148,33 +150,20 @@ class _StreamText:
 class OpenAIServer:
     """Request handlers plus the state they share (engine wrapper, limits, metrics)."""
 
-    def __init__(
-        self,
-        engine: Any,
-        *,
-        served_model_name: str,
-        api_key: str | Sequence[str] | None,
-        max_concurrent: int,
-        max_prompt_tokens: int | None,
-        max_tokens_limit: int | None,
-        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-        body_timeout: float = 30.0,
-        stream_queue_limit: int = 256,
-    ) -> None:
-        if max_request_bytes < 1 or body_timeout <= 0 or stream_queue_limit < 1:
-            raise ValueError("max_request_bytes, body_timeout and stream_queue_limit must be > 0")
-        self.engine = AsyncEngine(engine, max_prompt_tokens=max_prompt_tokens,
-                                  stream_queue_limit=stream_queue_limit)
+    def __init__(self, engine: Any, config: ServerConfig) -> None:
+        self.config = config
+        self.engine = AsyncEngine(engine, max_prompt_tokens=config.max_prompt_tokens,
+                                  stream_queue_limit=config.stream_queue_limit)
         self.max_model_len: int = engine.max_model_len
         self.cache_tokens = _cache_tokens(engine)
-        self.served_model_name = served_model_name
-        keys = [api_key] if isinstance(api_key, str) else api_key
+        self.served_model_name: str = config.served_model_name or engine.model_name
+        keys = [config.api_key] if isinstance(config.api_key, str) else config.api_key
         self.api_keys = None if keys is None else ApiKeys(keys)
-        self.max_concurrent = max_concurrent
-        self.max_tokens_limit = max_tokens_limit or self.max_model_len
-        self.max_request_bytes = max_request_bytes
-        self.body_timeout = body_timeout
-        self.metrics = ServerMetrics(served_model_name)
+        self.max_concurrent = config.max_concurrent
+        self.max_tokens_limit = config.max_tokens_limit or self.max_model_len
+        self.max_request_bytes = config.max_request_bytes
+        self.body_timeout = config.body_timeout
+        self.metrics = ServerMetrics(self.served_model_name)
         self.in_flight = 0
         self.created = int(time.time())
 
@@ -348,20 +337,12 @@ def _cache_tokens(engine: Any) -> int | None:
     return blocks * size if isinstance(blocks, int) and isinstance(size, int) else None
 
 
-def build_app(
-    engine: Any,
-    *,
-    served_model_name: str | None = None,
-    api_key: str | Sequence[str] | None = None,
-    max_concurrent: int = 256,
-    max_prompt_tokens: int | None = None,
-    max_tokens_limit: int | None = None,
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-    body_timeout: float = 30.0,
-    stream_queue_limit: int = 256,
-    log_stats_interval: float = 0.0,
-) -> FastAPI:
+def build_app(engine: Any, config: ServerConfig | None = None, /, **options: Any) -> FastAPI:
     """The FastAPI app; the engine thread starts and stops with the app's lifespan.
+
+    `config` (or the defaults) with `options`: any ServerConfig field as a keyword
+    (`api_key=..., max_concurrent=8`); an unknown one raises UnknownOptionError. The fields
+    host, port, header_timeout, shutdown_timeout and log_level are serve()'s (uvicorn's).
 
     log_stats_interval > 0: log one stats line per that many seconds while busy.
 
@@ -369,17 +350,10 @@ def build_app(
     salted in the prefix cache, so tenants never see each other's cached blocks). An empty
     key raises ValueError: it would silently disable authentication.
     """
-    server = OpenAIServer(
-        engine,
-        served_model_name=served_model_name or engine.model_name,
-        api_key=api_key,
-        max_concurrent=max_concurrent,
-        max_prompt_tokens=max_prompt_tokens,
-        max_tokens_limit=max_tokens_limit,
-        max_request_bytes=max_request_bytes,
-        body_timeout=body_timeout,
-        stream_queue_limit=stream_queue_limit,
-    )
+    config = ServerConfig.build(config, **options)
+    log_stats_interval = config.log_stats_interval
+    api_key = config.api_key
+    server = OpenAIServer(engine, config)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -455,7 +429,7 @@ class _H11(H11Protocol):
     The server always runs this class (`_uvicorn_config` passes it as `http=`), so uvicorn
     never picks httptools even where it is installed: the rule has no httptools gap."""
 
-    header_timeout = 10.0
+    header_timeout = ServerConfig.header_timeout
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -488,7 +462,8 @@ class _H11(H11Protocol):
         super().connection_lost(exc)
 
 
-def _uvicorn_config(app: ASGIApp, *, header_timeout: float = 10.0, **kwargs: Any) -> uvicorn.Config:
+def _uvicorn_config(app: ASGIApp, *, header_timeout: float = ServerConfig.header_timeout,
+                    **kwargs: Any) -> uvicorn.Config:
     protocol = type("H11", (_H11,), {"header_timeout": header_timeout})
     kwargs.setdefault("access_log", False)
     return uvicorn.Config(app, http=protocol, timeout_keep_alive=5, **kwargs)
@@ -545,38 +520,31 @@ class _GracefulServer(uvicorn.Server):
             self.force_exit = True
 
 
-def serve(
-    engine: Any,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    *,
-    shutdown_timeout: float = 30.0,
-    log_level: str = "info",
-    header_timeout: float = 10.0,
-    log_stats_interval: float = 10.0,
-    **app_kwargs: Any,
-) -> None:
+def serve(engine: Any, config: ServerConfig | None = None, /, **options: Any) -> None:
     """Serves until SIGTERM/SIGINT (see _GracefulServer), then stops the engine thread and
-    returns. app_kwargs go to build_app (api_key, limits...)."""
-    app = build_app(engine, log_stats_interval=log_stats_interval, **app_kwargs)
-    configure_logging(log_level)
+    returns. `config` (or the defaults) with `options`: any ServerConfig field as a keyword
+    (host, port, api_key, limits...); an unknown one raises UnknownOptionError."""
+    cfg = ServerConfig.build(config, **options)
+    app = build_app(engine, cfg)
+    configure_logging(cfg.log_level)
     server: OpenAIServer = app.state.server
-    config = _uvicorn_config(
-        app, host=host, port=port, log_level=log_level, header_timeout=header_timeout,
-        timeout_graceful_shutdown=shutdown_timeout + DRAIN_GRACE_S,
+    uv = _uvicorn_config(
+        app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+        header_timeout=cfg.header_timeout,
+        timeout_graceful_shutdown=cfg.shutdown_timeout + DRAIN_GRACE_S,
     )
     _GracefulServer(
-        config,
+        uv,
         drain=lambda: server.engine.drain(ShuttingDownError("the server is shutting down")),
-        drain_after=shutdown_timeout,
+        drain_after=cfg.shutdown_timeout,
     ).run()
 
 
 class ServerThread:
     """uvicorn in a daemon thread on a free local port (tests, in-process benchmarks)."""
 
-    def __init__(self, app: ASGIApp, host: str = "127.0.0.1", log_level: str = "warning",
-                 header_timeout: float = 10.0) -> None:
+    def __init__(self, app: ASGIApp, host: str = ServerConfig.host, log_level: str = "warning",
+                 header_timeout: float = ServerConfig.header_timeout) -> None:
         # Binding here (port 0) and handing uvicorn the socket avoids a free-port race.
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.bind((host, 0))
@@ -614,37 +582,19 @@ def run_serve(
     args: argparse.Namespace, engine_factory: Callable[[argparse.Namespace], Any]
 ) -> int:
     """Builds the engine with engine_factory(args), serves until SIGTERM/SIGINT, returns the
-    exit code. Refuses to start (exit code 2) on an empty API key."""
-    if args.api_key is not None:
+    exit code. The server options are ServerConfig's fields read from `args` (checked before
+    the engine is built). Refuses to start (exit code 2) on an empty API key."""
+    config = from_namespace(ServerConfig, args)
+    if config.api_key is not None:
         try:
-            ApiKeys(args.api_key)
+            ApiKeys(config.api_key)
         except ValueError as exc:
             logger.error("refusing to start: %s", exc)
             print(f"pagedkv serve: error: {exc}", flush=True)
             return 2
     engine = engine_factory(args)
     try:
-        _serve_with_args(engine, args)
+        serve(engine, config)
     finally:
         finish_engine(engine)  # KV snapshot (--kv-snapshot), queued tier writes
     return 0
-
-
-def _serve_with_args(engine: Any, args: argparse.Namespace) -> None:
-    serve(
-        engine,
-        host=args.host,
-        port=args.port,
-        served_model_name=args.served_model_name,
-        api_key=args.api_key,
-        max_concurrent=args.max_concurrent,
-        max_prompt_tokens=args.max_prompt_tokens,
-        max_tokens_limit=args.max_tokens_limit,
-        max_request_bytes=args.max_request_bytes,
-        body_timeout=args.body_timeout,
-        header_timeout=args.header_timeout,
-        stream_queue_limit=args.stream_queue_limit,
-        shutdown_timeout=args.shutdown_timeout,
-        log_level=args.log_level,
-        log_stats_interval=args.log_stats_interval,
-    )

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from pagedkv.errors import RequestFailedError, RequestTooLongError
+from pagedkv.server.config import ServerConfig
 from pagedkv.server.openmp import release_team
 from pagedkv.server.prep_queue import FairQueue
 from pagedkv.server.stream import (
@@ -60,7 +61,7 @@ class AsyncEngine:
     the outputs; `stop` may be called from any thread."""
 
     def __init__(self, engine: Any, *, max_prompt_tokens: int | None = None,
-                 stream_queue_limit: int = 256) -> None:
+                 stream_queue_limit: int = ServerConfig.stream_queue_limit) -> None:
         self.engine = engine
         self.max_prompt_tokens = max_prompt_tokens
         self.stream_queue_limit = stream_queue_limit

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
+from pagedkv.cache.sizing import parse_size
 from pagedkv.cache.tiers.base import BlockTier, TierStats, log
 from pagedkv.cache.tiers.connector import TierConnector
 from pagedkv.cache.tiers.disk import DiskTier
@@ -17,12 +18,6 @@ from pagedkv.cache.tiers.record import decode, encode
 from pagedkv.cache.tiers.redis_tier import RedisTier
 from pagedkv.cache.tiers.writer import BackgroundWriter
 from pagedkv.errors import TierConfigError, TierUnavailableError
-
-
-def _size(text: str) -> int:
-    from pagedkv.engine.llm_engine import parse_size
-
-    return parse_size(text)
 
 
 def parse_spec(spec: str) -> tuple[str, str, dict[str, int]]:
@@ -35,7 +30,7 @@ def parse_spec(spec: str) -> tuple[str, str, dict[str, int]]:
         if not path or set(opts) - {"max_size"}:
             raise TierConfigError(f"bad disk tier {spec!r} (disk:DIR[?max_size=10GiB])")
         try:
-            cap = _size(opts["max_size"]) if "max_size" in opts else None
+            cap = parse_size(opts["max_size"]) if "max_size" in opts else None
         except ValueError as exc:
             raise TierConfigError(f"max_size: {exc}") from None
         if cap is not None and cap < 1:

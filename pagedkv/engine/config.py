@@ -1,0 +1,193 @@
+"""EngineConfig: every engine option, declared once (default, help, CLI flag, validation).
+
+`LLMEngine(model, **options)`, `LLM(model, **options)`, `pagedkv generate|serve`'s engine flags
+and the benchmarks are all built from this dataclass (see `pagedkv/options.py` for the
+machinery). Adding an option is adding one field here (`option(default, help)`, flag spelled
+from the name) plus, if it has one, its check in `_check`; the engine then reads
+`config.<name>`.
+
+Invariants: an EngineConfig that exists is valid as far as it can be known without the model
+(checked in `__post_init__`, before anything loads; frozen, and `dataclasses.replace` checks
+again). What needs the model (the context length, n_keep's range) is checked by the engine
+right after loading, through `context_len`. Errors are the project's typed ones: a bad cache
+shape or size CacheConfigError, a bad KV tier TierConfigError, a bad weights/activations mode
+ModelLoadError, a bad scheduler limit InvalidParamsError, an unknown option
+UnknownOptionError; each names the field (the CLI re-spells it as the flag).
+
+A field's default is also the class attribute (`EngineConfig.block_size == 16`), which is
+how code that needs a default without building a config reads it. Nothing at import time is
+heavy (no torch): the CLI's --help reads the fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from pagedkv.errors import CacheConfigError, InvalidParamsError, TierConfigError
+from pagedkv.options import (
+    build,
+    check_positive,
+    invalid,
+    is_int,
+    option,
+    positive_int,
+)
+
+log = logging.getLogger("pagedkv.engine")
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """The engine's options; field order is the order of `pagedkv generate --help`."""
+
+    model: Any = option(None, "a .gguf file or a model folder (local files only); default: the "
+                              "shipped SmolLM2-135M-Instruct")  # Python: also a loaded model
+    dtype: Any = option("float32", "compute dtype", choices=DTYPES)  # Python: or a torch.dtype
+    weights: str | None = option(
+        None, "GGUF weights: keep the file's quantized blocks (the default for GGUF at float32) "
+              "or dequantize them to float32 at load", choices=("quantized", "float32"))
+    activations: str = option(
+        "float32", "int8: round each quantized matmul's input to 8 bits per 32 values and "
+                   "multiply in integers (llama.cpp's way; faster, approximate). float32: exact",
+        choices=("float32", "int8"))
+    batch_weights: str = option(
+        "quantized", "float32: also keep a float32 copy of the quantized weights, pre-packed, "
+                     "for prefill and large batches (faster there, exact; costs the memory of a "
+                     "float32 model). quantized: dequantize tile by tile (no extra memory)",
+        choices=("quantized", "float32"))
+    block_size: int = option(16, "tokens per KV block", parse=positive_int)
+    kv_cache_memory: str | int = option("1GiB", "KV cache budget, e.g. 2GiB, 512MB")
+    kv_cache_dtype: Any = option(
+        "auto", "KV storage: auto (the compute dtype), float32, float16, bfloat16, int8, "
+                "fp8_e4m3 (int8/fp8: ~3.8x the tokens of float32 in the same memory)")
+    num_blocks: int | None = option(None, "KV blocks (overrides --kv-cache-memory)",
+                                    parse=positive_int)
+    max_num_seqs: int = option(64, "sequences decoded together", parse=positive_int)
+    max_num_batched_tokens: int = option(
+        2048, "tokens per engine step (prefill chunks + decodes)", parse=positive_int)
+    max_model_len: int | None = option(None, "context length (default: the model's)",
+                                       parse=positive_int)
+    enable_prefix_caching: bool = option(True, "turn prefix caching off",
+                                         flag="--no-prefix-caching")
+    context_shift: bool = option(
+        False, "a sequence that fills the context keeps its first --n-keep tokens, drops the "
+               "next --n-discard and goes on (llama.cpp's context shift) instead of finishing "
+               "with 'length'; longer prompts are cut the same way")
+    n_keep: int = option(0, "context shift: tokens always kept at the start (the system prompt)",
+                         parse=int)
+    n_discard: int | None = option(
+        None, "context shift: tokens dropped per shift (default: half of the rest)",
+        parse=positive_int)
+    kv_tier: str | None = option(
+        None, "second KV level shared across restarts/replicas: disk:DIR[?max_size=10GiB] or "
+              "redis://host:port/db[?ttl=SECONDS]")
+    kv_snapshot: str | None = option(
+        None, "write every cached KV block here on shutdown, reload it at start", metavar="DIR")
+    kv_snapshot_interval: float | None = option(
+        None, "also snapshot new cached blocks every SECONDS, in the background", parse=float,
+        metavar="SECONDS")
+    dedup_inflight_prefixes: bool = option(
+        True, "admit requests that share a prefix with a running prefill at once, instead of "
+              "holding them until the shared blocks are cached",
+        flag="--no-dedup-inflight-prefixes")
+    threads: int | None = option(
+        None, "torch threads (default: the physical core count; more threads than free cores "
+              "slows every step down)", parse=positive_int)  # process-wide; None: leave as is
+    kv_tier_queue: int = option(256, "blocks waiting for the KV tier's writer", flag=None)
+
+    def __post_init__(self) -> None:
+        self._check()
+
+    @classmethod
+    def build(cls, base: EngineConfig | None = None, /, **options: Any) -> EngineConfig:
+        """`base` (or the defaults) with `options`; an unknown name raises UnknownOptionError."""
+        return build(cls, base, options)
+
+    # --- derived values ---------------------------------------------------------------------------
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """The KV budget in bytes (kv_cache_memory parsed; only used without num_blocks)."""
+        from pagedkv.cache.sizing import parse_size
+
+        return parse_size(self.kv_cache_memory)
+
+    def context_len(self, model_len: int, sliding_window: int | None = None) -> int:
+        """The context the engine serves: max_model_len, or the model's. Over the model's
+        context is refused (CacheConfigError): positions past it were never trained. A model
+        with a sliding window is served within the window (full attention is exact there)."""
+        n = self.max_model_len or model_len
+        if n > model_len:
+            raise invalid(CacheConfigError, f"max_model_len ({n}) is over the model's context "
+                                            f"of {model_len} tokens", "max_model_len")
+        if sliding_window and n > sliding_window:
+            if self.max_model_len:
+                log.warning("max_model_len %d is cut to the model's sliding window of %d "
+                            "(pagedkv has no windowed attention)", n, sliding_window)
+            n = sliding_window
+        return n
+
+    # --- validation -------------------------------------------------------------------------------
+
+    def _check(self) -> None:
+        from pagedkv.cache.quant import resolve_kv_cache_dtype
+        from pagedkv.model.loader import check_activations, check_batch_weights
+
+        resolve_kv_cache_dtype(self.kv_cache_dtype)  # CacheConfigError naming the supported ones
+        check_activations(self.activations, self.weights)  # ModelLoadError
+        check_batch_weights(self.batch_weights, self.weights)
+        check_positive(self, CacheConfigError, "block_size")
+        check_positive(self, CacheConfigError, "num_blocks", "max_model_len", optional=True)
+        check_positive(self, InvalidParamsError, "max_num_seqs", "max_num_batched_tokens",
+                       "kv_tier_queue")
+        check_positive(self, InvalidParamsError, "threads", optional=True)
+        if self.num_blocks is None:
+            self._check_budget()
+        self._check_context_shift()
+        self._check_tiers()
+
+    def _check_budget(self) -> None:
+        try:
+            budget = self.kv_cache_bytes
+        except CacheConfigError as e:
+            raise invalid(CacheConfigError, f"kv_cache_memory: {e}", "kv_cache_memory") from None
+        if budget < 1:
+            raise invalid(CacheConfigError, f"kv_cache_memory must be positive, got "
+                                            f"{self.kv_cache_memory!r}", "kv_cache_memory")
+
+    def _check_context_shift(self) -> None:
+        """n_keep / n_discard only mean something with context_shift (refused, not ignored);
+        their range against the context is checked once the model is known."""
+        k, d = self.n_keep, self.n_discard
+        if not self.context_shift:
+            for name, value, off in (("n_keep", k, 0), ("n_discard", d, None)):
+                if value != off:
+                    raise invalid(CacheConfigError, f"{name}={value!r} needs context_shift "
+                                                    "(without it, it would be ignored)",
+                                  name, "context_shift")
+            return
+        if not is_int(k) or k < 0:
+            raise invalid(CacheConfigError, f"n_keep must be an int >= 0, got {k!r}", "n_keep")
+        if d is not None and (not is_int(d) or d < 1):
+            raise invalid(CacheConfigError, f"n_discard must be a positive int or None, got "
+                                            f"{d!r}", "n_discard")
+
+    def _check_tiers(self) -> None:
+        iv = self.kv_snapshot_interval
+        if iv is not None and not (isinstance(iv, int | float) and 0 < iv < float("inf")
+                                   and self.kv_snapshot):
+            raise invalid(TierConfigError, "kv_snapshot_interval needs kv_snapshot and a "
+                                           "positive value", "kv_snapshot_interval", "kv_snapshot")
+        if self.kv_tier:  # "" is no tier, as None
+            from pagedkv.cache.tiers import parse_spec
+
+            parse_spec(self.kv_tier)  # TierConfigError names what is wrong
+        if (self.kv_tier or self.kv_snapshot) and not self.enable_prefix_caching:
+            raise TierConfigError("a KV tier or snapshot needs prefix caching on")
+
+
+__all__ = ["DTYPES", "EngineConfig"]
