@@ -8,19 +8,29 @@ from typing import Any
 
 from pagedkv.errors import ModelLoadError, UnsupportedModelError
 
-# HF model_type / GGUF general.architecture -> our name. All share one decoder layout.
-SUPPORTED_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+# HF model_type / GGUF general.architecture -> our name. All share one decoder layout; Qwen3
+# adds an RMSNorm over each q and k head before RoPE (`qk_norm`), Phi-3 stores q/k/v and gate/up
+# fused in one matrix each (`fused_projections`).
+SUPPORTED_ARCHITECTURES = {
+    "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+}
 _HF_CLASS_TO_TYPE = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
 }
+# GGUF general.architecture values read here (llama.cpp files Mistral under "llama")
+_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
+# GGUF tensors of RoPE variants not implemented: Llama 3.1 frequency factors, Phi-3 LongRoPE
+_GGUF_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 @dataclass(slots=True)
 class ModelConfig:
-    architecture: str  # "llama" | "mistral" | "qwen2"
+    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "phi3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -35,6 +45,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q/k/v projections (Qwen2)
+    qk_norm: bool = False  # RMSNorm (weights [head_dim]) on every q and k head before RoPE (Qwen3)
     max_position_embeddings: int = 2048
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
@@ -64,6 +75,11 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @property
+    def fused_projections(self) -> bool:
+        """Checkpoints store `self_attn.qkv_proj` and `mlp.gate_up_proj` whole (Phi-3)."""
+        return self.architecture == "phi3"
+
     # --- constructors ---------------------------------------------------------------------------
 
     @classmethod
@@ -79,9 +95,12 @@ class ModelConfig:
         heads = d["num_attention_heads"]
         rope = dict(d.get("rope_parameters") or {})  # transformers 5: theta lives in here
         theta = rope.pop("rope_theta", None) or d.get("rope_theta") or 10000.0
+        partial = rope.pop("partial_rotary_factor", None) or d.get("partial_rotary_factor") or 1.0
+        if float(partial) != 1.0:
+            raise UnsupportedModelError(f"{arch}: partial rotary embeddings ({partial}) are not supported")
         scaling = d.get("rope_scaling") or rope or None
         window = d.get("sliding_window")
-        if arch == "qwen2" and not d.get("use_sliding_window", False):
+        if arch in ("qwen2", "qwen3") and not d.get("use_sliding_window", False):
             window = None
         return cls(
             architecture=arch,
@@ -97,6 +116,7 @@ class ModelConfig:
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=arch == "qwen2" or bool(d.get("attention_bias", False)),
+            qk_norm=arch == "qwen3",
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=_as_id_list(d.get("eos_token_id")),
@@ -107,13 +127,16 @@ class ModelConfig:
     def from_gguf(cls, metadata: Mapping[str, Any], tensor_names: Iterable[str]) -> ModelConfig:
         """From GGUF key/values (`general.architecture`, `<arch>.block_count`, ...)."""
         gguf_arch = metadata.get("general.architecture")
-        if gguf_arch not in ("llama", "qwen2"):  # llama.cpp files Mistral under "llama"
-            raise UnsupportedModelError(f"unsupported GGUF architecture {gguf_arch!r}")
-        names = set(tensor_names)
-        if "rope_freqs.weight" in names:
+        if gguf_arch not in _GGUF_ARCHITECTURES:
             raise UnsupportedModelError(
-                "GGUF rope_freqs (Llama 3.1 style rope scaling) is not supported; load the "
-                "Hugging Face directory instead"
+                f"unsupported GGUF architecture {gguf_arch!r}; supported: {list(_GGUF_ARCHITECTURES)}"
+            )
+        names = set(tensor_names)
+        rope_tensors = [n for n in _GGUF_ROPE_TENSORS if n in names]
+        if rope_tensors:
+            raise UnsupportedModelError(
+                f"GGUF {rope_tensors[0].removesuffix('.weight')} (Llama 3.1 / LongRoPE style rope "
+                "scaling) is not supported; load the Hugging Face directory instead"
             )
         scaling_type = metadata.get(f"{gguf_arch}.rope.scaling.type", "none")
         if scaling_type != "none":
@@ -126,6 +149,15 @@ class ModelConfig:
             return v
 
         hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+        head_dim = int(get("attention.key_length", hidden // heads))
+        rotary = int(get("rope.dimension_count", head_dim))
+        if rotary != head_dim:
+            raise UnsupportedModelError(
+                f"GGUF {gguf_arch}: RoPE over {rotary} of {head_dim} head dims (partial rotary) is "
+                "not supported"
+            )
+        # only Phi-3 files carry a window that applies to every layer (Phi-3-mini: 2047)
+        window = metadata.get("phi3.attention.sliding_window") if gguf_arch == "phi3" else None
         vocab = metadata.get(f"{gguf_arch}.vocab_size") or len(metadata.get("tokenizer.ggml.tokens", []))
         name = str(metadata.get("general.name", "")).lower()
         eos = [metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
@@ -137,14 +169,16 @@ class ModelConfig:
             num_layers=int(get("block_count")),
             num_heads=heads,
             num_kv_heads=int(get("attention.head_count_kv", heads)),
-            head_dim=int(get("attention.key_length", hidden // heads)),
+            head_dim=head_dim,
             rope_theta=float(get("rope.freq_base", 10000.0)),
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
             tie_word_embeddings="output.weight" not in names,
             attention_bias="blk.0.attn_q.bias" in names,
+            qk_norm="blk.0.attn_q_norm.weight" in names,
             max_position_embeddings=int(get("context_length", 2048)),
             bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=_as_id_list([e for e in eos if e is not None]),
+            sliding_window=int(window) if window else None,
         )
 
 

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over the paged KV cache.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, SmolLM2) over the paged KV cache.
 
 One forward serves a whole engine step: the new tokens of every sequence, prefills and decodes,
 flattened into one [T] dimension with no padding. Attention is `paged_attention`, which writes
@@ -158,6 +158,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_norm = _rms_weight(h, dtype)
         self.gate_up_proj = Linear(h, 2 * cfg.intermediate_size, False, dtype, q)
         self.down_proj = Linear(cfg.intermediate_size, h, False, dtype, q)
+        # Qwen3: RMSNorm over every q and k head (weights [D]) before RoPE
+        self.q_norm = _rms_weight(d, dtype) if cfg.qk_norm else None
+        self.k_norm = _rms_weight(d, dtype) if cfg.qk_norm else None
         self.bind()
 
     def bind(self) -> None:
@@ -168,6 +171,19 @@ class DecoderLayer(nn.Module):
         # plain references (nn.Module attribute lookup of a Parameter is a slow path); the
         # Parameter objects stay the same when weights load (they are copied into .data)
         self.norms = (self.input_norm, self.post_attention_norm)
+        # q_norm repeated for the Hq heads, then k_norm for the Hkv heads: [Hq + Hkv, D], one
+        # multiply for the whole q|k block (a copy: rebuilt here after every load_weights)
+        self._qk_norm_w = None if self.q_norm is None else torch.cat([
+            self.q_norm.detach().expand(self.num_heads, -1),
+            self.k_norm.detach().expand(self.num_kv_heads, -1),
+        ])
+
+    def _norm_qk(self, qk_in: torch.Tensor) -> torch.Tensor:
+        """Qwen3's per-head RMSNorm of q|k [T, Hq + Hkv, D] (a view of qkv) -> new contiguous
+        [T, Hq + Hkv, D]; without qk_norm, `qk_in` itself."""
+        if self._qk_norm_w is None:
+            return qk_in
+        return F.rms_norm(qk_in, qk_in.shape[-1:], None, self.eps).mul_(self._qk_norm_w)
 
     def attention(
         self,
@@ -187,11 +203,11 @@ class DecoderLayer(nn.Module):
         qkv = self._qkv(h, None if bufs is None else bufs[4])  # [T, (Hq + 2 Hkv) D]
         if bufs is not None and qkv is bufs[4]:  # the step's views of the scratch, made once
             qk_in, q, k, v, o2 = bufs[8]
-            fused[0](qk_in, cos, sin, bufs[0])
+            fused[0](self._norm_qk(qk_in), cos, sin, bufs[0])
             paged_attention(q, k, v, cache, meta, self.scale, bufs[1])
             return self._o(o2, bufs[5])
         # q and k are rotated together: one set of RoPE ops instead of two (one op when fused)
-        qk_in = qkv[:, : self.q_size + self.kv_size].view(t, hq + hkv, d)
+        qk_in = self._norm_qk(qkv[:, : self.q_size + self.kv_size].view(t, hq + hkv, d))
         if fused is not None:
             qk = torch.empty(t, hq + hkv, d) if bufs is None else bufs[0]
             fused[0](qk_in, cos, sin, qk)
@@ -467,12 +483,16 @@ class LlamaModel(nn.Module):
             p = f"model.layers.{i}."
             q, kv, n = layer.q_size, layer.kv_size, c.intermediate_size
             qkv, gu = layer.qkv_proj, layer.gate_up_proj
-            s[p + "self_attn.q_proj.weight"] = (qkv, 0, q, qkv.n_in)
-            s[p + "self_attn.k_proj.weight"] = (qkv, 1, kv, qkv.n_in)
-            s[p + "self_attn.v_proj.weight"] = (qkv, 2, kv, qkv.n_in)
+            if c.fused_projections:  # Phi-3: one stored matrix each
+                s[p + "self_attn.qkv_proj.weight"] = (qkv, 0, q + 2 * kv, qkv.n_in)
+                s[p + "mlp.gate_up_proj.weight"] = (gu, 0, 2 * n, gu.n_in)
+            else:
+                s[p + "self_attn.q_proj.weight"] = (qkv, 0, q, qkv.n_in)
+                s[p + "self_attn.k_proj.weight"] = (qkv, 1, kv, qkv.n_in)
+                s[p + "self_attn.v_proj.weight"] = (qkv, 2, kv, qkv.n_in)
+                s[p + "mlp.gate_proj.weight"] = (gu, 0, n, gu.n_in)
+                s[p + "mlp.up_proj.weight"] = (gu, 1, n, gu.n_in)
             s[p + "self_attn.o_proj.weight"] = (layer.o_proj, 0, layer.o_proj.n_out, layer.o_proj.n_in)
-            s[p + "mlp.gate_proj.weight"] = (gu, 0, n, gu.n_in)
-            s[p + "mlp.up_proj.weight"] = (gu, 1, n, gu.n_in)
             s[p + "mlp.down_proj.weight"] = (layer.down_proj, 0, layer.down_proj.n_out, layer.down_proj.n_in)
         return s
 
@@ -483,6 +503,9 @@ class LlamaModel(nn.Module):
             p = f"model.layers.{i}."
             t[p + "input_layernorm.weight"] = layer.input_norm.data
             t[p + "post_attention_layernorm.weight"] = layer.post_attention_norm.data
+            if layer.q_norm is not None:
+                t[p + "self_attn.q_norm.weight"] = layer.q_norm.data
+                t[p + "self_attn.k_norm.weight"] = layer.k_norm.data
             if layer.qkv_proj.bias is not None:
                 q, kv = layer.q_size, layer.kv_size
                 for proj, (a, b) in {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}.items():
@@ -497,6 +520,10 @@ class LlamaModel(nn.Module):
             q, kv = layer.q_size, layer.kv_size
             t[p + "self_attn.o_proj.weight"] = layer.o_proj.weight.data
             t[p + "mlp.down_proj.weight"] = layer.down_proj.weight.data
+            if self.config.fused_projections:  # Phi-3: the stored matrices are ours as is
+                t[p + "self_attn.qkv_proj.weight"] = layer.qkv_proj.weight.data
+                t[p + "mlp.gate_up_proj.weight"] = layer.gate_up_proj.weight.data
+                continue
             parts = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
             for proj, (a, b) in parts.items():
                 t[p + f"self_attn.{proj}.weight"] = layer.qkv_proj.weight.data[a:b]

@@ -63,7 +63,11 @@ _GGUF_LAYER = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3's fused projections
 }
+_GGUF_FUSED_LAYER = {**_GGUF_LAYER, "ffn_up": "mlp.gate_up_proj"}  # Phi-3: ffn_up holds gate|up
 _GGUF_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -220,7 +224,7 @@ def _gguf_weights(
     """(HF name, float32 tensor) for each tensor of the file, one at a time; with `keep`, every
     matrix comes as a QPart instead (its blocks copied out of the file, q/k rows reordered)."""
     for gguf_name in g.tensors:
-        name = _hf_name(gguf_name)
+        name = _hf_name(gguf_name, cfg.fused_projections)
         info = g.tensors[gguf_name]
         if keep and len(info.shape) == 2:
             rows = torch.from_numpy(np.array(g.raw(gguf_name)))  # [rows, row_bytes] uint8
@@ -241,13 +245,15 @@ def _unpermute_if(w: torch.Tensor, name: str, cfg: ModelConfig, permuted: bool) 
     return w
 
 
-def _hf_name(gguf_name: str) -> str:
-    """transformers name of a GGUF tensor; unknown names pass through (load_weights rejects them)."""
+def _hf_name(gguf_name: str, fused: bool = False) -> str:
+    """transformers name of a GGUF tensor; unknown names pass through (load_weights rejects them).
+    `fused`: the file stores gate|up as one `ffn_up` (Phi-3)."""
     if gguf_name in _GGUF_GLOBAL:
         return _GGUF_GLOBAL[gguf_name]
+    table = _GGUF_FUSED_LAYER if fused else _GGUF_LAYER
     m = _GGUF_LAYER_RE.fullmatch(gguf_name)
-    if m and m.group(2) in _GGUF_LAYER:
-        return f"model.layers.{m.group(1)}.{_GGUF_LAYER[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in table:
+        return f"model.layers.{m.group(1)}.{table[m.group(2)]}.{m.group(3)}"
     return gguf_name
 
 

@@ -1,0 +1,141 @@
+"""Qwen2, Qwen3 (QK-norm), Mistral, Phi-3 (fused qkv / gate_up) and Llama at real models' shapes.
+
+Each architecture is a tiny random GGUF (tests/tiny_gguf.py: a few layers, the hidden and head
+sizes of a real model, Q8_0/Q4_0/F16 matrices, a byte-level tokenizer) loaded by pagedkv and by
+transformers' own GGUF loader; pagedkv's greedy tokens, batched, must equal transformers'
+float32 greedy tokens one by one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tiny_gguf import SPECS, write_tiny_gguf
+
+from pagedkv import LLM, SamplingParams
+from pagedkv.errors import UnsupportedModelError
+from pagedkv.model.config import ModelConfig
+
+PROMPTS = [[5, 77, 300, 12, 900, 45, 33, 1000, 17, 8, 250, 600, 3], list(range(40, 69))]
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module", params=sorted(SPECS))
+def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One architecture: its GGUF, pagedkv's LLM over it, transformers' model from the same file."""
+    from transformers import AutoModelForCausalLM
+
+    arch = request.param
+    folder = tmp_path_factory.mktemp(arch)
+    path = write_tiny_gguf(SPECS[arch], folder / f"{arch}.gguf")
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=path.name, dtype=torch.float32)
+    return {"arch": arch, "path": path, "llm": LLM(str(path), num_blocks=64), "hf": hf.eval()}
+
+
+def hf_greedy(hf: Any, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:
+    """transformers' float32 greedy continuation, EOS not stopping it (as ignore_eos)."""
+    ids = torch.tensor([prompt])
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                      eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def greedy(llm: LLM, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    return [list(o.token_ids) for o in outs]
+
+
+def test_greedy_matches_transformers(tiny: dict[str, Any]) -> None:
+    ours = greedy(tiny["llm"])  # both prompts in one batch: prefill, then 2-row decode steps
+    assert ours == [hf_greedy(tiny["hf"], p) for p in PROMPTS]
+
+
+def test_config_weights_and_tokenizer(tiny: dict[str, Any]) -> None:
+    spec, loaded = SPECS[tiny["arch"]], tiny["llm"].engine.loaded
+    cfg, hf_cfg = loaded.config, tiny["hf"].config
+    assert cfg.architecture == tiny["arch"]  # "mistral": a "llama" file named so
+    assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size) == (
+        hf_cfg.hidden_size, hf_cfg.num_hidden_layers, hf_cfg.num_attention_heads,
+        hf_cfg.num_key_value_heads, hf_cfg.intermediate_size)
+    assert cfg.head_dim == spec.head_dim
+    assert (cfg.qk_norm, cfg.attention_bias, cfg.tie_word_embeddings) == (spec.qk_norm, spec.bias, spec.tied)
+    assert loaded.weights == "quantized"  # every matrix stays in the file's blocks
+    assert loaded.weight_bytes <= tiny["path"].stat().st_size
+    text = "Hello world, paged attention!"
+    assert loaded.tokenizer is not None
+    assert loaded.tokenizer.decode(loaded.tokenizer(text).input_ids) == text
+
+
+@pytest.mark.parametrize("tiny", ["qwen3", "phi3"], indirect=True)
+def test_float32_weights_same_greedy(tiny: dict[str, Any]) -> None:
+    """The dequantized-at-load path fills the same QK-norm / fused parameters."""
+    llm = LLM(str(tiny["path"]), num_blocks=64, weights="float32")
+    assert llm.engine.loaded.weights == "float32"
+    assert greedy(llm) == greedy(tiny["llm"])
+
+
+def _hf_checkpoint(tiny: dict[str, Any]) -> Any:
+    """transformers' model re-made as a plain (not GGUF-quantized, hence savable) model with the
+    same weights. The Mistral file loads in transformers as Llama (its GGUF loader has no
+    "mistral" tensor map), so its weights go into a MistralForCausalLM of the same shape."""
+    import transformers as tf
+
+    hf, c = tiny["hf"], tiny["hf"].config
+    if tiny["arch"] == "mistral":
+        cfg = tf.MistralConfig(
+            vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+            num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
+            rope_theta=c.rope_parameters["rope_theta"], max_position_embeddings=c.max_position_embeddings,
+            tie_word_embeddings=c.tie_word_embeddings, sliding_window=None,
+        )
+        model = tf.MistralForCausalLM(cfg)
+    else:
+        d = {k: v for k, v in c.to_dict().items() if k != "quantization_config"}
+        model = type(hf)(type(c).from_dict(d))
+    model.load_state_dict(hf.state_dict())
+    return model.eval()
+
+
+@pytest.mark.parametrize("tiny", ["qwen3", "phi3", "mistral"], indirect=True)
+def test_hf_checkpoint_folder(tiny: dict[str, Any], tmp_path: Path) -> None:
+    """config.json + safetensors of the same model (Phi-3: qkv_proj / gate_up_proj names)."""
+    arch = tiny["arch"]
+    hf = _hf_checkpoint(tiny)
+    hf.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), num_blocks=64)
+    assert llm.engine.loaded.config.architecture == arch
+    assert greedy(llm) == [hf_greedy(hf, p) for p in PROMPTS]
+
+
+# --- what is refused ---------------------------------------------------------------------------
+
+_META = {
+    "general.architecture": "phi3", "phi3.embedding_length": 3072, "phi3.attention.head_count": 32,
+    "phi3.block_count": 2, "phi3.feed_forward_length": 8192, "phi3.vocab_size": 100,
+}
+
+
+def test_gguf_partial_rotary_and_longrope_refused() -> None:
+    with pytest.raises(UnsupportedModelError, match="partial rotary"):  # Phi-4-mini: 96 of 128
+        ModelConfig.from_gguf({**_META, "phi3.rope.dimension_count": 72}, [])
+    with pytest.raises(UnsupportedModelError, match="rope_factors_long"):  # Phi-3 128k files
+        ModelConfig.from_gguf(_META, ["rope_factors_long.weight", "rope_factors_short.weight"])
+    cfg = ModelConfig.from_gguf({**_META, "phi3.attention.sliding_window": 2047}, ["output.weight"])
+    assert (cfg.architecture, cfg.head_dim, cfg.sliding_window, cfg.fused_projections) == ("phi3", 96, 2047, True)
+    with pytest.raises(UnsupportedModelError, match="supported: "):
+        ModelConfig.from_gguf({**_META, "general.architecture": "gemma3"}, [])
+
+
+def test_hf_partial_rotary_refused() -> None:
+    d = {"model_type": "phi3", "vocab_size": 100, "hidden_size": 256, "intermediate_size": 512,
+         "num_hidden_layers": 1, "num_attention_heads": 4, "partial_rotary_factor": 0.75}
+    with pytest.raises(UnsupportedModelError, match="partial rotary"):
+        ModelConfig.from_hf(d)
+    d = {**d, "model_type": "qwen3", "partial_rotary_factor": 1.0, "head_dim": 128}
+    cfg = ModelConfig.from_hf(d)
+    assert (cfg.qk_norm, cfg.head_dim, cfg.fused_projections) == (True, 128, False)
+

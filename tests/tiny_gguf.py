@@ -1,0 +1,174 @@
+"""Tiny random GGUF files at real models' shapes, laid out as llama.cpp writes them.
+
+`write_tiny_gguf(spec, path)` writes a few decoder layers of random weights with the hidden,
+head and intermediate sizes of a real model (rows not a multiple of 256, as in the small
+Qwen/SmolLM files, so K-quants cannot appear), matrices in the spec's ggml types (quantized by
+`gguf.quants`), 1-D tensors in F32, the metadata transformers' GGUF loader reads, and a
+byte-level BPE tokenizer cut from SmolLM2's (the first `vocab` tokens and the merges among them),
+so the file loads with `from_pretrained(dir, gguf_file=name)` and in pagedkv alike.
+
+The random weights are written in the file's own row order: llama.cpp's q/k interleave for the
+"llama" architecture is whatever these rows mean, and both loaders undo it the same way.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from pagedkv.model.gguf_file import GGUFFile
+from pagedkv.model.loader import default_model_path
+
+Q = gguf.GGMLQuantizationType
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """One architecture at one shape. `qtypes`: ggml type per tensor kind ("attn", "ffn",
+    "embd", "output"); 1-D tensors are always F32."""
+
+    arch: str  # general.architecture
+    name: str  # general.name ("mistral" in it: Mistral, filed under "llama")
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    layers: int = 2
+    vocab: int = 1024
+    tied: bool = True
+    bias: bool = False  # q/k/v biases (Qwen2)
+    qk_norm: bool = False  # attn_q_norm / attn_k_norm (Qwen3)
+    fused: bool = False  # attn_qkv and ffn_up = gate|up (Phi-3)
+    rope_theta: float = 1e6
+    seed: int = 0
+    qtypes: dict[str, Q] = field(default_factory=dict)
+
+    def qtype(self, kind: str) -> Q:
+        return self.qtypes.get(kind, Q.Q8_0)
+
+
+@functools.cache
+def smollm2_vocab(n: int) -> tuple[list[str], list[int], list[str]]:
+    """SmolLM2's first `n` tokens, their types, and the merges whose parts and result they hold."""
+    meta = GGUFFile(default_model_path()).metadata
+    tokens = list(meta["tokenizer.ggml.tokens"][:n])
+    types = [int(t) for t in meta["tokenizer.ggml.token_type"][:n]]
+    have = set(tokens)
+    merges = [m for m in meta["tokenizer.ggml.merges"]
+              if (parts := m.split(" ")) and len(parts) == 2 and parts[0] + parts[1] in have
+              and parts[0] in have and parts[1] in have]
+    return tokens, types, merges
+
+
+def _tensors(spec: TinySpec) -> dict[str, tuple[np.ndarray, Q]]:
+    """name -> (float32 values in the file's shape [rows, K] or [n], ggml type to store)."""
+    rng = np.random.default_rng(spec.seed)
+    h, d, n = spec.hidden, spec.head_dim, spec.intermediate
+    q, kv = spec.heads * d, spec.kv_heads * d
+
+    def mat(rows: int, k: int, kind: str, scale: float = 1.0) -> tuple[np.ndarray, Q]:
+        return (rng.standard_normal((rows, k), dtype=np.float32) * (scale / np.sqrt(k)), spec.qtype(kind))
+
+    def norm(size: int) -> tuple[np.ndarray, Q]:
+        return (1.0 + 0.2 * rng.standard_normal(size, dtype=np.float32), Q.F32)
+
+    out = {"token_embd.weight": mat(spec.vocab, h, "embd")}
+    for i in range(spec.layers):
+        p = f"blk.{i}."
+        out[p + "attn_norm.weight"] = norm(h)
+        if spec.fused:
+            out[p + "attn_qkv.weight"] = mat(q + 2 * kv, h, "attn")
+        else:
+            out[p + "attn_q.weight"] = mat(q, h, "attn")
+            out[p + "attn_k.weight"] = mat(kv, h, "attn")
+            out[p + "attn_v.weight"] = mat(kv, h, "attn")
+        if spec.bias:
+            for part, rows in (("q", q), ("k", kv), ("v", kv)):
+                out[p + f"attn_{part}.bias"] = (0.1 * rng.standard_normal(rows, dtype=np.float32), Q.F32)
+        if spec.qk_norm:
+            out[p + "attn_q_norm.weight"] = norm(d)
+            out[p + "attn_k_norm.weight"] = norm(d)
+        out[p + "attn_output.weight"] = mat(h, q, "attn")
+        out[p + "ffn_norm.weight"] = norm(h)
+        if spec.fused:
+            out[p + "ffn_up.weight"] = mat(2 * n, h, "ffn")
+        else:
+            out[p + "ffn_gate.weight"] = mat(n, h, "ffn")
+            out[p + "ffn_up.weight"] = mat(n, h, "ffn")
+        out[p + "ffn_down.weight"] = mat(h, n, "ffn")
+    out["output_norm.weight"] = norm(h)
+    if not spec.tied:
+        out["output.weight"] = mat(spec.vocab, h, "output", 3.0)
+    return out
+
+
+def _encode(values: np.ndarray, qtype: Q) -> np.ndarray:
+    if qtype == Q.F32:
+        return values
+    if qtype == Q.F16:
+        return values.astype(np.float16)
+    return gguf.quants.quantize(values, qtype)
+
+
+def write_tiny_gguf(spec: TinySpec, path: str | Path) -> Path:
+    """Write `spec` as a GGUF file at `path`; returns the path."""
+    path = Path(path)
+    w = gguf.GGUFWriter(str(path), spec.arch)
+    w.add_name(spec.name)
+    w.add_context_length(4096)
+    w.add_block_count(spec.layers)
+    w.add_embedding_length(spec.hidden)
+    w.add_feed_forward_length(spec.intermediate)
+    w.add_head_count(spec.heads)
+    w.add_head_count_kv(spec.kv_heads)
+    w.add_key_length(spec.head_dim)
+    w.add_value_length(spec.head_dim)
+    w.add_rope_dimension_count(spec.head_dim)
+    w.add_rope_freq_base(spec.rope_theta)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_vocab_size(spec.vocab)
+    tokens, types, merges = smollm2_vocab(spec.vocab)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_pad_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(False)
+    for name, (values, qtype) in _tensors(spec).items():
+        data = _encode(values, qtype)
+        w.add_tensor(name, data, raw_dtype=qtype if qtype not in (Q.F32, Q.F16) else None)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+# Real models' shapes (a few of their layers): hidden sizes 896 / 640 / 1536 / 960, heads of 64,
+# 96 or 128, intermediate sizes that are not a multiple of 256.
+SPECS = {
+    # Qwen2.5-0.5B: 14 heads / 2 KV heads of 64, q/k/v biases, tied embeddings
+    "qwen2": TinySpec("qwen2", "Qwen2.5 tiny", 896, 14, 2, 64, 1216, bias=True, seed=1,
+                      qtypes={"attn": Q.Q8_0, "ffn": Q.Q4_0, "embd": Q.Q8_0}),
+    # Qwen3-0.6B-like: heads of 128 wider than hidden / heads, QK-norm, untied output
+    "qwen3": TinySpec("qwen3", "Qwen3 tiny", 640, 8, 2, 128, 1088, qk_norm=True, tied=False, seed=2,
+                      qtypes={"attn": Q.Q4_0, "ffn": Q.Q8_0, "embd": Q.Q4_0, "output": Q.Q8_0}),
+    # Mistral: filed as "llama" (q/k rows interleaved), named so; heads of 128, GQA 3:1
+    "mistral": TinySpec("llama", "Mistral tiny", 1536, 12, 4, 128, 1600, tied=False, seed=3,
+                        rope_theta=1e6, qtypes={"attn": Q.Q8_0, "ffn": Q.F16, "embd": Q.Q8_0, "output": Q.Q4_0}),
+    # Phi-3-mini-like: heads of 96, no GQA, fused qkv and gate|up
+    "phi3": TinySpec("phi3", "Phi3 tiny", 1536, 16, 16, 96, 1600, fused=True, tied=False, seed=4,
+                     rope_theta=1e4, qtypes={"attn": Q.Q4_0, "ffn": Q.Q8_0, "embd": Q.F16, "output": Q.Q8_0}),
+    # SmolLM2-360M: 15 heads / 5 KV heads of 64
+    "llama": TinySpec("llama", "SmolLM2 tiny", 960, 15, 5, 64, 2560 - 32, seed=5,
+                      qtypes={"attn": Q.Q4_0, "ffn": Q.Q4_0, "embd": Q.Q8_0}),
+}
