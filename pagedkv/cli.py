@@ -116,16 +116,21 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def set_threads(config: EngineConfig) -> EngineConfig:
-    """Announce the torch threads and set them: --threads, else one per physical core."""
+    """Set the torch threads and say which and why: --threads, else one per physical core that
+    other programs leave free (cpu_load.py). Leaves a CoreWatch that `serve`'s stats task
+    re-checks while serving (nothing else reads it)."""
     import torch
 
+    from pagedkv import cpu_load
     from pagedkv.preflight import physical_cores
 
-    n = config.threads or physical_cores()
-    torch.set_num_threads(n)
-    why = "--threads" if config.threads else "one per physical core; --threads N to change"
-    say(f"pagedkv {__version__}: {n} threads ({why})")
-    return dataclasses.replace(config, threads=n)
+    cores = physical_cores()
+    choice = cpu_load.choose_threads(cores, config.threads)
+    torch.set_num_threads(choice.threads)
+    cpu_load.WATCH = cpu_load.CoreWatch(choice, cores, explicit=config.threads is not None)
+    s = "" if choice.threads == 1 else "s"
+    say(f"pagedkv {__version__}: {choice.threads} thread{s} ({choice.reason})")
+    return dataclasses.replace(config, threads=choice.threads)
 
 
 def make_engine(config: EngineConfig):  # noqa: ANN201

@@ -65,14 +65,29 @@ def smollm2_vocab(n: int) -> tuple[list[str], list[int], list[str]]:
     return tokens, types, merges
 
 
-def _tensors(spec: TinySpec) -> dict[str, tuple[np.ndarray, Q]]:
-    """name -> (float32 values in the file's shape [rows, K] or [n], ggml type to store)."""
+def _random_blocks(rng: np.random.Generator, rows: int, k: int, qtype: Q, scale: float) -> np.ndarray:
+    """Valid Q8_0 / Q4_0 blocks drawn directly (random quants, one fp16 scale per block giving
+    values of about `scale` / sqrt(k)): a 0.5 GB file in seconds, no quantizer pass."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    out = rng.integers(0, 256, (rows, k // block, size), dtype=np.uint8)
+    top = 127 if qtype == Q.Q8_0 else 8
+    d = np.float16(scale / np.sqrt(k) / (top / 2))
+    out[:, :, :2] = np.frombuffer(d.tobytes(), dtype=np.uint8)
+    return out.reshape(rows, -1)
+
+
+def _tensors(spec: TinySpec, fast: bool = False) -> dict[str, tuple[np.ndarray, Q]]:
+    """name -> (values in the file's shape [rows, K] or [n], ggml type to store): float32
+    values, or with `fast` the Q8_0/Q4_0 matrices as ready blocks (uint8)."""
     rng = np.random.default_rng(spec.seed)
     h, d, n = spec.hidden, spec.head_dim, spec.intermediate
     q, kv = spec.heads * d, spec.kv_heads * d
 
     def mat(rows: int, k: int, kind: str, scale: float = 1.0) -> tuple[np.ndarray, Q]:
-        return (rng.standard_normal((rows, k), dtype=np.float32) * (scale / np.sqrt(k)), spec.qtype(kind))
+        qtype = spec.qtype(kind)
+        if fast and qtype in (Q.Q8_0, Q.Q4_0):
+            return _random_blocks(rng, rows, k, qtype, scale), qtype
+        return (rng.standard_normal((rows, k), dtype=np.float32) * (scale / np.sqrt(k)), qtype)
 
     def norm(size: int) -> tuple[np.ndarray, Q]:
         return (1.0 + 0.2 * rng.standard_normal(size, dtype=np.float32), Q.F32)
@@ -108,6 +123,8 @@ def _tensors(spec: TinySpec) -> dict[str, tuple[np.ndarray, Q]]:
 
 
 def _encode(values: np.ndarray, qtype: Q) -> np.ndarray:
+    if values.dtype == np.uint8:  # already blocks
+        return values
     if qtype == Q.F32:
         return values
     if qtype == Q.F16:
@@ -115,8 +132,9 @@ def _encode(values: np.ndarray, qtype: Q) -> np.ndarray:
     return gguf.quants.quantize(values, qtype)
 
 
-def write_tiny_gguf(spec: TinySpec, path: str | Path) -> Path:
-    """Write `spec` as a GGUF file at `path`; returns the path."""
+def write_tiny_gguf(spec: TinySpec, path: str | Path, fast: bool = False) -> Path:
+    """Write `spec` as a GGUF file at `path`; returns the path. `fast`: random Q8_0/Q4_0
+    blocks instead of quantized random values (for load-time and speed benchmarks)."""
     path = Path(path)
     w = gguf.GGUFWriter(str(path), spec.arch)
     w.add_name(spec.name)
@@ -132,7 +150,7 @@ def write_tiny_gguf(spec: TinySpec, path: str | Path) -> Path:
     w.add_rope_freq_base(spec.rope_theta)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_vocab_size(spec.vocab)
-    tokens, types, merges = smollm2_vocab(spec.vocab)
+    tokens, types, merges = smollm2_vocab(min(spec.vocab, 49152))  # SmolLM2's 49,152 at most
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("smollm")
     w.add_token_list(tokens)
@@ -143,7 +161,7 @@ def write_tiny_gguf(spec: TinySpec, path: str | Path) -> Path:
     w.add_pad_token_id(2)
     w.add_unk_token_id(0)
     w.add_add_bos_token(False)
-    for name, (values, qtype) in _tensors(spec).items():
+    for name, (values, qtype) in _tensors(spec, fast).items():
         data = _encode(values, qtype)
         w.add_tensor(name, data, raw_dtype=qtype if qtype not in (Q.F32, Q.F16) else None)
     w.write_header_to_file()
@@ -172,3 +190,22 @@ SPECS = {
     "llama": TinySpec("llama", "SmolLM2 tiny", 960, 15, 5, 64, 2560 - 32, seed=5,
                       qtypes={"attn": Q.Q4_0, "ffn": Q.Q4_0, "embd": Q.Q8_0}),
 }
+
+# Whole models' shapes, for `python tests/tiny_gguf.py NAME OUT.gguf` (random blocks; benchmarks)
+FULL_SPECS = {
+    # Qwen2.5-0.5B-Instruct's shapes, all Q8_0: 0.53 GB
+    "qwen2.5-0.5b-q8_0": TinySpec("qwen2", "Qwen2.5 0.5B synthetic", 896, 14, 2, 64, 4864, layers=24,
+                                  vocab=151936, bias=True, seed=10,
+                                  qtypes={"attn": Q.Q8_0, "ffn": Q.Q8_0, "embd": Q.Q8_0}),
+    # the same in Q4_0 (Q8_0 embeddings, as llama.cpp's Q4_0 files keep): 0.34 GB
+    "qwen2.5-0.5b-q4_0": TinySpec("qwen2", "Qwen2.5 0.5B synthetic", 896, 14, 2, 64, 4864, layers=24,
+                                  vocab=151936, bias=True, seed=11,
+                                  qtypes={"attn": Q.Q4_0, "ffn": Q.Q4_0, "embd": Q.Q8_0}),
+}
+
+
+if __name__ == "__main__":
+    import sys
+
+    name, out = sys.argv[1], sys.argv[2]
+    print(write_tiny_gguf(FULL_SPECS[name], out, fast=True).stat().st_size)

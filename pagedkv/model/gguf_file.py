@@ -4,6 +4,12 @@ Why not `gguf.GGUFReader`: it builds several numpy views for every element of ev
 array, and a tokenizer stores ~100k strings (SmolLM2: ~5 s of parsing). GGUF's header is a
 simple little-endian record stream, so walking it with `struct` takes ~0.1 s. The tensor data
 itself is dequantized with the `gguf` package (`gguf.quants.dequantize`), never by hand.
+
+The file is mapped copy-on-write (MAP_PRIVATE, as llama.cpp maps it): `raw`/`tensor_bytes`
+views are writable without ever changing the file, their pages are the page cache's own until
+written, and a view keeps the mapping alive. Nothing is read at open beyond the header; the
+kernel is asked to read the rest ahead in the background (MADV_WILLNEED), so the first steps
+do not wait on page faults of a cold file.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
 
@@ -53,6 +60,15 @@ _NUMPY = {
 }
 
 
+def _map(fd: int) -> tuple[mmap.mmap, bool]:
+    """(the whole file mapped, writable?): copy-on-write; read-only where a private writable
+    mapping is refused (strict overcommit accounting charges one for the file's size)."""
+    try:
+        return mmap.mmap(fd, 0, access=mmap.ACCESS_COPY), True
+    except OSError:
+        return mmap.mmap(fd, 0, access=mmap.ACCESS_READ), False
+
+
 @dataclass(slots=True)
 class GGUFTensorInfo:
     name: str
@@ -71,7 +87,7 @@ class GGUFFile:
             raise ModelLoadError(f"GGUF file not found: {self.path}")
         with open(self.path, "rb") as f:
             try:
-                self._buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                self._buf, self._writable = _map(f.fileno())
             except ValueError as e:  # empty file
                 raise ModelLoadError(f"{self.path} is not a GGUF file ({e})") from e
         self.metadata: dict[str, Any] = {}
@@ -80,6 +96,8 @@ class GGUFFile:
             self._parse()
         except (struct.error, UnicodeDecodeError, ValueError, IndexError) as e:
             raise ModelLoadError(f"{self.path} is not a valid GGUF file ({e})") from e
+        if hasattr(self._buf, "madvise") and hasattr(mmap, "MADV_WILLNEED"):
+            self._buf.madvise(mmap.MADV_WILLNEED)  # read-ahead only: never blocks, never fails
 
     # --- header ---------------------------------------------------------------------------------
 
@@ -146,6 +164,25 @@ class GGUFFile:
         byte_shape = (*info.shape[:-1], info.shape[-1] // block * type_size)
         flat = np.frombuffer(self._buf, dtype=np.uint8, count=info.nbytes, offset=info.offset)
         return flat.reshape(byte_shape)
+
+    def tensor_bytes(self, name: str) -> torch.Tensor:
+        """The same bytes as a torch uint8 tensor [..., row_bytes] viewing the mapping (no copy;
+        writes stay in this process's private pages)."""
+        info = self._info(name)
+        block, type_size = GGML_QUANT_SIZES[info.qtype]
+        byte_shape = (*info.shape[:-1], info.shape[-1] // block * type_size)
+        if info.nbytes == 0:
+            return torch.empty(byte_shape, dtype=torch.uint8)
+        if not self.copy_on_write:  # a read-only mapping: torch needs writable memory
+            return torch.from_numpy(np.array(self.raw(name)))
+        flat = torch.frombuffer(self._buf, dtype=torch.uint8, count=info.nbytes, offset=info.offset)
+        return flat.view(byte_shape)
+
+    @property
+    def copy_on_write(self) -> bool:
+        """True when views are writable (the usual case); False when only a read-only mapping
+        could be made, and tensor_bytes copies."""
+        return self._writable
 
     def dequantize(self, name: str) -> np.ndarray:
         """A tensor as float32, in PyTorch shape order."""

@@ -222,16 +222,17 @@ def _gguf_weights(
     g: GGUFFile, cfg: ModelConfig, permuted: bool, keep: bool
 ) -> Iterator[tuple[str, torch.Tensor | QPart]]:
     """(HF name, float32 tensor) for each tensor of the file, one at a time; with `keep`, every
-    matrix comes as a QPart instead (its blocks copied out of the file, q/k rows reordered)."""
+    matrix comes as a QPart instead: a view of the file's mapped blocks, not copied and not
+    read here (only llama q/k rows, reordered, are copies). F32 tensors are views of the
+    mapping too, copied once, into their parameter."""
     for gguf_name in g.tensors:
         name = _hf_name(gguf_name, cfg.fused_projections)
         info = g.tensors[gguf_name]
         if keep and len(info.shape) == 2:
-            rows = torch.from_numpy(np.array(g.raw(gguf_name)))  # [rows, row_bytes] uint8
+            rows = g.tensor_bytes(gguf_name)  # [rows, row_bytes] uint8, the file's pages
             yield name, QPart(info.qtype, _unpermute_if(rows, name, cfg, permuted), info.shape[1])
             continue
-        arr = g.dequantize(gguf_name)
-        # F32 tensors come back as read-only views of the mmap; torch wants writable memory
+        arr = g.dequantize(gguf_name)  # F32: a copy-on-write view of the mapping
         w = torch.from_numpy(arr if arr.flags.writeable else np.array(arr))
         yield name, _unpermute_if(w, name, cfg, permuted)
 

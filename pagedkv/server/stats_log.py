@@ -67,4 +67,24 @@ async def log_stats(engine: Any, interval: float) -> None:
             text = line.update(stats, time.monotonic())
             if text:
                 logger.info(text)
+            await _recheck_threads(engine)
         await asyncio.sleep(interval)
+
+
+async def _recheck_threads(engine: Any) -> None:
+    """Other programs' CPU use since the last line (cpu_load.CoreWatch): log a change, and
+    apply an automatic thread count on the engine thread, between two steps."""
+    from pagedkv import cpu_load
+
+    if cpu_load.WATCH is None:
+        return
+    msg, threads = cpu_load.WATCH.check()
+    if msg:
+        logger.warning(msg)
+    if threads is not None:
+        import torch
+
+        try:
+            await engine.call(lambda e: torch.set_num_threads(threads))
+        except Exception:  # engine stopped or stopping
+            pass
