@@ -59,3 +59,20 @@ def test_llama_qk_rows_are_reordered_copies(tmp_path: Path) -> None:
     assert _mapped_file(q.data_ptr()) != str(path) and _mapped_file(k.data_ptr()) != str(path)
     assert _mapped_file(v.data_ptr()) == str(path)
     assert _mapped_file(layer.gate_up_proj.q.parts[0][1].data_ptr()) == str(path)
+
+
+def test_bench_decode_any_model(qwen2_file: Path) -> None:
+    """`pagedkv bench decode --model PATH --quick` on a file that is not the shipped one."""
+    import argparse
+
+    from pagedkv.bench import bench_decode
+
+    args = argparse.Namespace(model=str(qwen2_file), threads=1, quick=True, decode_tokens=8,
+                              prefill_tokens=16, repeats=1)
+    res = bench_decode.run(args)
+    assert res["architecture"] == "qwen2" and res["file_bytes"] == qwen2_file.stat().st_size
+    assert set(res["types"]) == {"Q8_0", "Q4_0", "F32"}
+    assert res["types"]["Q4_0"]["tensors"] == 3 * 2  # gate, up, down in both layers
+    assert 0.9 < res["weight_bytes_vs_file"] <= 1.0
+    for mode in ("quantized", "quantized_int8"):
+        assert res[mode]["decode_tok_s"] > 0 and res[mode]["prefill_tok_s"] > 0

@@ -19,6 +19,9 @@ quant.TILED_ROWS and quant.GEMM_MIN_ROWS),
 the exact vs int8-activation kernels alone at 1, 8 and 40 rows (and a whole step's int8 matmuls
 by rows, row kernel vs VNNI panel vs tiles: the rules behind quant.PANEL_ROWS and quant.A8_ROWS), and how often greedy decoding with int8 activations picks the
 exact mode's tokens (agreement, first divergences).
+
+`--model PATH` benchmarks any GGUF file instead (run_model): its type mix and weight bytes vs
+file bytes, load time, and the quantized modes' decode / prefill speed and step breakdown.
 """
 
 from __future__ import annotations
@@ -35,6 +38,10 @@ import torch
 
 
 def add_args(p) -> None:  # noqa: ANN001
+    p.add_argument("--model", default=None, metavar="PATH",
+                   help="any GGUF file: its type mix, weight vs file bytes, load time, decode and "
+                        "prefill tok/s (quantized, exact and int8 activations); default: the "
+                        "shipped SmolLM2 with every mode and the kernel studies")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--prefill-tokens", type=int, default=512)
@@ -96,7 +103,8 @@ def _decode(engine, ids: list[int], n: int) -> float:  # noqa: ANN001
 def _prefill(engine, n: int) -> float:  # noqa: ANN001
     from pagedkv.engine import SamplingParams
 
-    ids = torch.randint(100, 40000, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+    top = min(40000, engine.loaded.config.vocab_size)
+    ids = torch.randint(min(100, top - 1), top, (n,), generator=torch.Generator().manual_seed(n)).tolist()
     engine.add_request(f"p{time.monotonic_ns()}", ids, SamplingParams(temperature=0.0, max_tokens=1))
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
@@ -314,7 +322,8 @@ def _mode(weights: str, args, ids: list[int], gbs_ref: tuple[float, float], acti
 
     copy_gbs, rd_gbs = gbs_ref
     t0 = time.perf_counter()
-    loaded = load_model(weights=weights, activations=activations, batch_weights=batch_weights)
+    loaded = load_model(getattr(args, "model", None), weights=weights, activations=activations,
+                        batch_weights=batch_weights)
     load_s = time.perf_counter() - t0
     engine = _engine(loaded)
     n = 24 if args.quick else args.decode_tokens
@@ -338,9 +347,65 @@ def _mode(weights: str, args, ids: list[int], gbs_ref: tuple[float, float], acti
     return out
 
 
+def file_facts(path: str) -> dict:
+    """What a GGUF file holds: architecture, shapes, and per ggml type its tensors, elements and
+    bytes (the "type mix"), file bytes."""
+    from collections import Counter
+
+    from pagedkv.model.gguf_file import GGUFFile
+
+    g = GGUFFile(path)
+    tensors, elems, nbytes = Counter(), Counter(), Counter()
+    for info in g.tensors.values():
+        t = info.qtype.name
+        tensors[t] += 1
+        elems[t] += int(torch.tensor(info.shape).prod()) if info.shape else 1
+        nbytes[t] += info.nbytes
+    arch = g.metadata.get("general.architecture")
+    keys = ("embedding_length", "block_count", "feed_forward_length", "attention.head_count",
+            "attention.head_count_kv")
+    return {
+        "file": os.path.basename(path), "file_bytes": os.path.getsize(path), "architecture": arch,
+        "shape": {k: g.metadata.get(f"{arch}.{k}") for k in keys},
+        "types": {t: {"tensors": tensors[t], "elements": elems[t], "bytes": nbytes[t]}
+                  for t in sorted(nbytes, key=nbytes.get, reverse=True)},
+    }
+
+
+def _model_prompt(tok, vocab: int) -> list[int]:  # noqa: ANN001
+    """The chat prompt of the default run through the file's own template, else 40 fixed ids."""
+    msgs = [{"role": "user", "content": "Explain how a hash table works."}]
+    if tok is not None and getattr(tok, "chat_template", None):
+        text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        return list(tok(text, add_special_tokens=False).input_ids)
+    return torch.randint(0, vocab, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
+def run_model(args) -> dict:  # noqa: ANN001
+    """`--model PATH`: the file's facts and the quantized modes (exact and int8 activations)."""
+    from pagedkv.model import load_model, qkernel
+
+    torch.set_num_threads(args.threads)
+    copy_gbs, rd_gbs = memcpy_gbs(args.threads), read_gbs(args.threads)
+    res: dict = {"threads": args.threads, "memcpy_gbs": round(copy_gbs, 2), "read_gbs": round(rd_gbs, 2),
+                 **file_facts(args.model)}
+    probe = load_model(args.model, weights="quantized")
+    ids = _model_prompt(probe.tokenizer, probe.config.vocab_size)
+    res["config"] = {k: v for k, v in probe.config.to_dict().items() if k != "eos_token_ids"}
+    del probe
+    for key, act in (("quantized", "float32"), ("quantized_int8", "int8")):
+        res[key] = _mode("quantized", args, ids, (copy_gbs, rd_gbs), act)
+    res["weight_bytes_vs_file"] = round(res["quantized"]["weight_bytes"] / res["file_bytes"], 3)
+    res["kernel"] = qkernel.info()
+    res["machine_note"] = f"{os.cpu_count()} cpus; load average {os.getloadavg()[0]:.1f} at the end"
+    return res
+
+
 def run(args) -> dict:  # noqa: ANN001
     from pagedkv.model import load_model, qkernel
 
+    if getattr(args, "model", None):
+        return run_model(args)
     torch.set_num_threads(args.threads)
     copy_gbs, rd_gbs = memcpy_gbs(args.threads), read_gbs(args.threads)
     _log(f"memcpy {copy_gbs:.2f} GB/s, read {rd_gbs:.2f} GB/s")
