@@ -95,8 +95,9 @@ class EngineConfig:
               "holding them until the shared blocks are cached",
         flag="--no-dedup-inflight-prefixes")
     threads: int | None = option(
-        None, "torch threads (default: the physical core count; more threads than free cores "
-              "slows every step down)", parse=positive_int)  # process-wide; None: leave as is
+        None, "torch threads (default: one per physical core other programs leave free, "
+              "re-checked while serving; more threads than free cores slow every step down)",
+        parse=positive_int)  # process-wide; None: leave as is
     kv_tier_queue: int = option(256, "blocks waiting for the KV tier's writer", flag=None)
 
     def __post_init__(self) -> None:
