@@ -197,7 +197,7 @@ def fork_and_copy_on_write() -> list[str]:
         return [storage.read(1, cache.slot(seq, p))[0].item() for p in range(cache.num_tokens(seq))]
 
     def refs(seq: str) -> list[int]:
-        return [cache.pool.blocks[b].ref_cnt for b in cache.block_ids(seq)]
+        return cache.block_states()[0][cache.block_ids(seq)].tolist()
 
     write("parent", [1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
     cache.fork("parent", "child")

@@ -9,11 +9,11 @@ from pagedkv.cache import PagedKVCache
 
 def snapshot(cache: PagedKVCache) -> tuple:
     """Everything an operation could change: pool, free queue, hash index, tables, storage."""
-    pool = cache.pool
+    pool = cache._pool
     seqs = {
-        sid: (s.row, [b.block_id for b in s.blocks],
-              None if s.token_ids is None else list(s.token_ids), s.num_tokens, s.num_computed,
-              list(s.block_hashes), s.extra_key, s.hash_limit)
+        sid: (s.table.index, [b.block_id for b in s.blocks], s.token_ids, s.num_tokens,
+              s.num_written, s.block_hashes, s.extra_key, s.hash_limit,
+              None if s.chain is None else (list(s.chain.ids), list(s.chain.hashes)))
         for sid, s in cache.seqs.items()
     }
     return (
@@ -22,8 +22,8 @@ def snapshot(cache: PagedKVCache) -> tuple:
         {h: b.block_id for h, b in pool.hash_to_block.items()},
         (pool.num_cached_free, pool.allocations, pool.frees, pool.evictions),
         seqs,
-        cache._tables.tolist(),
-        list(cache._free_rows),
+        cache.table.buf.tolist(),
+        list(cache.table._free_rows),
         (cache.cow_copies, cache.prefix_queries, cache.prefix_hits),
         None if cache.storage is None else _storage_bytes(cache.storage),
     )

@@ -72,7 +72,7 @@ def test_beams_share_blocks_and_pruned_beams_give_them_back(llm, chat_ids) -> No
     assert all(s.shared_blocks <= s.copied_blocks for s in steps)
     assert any(s.shared_blocks < s.copied_blocks for s in steps)  # the prompt is shared
     cache = llm.engine.cache
-    held = sum(1 for b in cache.pool.blocks if b.ref_cnt > 0)
+    held = sum(1 for b in cache._pool.blocks if b.ref_cnt > 0)
     assert held == 0 and not cache.seqs  # every beam's blocks went back
     cache.check_invariants()
 

@@ -8,7 +8,7 @@ import torch
 from cache_snapshot import same_state, snapshot
 
 from pagedkv.cache import KVStorage, PagedKVCache, bytes_per_block
-from pagedkv.cache.hashing import chain_hashes
+from pagedkv.cache.hashing import HashChain, chain_hashes
 from pagedkv.errors import (
     CacheConfigError,
     DuplicateSequenceError,
@@ -23,11 +23,11 @@ LAYERS, HEADS, DIM = 2, 2, 3
 
 
 def refs(cache: PagedKVCache, seq_id) -> list[int]:
-    return [cache.pool.blocks[i].ref_cnt for i in cache.block_ids(seq_id)]
+    return [cache._pool.blocks[i].ref_cnt for i in cache.block_ids(seq_id)]
 
 
 def queue(cache: PagedKVCache) -> list[int]:
-    return [b.block_id for b in cache.pool.free_queue]
+    return [b.block_id for b in cache._pool.free_queue]
 
 
 def make(num_blocks: int = 16, block_size: int = 4, **kw) -> PagedKVCache:
@@ -254,7 +254,7 @@ def test_decode_step_fast_path():
     assert c.seq("a").token_ids == [1, 2, 3, 7] and c.seq("b").token_ids == [1, 2, 3, 4, 8]
     assert c.block_ids("a") == [0] and c.block_ids("b") == [1, 2]
     # the block "a" just filled is hashed like any full computed block
-    assert c.pool.blocks[0].hash == chain_hashes([1, 2, 3, 7], 4)[0]
+    assert c._pool.blocks[0].hash == chain_hashes([1, 2, 3, 7], 4)[0]
     slots, tables, lens = c.decode_tensors(["a", "b"])
     assert slots.tolist() == [3, 8] and lens.tolist() == [4, 5]
     assert tables.tolist() == [[0, 0], [1, 2]]
@@ -426,7 +426,7 @@ def test_full_blocks_get_the_chained_hash_partial_ones_none():
     c = make(8, 4)
     toks = list(range(10))
     c.create("a", toks)
-    blocks = [c.pool.blocks[i] for i in c.block_ids("a")]
+    blocks = [c._pool.blocks[i] for i in c.block_ids("a")]
     assert [b.hash for b in blocks[:2]] == chain_hashes(toks, 4)
     assert blocks[2].hash is None  # partial
     c.append("a", [10, 11])
@@ -445,7 +445,7 @@ def test_prefix_hit_shares_blocks_and_reports_cached_tokens():
     st = c.stats()
     assert (st.prefix_queries, st.prefix_hits) == (20, 8)
     assert st.prefix_hit_rate == pytest.approx(0.4)
-    assert c.seq("b").num_computed == 10
+    assert c.seq("b").num_written == 10
     c.check_invariants()
 
 
@@ -519,7 +519,7 @@ def test_reset_prefix_cache_empties_the_index():
     c.create("b", list(range(20, 30)))
     c.free("b")
     c.reset_prefix_cache()
-    assert c.pool.hash_to_block == {} and c.stats().cached_blocks == 0
+    assert c._pool.hash_to_block == {} and c.stats().cached_blocks == 0
     assert c.lookup(list(range(10))) == 0 and c.lookup(list(range(20, 30))) == 0
     c.append("a", [1, 2])  # live sequences keep working
     c.check_invariants()
@@ -529,14 +529,14 @@ def test_prefix_caching_disabled():
     c = make(8, 4, enable_prefix_caching=False)
     c.create("a", list(range(10)))
     assert c.create("b", list(range(10))) == 0
-    assert c.pool.hash_to_block == {} and c.stats().prefix_queries == 0
+    assert c._pool.hash_to_block == {} and c.stats().prefix_queries == 0
     assert c.lookup(list(range(10))) == 0
 
 
 def test_uncomputed_blocks_are_not_hashed_until_marked():
     c = make(8, 4)
     c.create("a", list(range(10)), computed=False)
-    assert c.pool.hash_to_block == {} and c.lookup(list(range(10))) == 0
+    assert c._pool.hash_to_block == {} and c.lookup(list(range(10))) == 0
     c.mark_computed("a", 5)
     assert c.lookup(list(range(10))) == 4
     c.mark_computed("a", 10)
@@ -548,7 +548,7 @@ def test_truncate_drops_the_hash_of_a_block_it_will_overwrite():
     c = make(8, 4)
     c.create("a", list(range(8)))
     c.truncate("a", 6)
-    assert c.pool.blocks[1].hash is None and c.lookup(list(range(8)) + [0]) == 4
+    assert c._pool.blocks[1].hash is None and c.lookup(list(range(8)) + [0]) == 4
     c.check_invariants()
 
 
@@ -561,11 +561,11 @@ def test_shared_block_cut_by_truncate_cannot_serve_stale_hits():
     write_positions(c, "a", 0, lambda p: 10 + p)
     c.fork("a", "b")  # speculation branch
     c.truncate("b", 6)  # rejected tokens: cut into the shared, hashed block 1
-    assert c.pool.blocks[1].hash is not None  # "a" still holds it full
+    assert c._pool.blocks[1].hash is not None  # "a" still holds it full
     c.free("a")
     c.append("b", [99])  # in place: block 1 is b's alone now
     write_positions(c, "b", 6, lambda p: 999)
-    assert c.pool.blocks[1].hash is None
+    assert c._pool.blocks[1].hash is None
     assert c.create("c", list(range(8)) + [5]) == 4
     write_positions(c, "c", 4, lambda p: 10 + p)
     assert read_values(c, "c") == [10 + p for p in range(8)] + [18]
@@ -697,7 +697,7 @@ def test_check_invariants_catches_a_stale_table():
     c = make(8, 4)
     c.create("a", list(range(6)))
     c.check_invariants()
-    c._np[c.seq("a").row, 0] = 5
+    c.table.np[c.seq("a").table.index, 0] = 5
     with pytest.raises(AssertionError):
         c.check_invariants()
 
@@ -705,7 +705,7 @@ def test_check_invariants_catches_a_stale_table():
 def test_check_invariants_catches_a_wrong_ref_count():
     c = make(8, 4)
     c.create("a", list(range(6)))
-    c.pool.blocks[0].ref_cnt = 2
+    c._pool.blocks[0].ref_cnt = 2
     with pytest.raises(AssertionError):
         c.check_invariants()
 
@@ -749,21 +749,44 @@ def test_decode_fast_path_counts_one_copy_when_every_sharer_writes():
     c.check_invariants()
 
 
-def test_shared_ids_are_referenced_not_copied():
+def test_an_owners_chain_is_read_not_copied():
+    """The engine's sequences pass their own HashChain: the cache grows by counts into ids the
+    owner appended first, and registers the chain's hashes (computed once, by the chain)."""
     c = PagedKVCache(8, 4)
-    ids = list(range(6))
-    c.create("a", ids, share_ids=True, computed=False)
-    ids.append(6)  # the owner appends first; the cache grows by a count
+    chain = HashChain(4, range(6))
+    c.create("a", chain, computed=False)
+    assert c.seq("a").chain is chain
+    chain.append(6)  # the owner appends first; the cache grows by a count
     c.append_one_each(["a"], computed=False)
-    assert c.num_tokens("a") == 7 and c.lookup(ids) == 0  # nothing hashed before mark_computed
+    assert c.num_tokens("a") == 7 and c.lookup(chain.ids) == 0  # nothing hashed before mark_computed
     c.mark_computed("a", 7)
-    assert c.lookup(ids + [9]) == 4
-    child = list(ids)
-    c.fork("a", "b", token_ids=child)
+    assert c.lookup(chain.ids + [9]) == 4 and c.seq("a").block_hashes == chain.hashes[:1]
+    child = chain.prefix(7)
+    c.fork("a", "b", chain=child)
     child.append(8)
+    with pytest.raises(PositionError):
+        c.append("b", 2)  # only one id ahead
+    with pytest.raises(CacheConfigError):
+        c.append("b", [5])  # ids come from the owner, not from the call
     c.append("b", 1)
     c.check_invariants()
     with pytest.raises(CacheConfigError):
-        c.append("b", [5])  # ids come from the owner, not from the call
-    with pytest.raises(CacheConfigError):
         c.append_one_each(["a"])  # the owner holds no id beyond the cache's
+    with pytest.raises(CacheConfigError):
+        c.create("z", HashChain(8, [1, 2]))  # another block size
+    c.check_invariants()
+
+
+def test_chain_hashes_match_the_block_hashes():
+    """A chain hashes each block once, when it fills, exactly as `chain_hashes` does; edits
+    rehash from the first block they change."""
+    ids = list(range(23))
+    chain = HashChain(4, (), "salt")
+    for t in ids:
+        chain.append(t)
+    assert chain.hashes == chain_hashes(ids, 4, "salt") and len(chain.hashes) == 5
+    chain.delete(5, 9)
+    assert chain.ids == ids[:5] + ids[9:] and chain.hashes == chain_hashes(chain.ids, 4, "salt")
+    copy = chain.prefix(9)
+    assert copy.ids == chain.ids[:9] and copy.hashes == chain.hashes[:2]
+    assert HashChain(4, ids, hashed=False).hashes == []

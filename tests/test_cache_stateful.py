@@ -258,7 +258,7 @@ class CacheMachine(RuleBasedStateMachine):
                 b = self.cache.block_ids(s)[-1]
                 writers[b] = writers.get(b, 0) + 1
         for b, k in writers.items():
-            refs = self.cache.pool.blocks[b].ref_cnt
+            refs = self.cache._pool.blocks[b].ref_cnt
             need += k - (k == refs) if refs > 1 else 0
         return need
 
@@ -267,11 +267,11 @@ class CacheMachine(RuleBasedStateMachine):
     def fork(self, idx: int) -> None:
         src, dst = self._pick(idx), self._new_id()
         shared = self.cache.block_ids(src)
-        refs = [self.cache.pool.blocks[b].ref_cnt for b in shared]
+        refs = [self.cache._pool.blocks[b].ref_cnt for b in shared]
         self.cache.fork(src, dst)
         assert self.cache.block_ids(dst) == shared
         # + one per table entry (an aligned `copy` can list a block twice in one table)
-        assert [self.cache.pool.blocks[b].ref_cnt for b in shared] == [
+        assert [self.cache._pool.blocks[b].ref_cnt for b in shared] == [
             r + shared.count(b) for r, b in zip(refs, shared, strict=True)]
         self.tokens[dst] = list(self.tokens[src])
         self.extra[dst] = self.extra[src]
@@ -372,15 +372,15 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(n=st.none() | st.integers(0, 4))
     def evict(self, n: int | None) -> None:
-        cached = self.cache.pool.num_cached_free
+        cached = self.cache._pool.num_cached_free
         got = self.cache.evict(n)
         assert got == (cached if n is None else min(n, cached))
-        assert self.cache.pool.num_cached_free == cached - got
+        assert self.cache._pool.num_cached_free == cached - got
 
     @rule()
     def reset_prefix_cache(self) -> None:
         self.cache.reset_prefix_cache()
-        assert not self.cache.pool.hash_to_block
+        assert not self.cache._pool.hash_to_block
         for tokens, extra in self.history:
             assert self.cache.lookup(tokens, extra) == 0
 
@@ -416,7 +416,7 @@ class CacheMachine(RuleBasedStateMachine):
         if self.cache is None:
             return
         bs = self.cache.block_size
-        for h, b in self.cache.pool.hash_to_block.items():
+        for h, b in self.cache._pool.hash_to_block.items():
             assert h in self.block_content, f"block {b.block_id} hashed for unknown contents"
             x = self.kv(self.block_content[h])
             k, v = self.stored(x), self.stored(-x)

@@ -53,8 +53,8 @@ def test_shifted_keys_equal_rope_at_the_new_positions(shifting: LLMEngine, smoll
 
     def watch() -> None:
         for s in engine.scheduler.running:
-            if s.n_dropped and s.num_computed == engine.cache.num_tokens(s.seq_id):
-                n = s.num_computed
+            if s.n_dropped and s.num_scheduled == engine.cache.num_tokens(s.seq_id):
+                n = s.num_scheduled
                 want = _fresh_layer0_keys(fresh, s.ctx_ids(0, n))
                 got = engine.storage.gather(0, engine.cache.block_ids(s.seq_id), n)[0]
                 torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)

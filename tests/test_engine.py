@@ -191,11 +191,11 @@ def test_failed_forward_registers_no_prefix_hash(smollm2, reference, fail_at) ->
     eng.add_request("b", PROMPTS[4], GREEDY)
     for _ in range(fail_at):
         eng.step()
-    hashed = dict(eng.cache.pool.hash_to_block)
+    hashed = dict(eng.cache._pool.hash_to_block)
     with pytest.raises(RuntimeError, match="injected"):
         eng.step()
     # nothing of the failed step is findable: only blocks written by earlier steps keep hashes
-    assert eng.cache.pool.hash_to_block == hashed
+    assert eng.cache._pool.hash_to_block == hashed
     assert eng.cache.stats().used_blocks == 0  # the step's sequences wait to be recomputed
     eng.cache.check_invariants()
     done = {}

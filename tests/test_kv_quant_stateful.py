@@ -104,10 +104,10 @@ class QuantCacheMachine(CacheMachine):
             return
         if self.tier is None:
             self.tier = DictTier()
-            self.cache.tier = TierConnector(self.tier, self.storage, write=False)
-        new = [(h, b) for h, b in self.cache.pool.hash_to_block.items() if h not in self.tier.data]
+            self.cache.attach_tier(TierConnector(self.tier, self.storage, write=False))
+        new = [(h, b) for h, b in self.cache.cached_blocks() if h not in self.tier.data]
         if new:
-            parts = self.storage.export_blocks([b.block_id for _, b in new])
+            parts = self.storage.export_blocks([b for _, b in new])
             self.tier.put_many([(h, {n: t[i] for n, t in parts.items()})
                                 for i, (h, _) in enumerate(new)])
 

@@ -124,7 +124,7 @@ def test_preempts_the_newest_and_requeues_it_first() -> None:
         _step(sched)
     assert sched.num_preemptions == 1
     assert sched.running == [a] and list(sched.waiting) == [b, w]
-    assert b.status is Status.WAITING and b.num_computed == 0
+    assert b.status is Status.WAITING and b.num_scheduled == 0
     assert _used(sched) == 3
 
 

@@ -8,6 +8,7 @@ import torch
 from cache_snapshot import same_state, snapshot
 from test_cache_manager import make, read_values, refs, write_positions
 
+from pagedkv.cache.hashing import HashChain
 from pagedkv.errors import (
     CacheConfigError,
     InvalidArgumentError,
@@ -78,7 +79,7 @@ def test_remove_drops_hashes_of_rewritten_blocks_and_stops_hashing():
     c.append("a", [7, 7, 7, 7, 7, 7])
     assert c.seq("a").block_hashes == []  # contents after an edit never serve prefix hits
     c.free("a")
-    assert not c.pool.hash_to_block or all(b.ref_cnt == 0 for b in c.pool.hash_to_block.values())
+    assert not c._pool.hash_to_block or all(b.ref_cnt == 0 for b in c._pool.hash_to_block.values())
     assert c.lookup(tokens) == 0
     c.check_invariants()
 
@@ -87,7 +88,7 @@ def test_unchanged_blocks_keep_a_valid_hash():
     c = filled(12)
     c.remove("a", 4, 8)  # block-aligned: no data moves
     # block 0 (kept) and block 1 (released, now cached) still hold exactly what they held
-    assert c.lookup(list(range(12))) == 8 and c.pool.num_cached_free == 1
+    assert c.lookup(list(range(12))) == 8 and c._pool.num_cached_free == 1
     assert len(c.seq("a").block_hashes) == 1 and c.seq("a").hash_limit == 1
 
 
@@ -127,7 +128,7 @@ def test_uncomputed_positions_cannot_be_copied_or_shifted_but_stay_uncomputed_on
         c.shift("a", 2, 4, 1)
     assert same_state(before, snapshot(c))
     c.remove("a", 1, 2)
-    assert c.seq("a").num_computed == 2 and c.num_tokens("a") == 5
+    assert c.seq("a").num_written == 2 and c.num_tokens("a") == 5
 
 
 # --- copy -------------------------------------------------------------------------------------
@@ -271,17 +272,20 @@ def test_remove_from_a_table_listing_a_block_twice_keeps_ref_counts():
     assert read_values(c, "a") == [12, 13, 10, 11]
 
 
-def test_an_owners_id_list_is_never_edited():
-    """The engine's sequences reference their own ids: remove leaves that list alone (the owner
-    keeps its view) and hashing stops at the edit, so the ids past it are never read."""
+def test_an_owners_chain_gets_the_contexts_edits():
+    """The engine's sequences pass their own HashChain: remove deletes the range from it too
+    (it holds the context; ids appended ahead are kept) and hashing stops at the edit, so the
+    chain's hashes past it are never registered."""
     c = make(8, 4)
     ids = list(range(10))
-    c.create("a", ids, share_ids=True)
+    chain = HashChain(4, ids)
+    c.create("a", chain)
+    chain.append(10)  # the owner is one id ahead of the cache
     c.register_rotation(add_k)
     c.remove("a", 4, 6)
     c.shift("a", 4, 8, -2)
     assert ids == list(range(10)) and c.num_tokens("a") == 8
+    assert chain.ids == [0, 1, 2, 3, 6, 7, 8, 9, 10]
     assert c.seq("a").hash_limit == 1 and len(c.seq("a").block_hashes) == 1
-    ids.append(99)
     c.append_one_each(["a"])
     c.check_invariants()

@@ -80,7 +80,7 @@ def test_corrupt_entry_recomputed_output_identical(smollm2, cold, tmp_path: Path
     run(llm, QUESTIONS[0])
     drain(llm)
     tier = llm.engine.tiers.connector.tier
-    hashes = llm.engine.cache.pool.hash_to_block
+    hashes = llm.engine.cache._pool.hash_to_block
     from pagedkv.cache.hashing import chain_hashes
 
     ids = llm.engine.tokenize(prompt(QUESTIONS[1]))

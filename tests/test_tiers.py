@@ -198,7 +198,8 @@ def test_connector_fetch_stops_at_first_gap(tmp_path: Path) -> None:
     conn = TierConnector(tier, dst, write=False, read_batch=2)
     got = conn.fetch([key(0), key(1), key(2), key(3)])
     assert len(got) == 2
-    conn.load([6, 7], got)
+    for bid, p in zip([6, 7], got, strict=True):
+        dst.import_blocks([bid], {n: t.unsqueeze(0) for n, t in p.items()})
     assert torch.equal(dst.kv[:, :, 6:8], st.kv[:, :, 0:2])
     assert conn.hit_tokens == 8 and conn.miss_tokens == 8
 

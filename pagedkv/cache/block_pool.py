@@ -189,6 +189,27 @@ class BlockPool:
         for b in list(self.hash_to_block.values()):
             self.drop_hash(b)
 
+    def compact(self) -> list[tuple[int, int]]:
+        """Renumber the blocks: used ones take the lowest ids, cached free ones the next (their
+        data kept), plain free ones the rest. Block objects (and so the hash index and every
+        table's list) follow; the caller moves the data and rewrites the table buffers.
+        The free queue becomes plain blocks in id order, then cached ones in their LRU order.
+        Returns (old id, new id) for every block whose data must move."""
+        used = [b for b in self.blocks if b.ref_cnt > 0]
+        cached = [b for b in self.free_queue if b.hash is not None]
+        plain = [b for b in self.blocks if b.ref_cnt == 0 and b.hash is None]
+        order = used + cached + plain
+        moves = [(b.block_id, new) for new, b in enumerate(order[: len(used) + len(cached)])
+                 if b.block_id != new]
+        for new, b in enumerate(order):
+            b.block_id = new
+        self.blocks = order
+        for b in list(self.free_queue):
+            self.free_queue.remove(b)
+        for b in plain + cached:
+            self.free_queue.push_back(b)
+        return moves
+
     def check_invariants(self) -> None:
         seen = set()
         for b in self.free_queue:

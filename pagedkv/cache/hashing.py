@@ -41,3 +41,64 @@ def chain_hashes(
                             extra_key if i == 0 else None)
         out.append(parent)
     return out
+
+
+class HashChain:
+    """A sequence's token ids and the chained hashes of their full blocks, grown as ids are
+    appended (vLLM's `Request.block_hashes`): each block is hashed once, when it fills.
+
+    Invariant: `hashes[i]` is `block_hash` of block i of `ids` chained from `hashes[i - 1]`
+    (the extra key folded into block 0), for every full block: `len(hashes) == len(ids) //
+    block_size`. Edits (`delete`) rehash from the first block they change. With `hashed=False`
+    (prefix caching off) only the ids are kept and `hashes` stays empty.
+
+    The engine's `Sequence` owns one over its context; a `PagedKVCache` sequence created from it
+    reads it (lookups, and the hash each block gets once its K/V are written) and applies to it
+    the edits it makes to the context (truncate, remove, copy), so the chain always holds the
+    context the cache holds, plus any ids the owner appended ahead of the cache.
+    """
+
+    __slots__ = ("block_size", "extra_key", "hashed", "hashes", "ids")
+
+    def __init__(self, block_size: int, ids: Sequence[int] = (), extra_key: object = None,
+                 *, hashed: bool = True) -> None:
+        self.block_size = block_size
+        self.extra_key = extra_key
+        self.hashed = hashed
+        self.ids: list[int] = []
+        self.hashes: list[bytes] = []
+        self.extend(ids)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def append(self, token_id: int) -> None:
+        self.ids.append(token_id)
+        if self.hashed and len(self.ids) % self.block_size == 0:
+            self._rehash()
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        self.ids.extend(token_ids)
+        self._rehash()
+
+    def delete(self, start: int, end: int) -> None:
+        """Drop ids [start, end); the hashes of the blocks from `start`'s on are recomputed."""
+        del self.ids[start:end]
+        del self.hashes[start // self.block_size :]
+        self._rehash()
+
+    def prefix(self, n: int) -> HashChain:
+        """A new chain of the first `n` ids (their hashes copied, not recomputed)."""
+        out = HashChain(self.block_size, (), self.extra_key, hashed=self.hashed)
+        out.ids = self.ids[:n]
+        out.hashes = self.hashes[: n // self.block_size] if self.hashed else []
+        return out
+
+    def _rehash(self) -> None:
+        if not self.hashed:
+            return
+        bs, ids, out = self.block_size, self.ids, self.hashes
+        for i in range(len(out), len(ids) // bs):
+            parent = out[-1] if out else ROOT_HASH
+            out.append(block_hash(parent, ids[i * bs : (i + 1) * bs],
+                                  self.extra_key if i == 0 else None))

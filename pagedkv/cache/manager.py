@@ -1,24 +1,23 @@
-"""PagedKVCache: per-sequence block tables over a shared BlockPool.
+"""PagedKVCache: sequences over a shared BlockPool, each with its block table (block_table.py).
 
-Ownership: a sequence owns one reference to each block in its table; a block shared by a fork or
-a prefix hit has one reference per table that holds it. Only the last block of a table can be
-partly filled, and only it is ever written by an append; if it is shared, the writer first gets
-a private copy (copy-on-write), so no sequence ever sees another's later writes.
+Ownership: a sequence's `TableRow` holds one reference to each block it lists; a block shared by
+a fork or a prefix hit has one reference per table that lists it. Only the last block of a table
+can be partly filled, and only it is ever written by an append; if it is shared, the writer first
+gets a private copy (`BlockTable.copy_on_write`, the cache's one copy-on-write), so no sequence
+ever sees another's later writes. Nothing outside this module, block_table.py and block_pool.py
+touches the pool: the engine uses the calls below (`cached_prefix_len`, `cached_blocks`,
+`import_cached`, `attach_tier`, `block_states`).
 
-Hashes: a sequence's full block gets its chained hash once its K/V are computed (`computed=True`
-on create/append, or `mark_computed` after the forward pass that wrote them): a block is never
-findable by a prefix lookup before its K/V exist. A full block never changes again unless
-`truncate` makes it a partial last block again: then, if no one else holds it, its hash is
-dropped before it can be overwritten.
-
-Token ids: by default the cache keeps its own copy of a sequence's ids (direct users). With
-`share_ids=True` (the engine) it keeps a reference to the caller's list instead: the caller owns
-it, only ever appends to it, and grows the cache by counts; the cache reads the first
-`num_tokens` ids for hashing and never writes the list.
-
-Block tables live in a persistent int32 buffer [rows, max_blocks] (one row per live sequence),
-updated in place when a block is added, copied or moved; the batched tensors of a step are
-built from it with a few vectorized ops.
+Hashes: a sequence's token ids and their block hashes are a `HashChain` (hashing.py): the caller's
+(the engine's Sequence owns one and appends to it before growing the cache by a count) or one the
+cache builds from the ids it is given (direct users: tests, the demo, the benchmarks). Each block
+is hashed once, by the chain; a full block is registered under its hash once its K/V are computed
+(`computed=True` on create/append, or `mark_computed` after the forward pass that wrote them): a
+block is never findable by a prefix lookup before its K/V exist. A full block never changes again
+unless `truncate` makes it a partial last block again: then, if no one else holds it, its hash is
+dropped before it can be overwritten. The cache applies its context edits (truncate, remove,
+copy) to the chain too, so the chain always holds the sequence's context, plus ids its owner
+appended ahead of the cache.
 
 Validation: every public method checks its arguments (sequence ids hashable, token ids ints
 within int64, paired lists of equal length) before it changes anything, and reports bad input
@@ -28,15 +27,16 @@ as a PagedKVError (InvalidArgumentError, PositionError, UnknownSequenceError...)
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from operator import index
 
 import numpy as np
 import torch
 
+from pagedkv.cache import seq_ops
 from pagedkv.cache.block_pool import Block, BlockPool
-from pagedkv.cache.hashing import ROOT_HASH, block_hash, chain_hashes
-from pagedkv.cache.seq_ops import SeqOpsMixin
+from pagedkv.cache.block_table import BlockTable, TableRow
+from pagedkv.cache.hashing import HashChain, chain_hashes
 from pagedkv.cache.storage import KVStorage
 from pagedkv.errors import (
     CacheConfigError,
@@ -54,17 +54,43 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 @dataclass(slots=True, eq=False)
 class SeqState:
+    """One sequence in the cache. Invariants: `table` lists ceil(num_tokens / block_size)
+    blocks; `chain` (None: ids unknown, a bare count, never hashed) holds at least num_tokens
+    ids; num_hashed <= num_written // block_size, and its first num_hashed blocks were
+    registered under chain.hashes (a block keeps that hash until the pool drops it)."""
+
     seq_id: SeqId
-    row: int  # row of this sequence in the block-table buffer
-    blocks: list[Block] = field(default_factory=list)
-    token_ids: list[int] | None = field(default_factory=list)  # None: ids unknown, no caching
+    table: TableRow
+    chain: HashChain | None
     num_tokens: int = 0
-    num_computed: int = 0  # tokens whose K/V are written; full blocks below are hashed
-    block_hashes: list[bytes] = field(default_factory=list)  # chain of its full, computed blocks
-    extra_key: object = None
+    num_written: int = 0  # tokens whose K/V are written; full blocks below are hashed
+    num_hashed: int = 0  # leading blocks registered under their chain hash
     hash_limit: int | None = None  # blocks from here on were edited (seq_ops): never hashed
     tier_tokens: int = 0  # prompt tokens whose K/V were loaded from the KV tier at creation
-    shared_ids: bool = False  # token_ids is the owner's list (read only here, may run ahead)
+
+    @property
+    def blocks(self) -> list[Block]:
+        return self.table.blocks
+
+    @property
+    def token_ids(self) -> list[int] | None:
+        """The ids the cache holds (a copy), None for a bare count."""
+        return None if self.chain is None else self.chain.ids[: self.num_tokens]
+
+    @property
+    def block_hashes(self) -> list[bytes]:
+        """Hashes of the blocks registered so far, in order."""
+        return [] if self.chain is None else self.chain.hashes[: self.num_hashed]
+
+    @property
+    def extra_key(self) -> object:
+        return None if self.chain is None else self.chain.extra_key
+
+    def freeze(self, first_block: int) -> None:
+        """Blocks from `first_block` on no longer equal a fresh prefill: never hash them."""
+        self.num_hashed = min(self.num_hashed, first_block)
+        limit = self.hash_limit
+        self.hash_limit = first_block if limit is None else min(limit, first_block)
 
 
 @dataclass(slots=True)
@@ -118,7 +144,8 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class PagedKVCache(SeqOpsMixin):
+
+class PagedKVCache:
     """Sequences, block tables, sharing and prefix caching over a pool of `num_blocks` blocks.
 
     `storage` (optional) holds the K/V data; when given, copy-on-write and defragmentation move
@@ -151,22 +178,29 @@ class PagedKVCache(SeqOpsMixin):
         self.storage = storage
         self.enable_prefix_caching = enable_prefix_caching
         self.bytes_per_block = bytes_per_block or (storage.bytes_per_block if storage else 0)
-        self.pool = BlockPool(num_blocks)
-        self.seqs: dict[SeqId, SeqState] = {}
+        self._pool = BlockPool(num_blocks)
         cols = _cdiv(max_seq_len, block_size) if max_seq_len else min(num_blocks, 64)
-        self._tables = torch.zeros((16, max(1, cols)), dtype=torch.int32)  # [rows, max_blocks]
-        self._np = self._tables.numpy()  # same memory: scalar writes without torch overhead
-        self._free_rows = list(range(15, -1, -1))
-        self.cow_copies = 0
+        self.table = BlockTable(self._pool, block_size, cols,
+                                None if storage is None else storage.copy_blocks)
+        self.seqs: dict[SeqId, SeqState] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.tier = None  # a TierConnector (pagedkv.cache.tiers): the second level under the pool
+        self.rotate_k: seq_ops.RotateK | None = None
 
     # --- queries ------------------------------------------------------------------------------
 
     @property
     def num_free_blocks(self) -> int:
-        return self.pool.num_free
+        return self._pool.num_free
+
+    @property
+    def cow_copies(self) -> int:
+        return self.table.cow_copies
+
+    @property
+    def num_evictions(self) -> int:
+        return self._pool.evictions
 
     def seq(self, seq_id: SeqId) -> SeqState:
         try:
@@ -188,9 +222,9 @@ class PagedKVCache(SeqOpsMixin):
     def __repr__(self) -> str:
         """Counts only (O(1)): `PagedKVCache(1024 blocks x 16 tokens: 12 used, 3 cached,
         1009 free; 2 sequences; prefix caching on)`. `stats()` has the rest."""
-        free = self.pool.num_free
+        free = self._pool.num_free
         return (f"PagedKVCache({self.num_blocks} blocks x {self.block_size} tokens: "
-                f"{self.num_blocks - free} used, {self.pool.num_cached_free} cached, {free} free; "
+                f"{self.num_blocks - free} used, {self._pool.num_cached_free} cached, {free} free; "
                 f"{len(self.seqs)} sequences; prefix caching "
                 f"{'on' if self.enable_prefix_caching else 'off'})")
 
@@ -209,6 +243,14 @@ class PagedKVCache(SeqOpsMixin):
         bs = self.block_size
         return [min(bs, s.num_tokens - i * bs) for i in range(len(s.blocks))]
 
+    def block_states(self) -> tuple[np.ndarray, np.ndarray]:
+        """(int32 [num_blocks] reference counts, bool [num_blocks] holds a prefix hash), by
+        block id: a read-only picture of the pool (block maps, tests)."""
+        blocks, n = self._pool.blocks, self.num_blocks
+        refs = np.fromiter((b.ref_cnt for b in blocks), np.int32, n)
+        hashed = np.fromiter((b.hash is not None for b in blocks), np.bool_, n)
+        return refs, hashed
+
     def slot(self, seq_id: SeqId, pos: int) -> int:
         """Cache slot of token `pos`: block_id * block_size + offset."""
         s = self.seq(seq_id)
@@ -225,9 +267,10 @@ class PagedKVCache(SeqOpsMixin):
             return _cdiv(num_tokens, self.block_size)
         s = self.seq(seq_id)
         grow = _cdiv(s.num_tokens + num_tokens, self.block_size) - len(s.blocks)
-        return grow + int(num_tokens > 0 and self._needs_cow(s))
+        return grow + int(num_tokens > 0 and self.needs_cow(s))
 
-    def _needs_cow(self, s: SeqState) -> bool:
+    def needs_cow(self, s: SeqState) -> bool:
+        """Would writing s's next token copy its last block first (partial and shared)?"""
         return s.num_tokens % self.block_size != 0 and s.blocks[-1].ref_cnt > 1
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -235,18 +278,19 @@ class PagedKVCache(SeqOpsMixin):
     def create(
         self,
         seq_id: SeqId,
-        token_ids: Sequence[int] | int,
+        token_ids: Sequence[int] | int | HashChain,
         *,
         extra_key: object = None,
         computed: bool = True,
         reserve: int = 0,
-        share_ids: bool = False,
     ) -> int:
-        """Add a sequence holding `token_ids` (or a count of unknown tokens).
+        """Add a sequence holding `token_ids`: ids (the cache keeps them in its own HashChain),
+        a count of unknown tokens (never hashed), or the owner's HashChain (the sequence holds
+        all its ids; its extra key is the chain's, and the owner appends to it first, then
+        grows the sequence by a count).
 
         `reserve`: fail unless this many free blocks remain afterwards (a scheduler's headroom
-        for the sequences already running). `share_ids`: keep a reference to `token_ids` (a
-        list the caller owns) instead of a copy.
+        for the sequences already running).
 
         Reuses cached blocks of the longest cached prefix (capped at len - 1 tokens, so the last
         token is always computed for its logits) and allocates the rest. With a KV tier
@@ -256,7 +300,7 @@ class PagedKVCache(SeqOpsMixin):
         came from the tier). All-or-nothing: OutOfBlocksError changes nothing.
         """
         out = self.try_create(seq_id, token_ids, extra_key=extra_key, computed=computed,
-                              reserve=reserve, share_ids=share_ids)
+                              reserve=reserve)
         if isinstance(out, OutOfBlocksError):
             raise out
         return out
@@ -264,88 +308,102 @@ class PagedKVCache(SeqOpsMixin):
     def try_create(
         self,
         seq_id: SeqId,
-        token_ids: Sequence[int] | int,
+        token_ids: Sequence[int] | int | HashChain,
         *,
         extra_key: object = None,
         computed: bool = True,
         reserve: int = 0,
-        share_ids: bool = False,
     ) -> int | OutOfBlocksError:
         """`create`, except that not fitting is an expected outcome: it returns the
         OutOfBlocksError (nothing changed) instead of raising it. Bad arguments still raise."""
-        self._check_new(seq_id)
-        if share_ids:
-            if not isinstance(token_ids, list):
-                raise CacheConfigError("share_ids needs the owner's list of token ids")
-            _check_ids(token_ids)  # validates only: the owner's list is kept as it is
-            ids: list[int] | None = token_ids
-        else:
-            ids = self._as_ids(token_ids)
-        n = len(ids) if ids is not None else int(token_ids)  # type: ignore[arg-type]
-        hits, hashes = self._find_cached(ids, n, extra_key)
+        self.check_new_id(seq_id)
+        chain, n = self._chain_of(token_ids, extra_key)
+        hits, limit = self._find_cached(chain, n)
         needed = _cdiv(n, self.block_size) - len(hits)
         revived = sum(1 for b in hits if b.ref_cnt == 0)  # touching them takes them off the queue
-        available = self.pool.num_free - revived - reserve
+        available = self._pool.num_free - revived - reserve
         if needed > available:
             return OutOfBlocksError(needed, available, f"sequence {seq_id!r}")
-        loaded = self.tier.fetch(hashes[len(hits):]) if self.tier and hashes[len(hits):] else []
-        for b in hits:
-            self.pool.touch(b)
-        fresh = self.pool.allocate(needed)
-        if loaded:
-            self.tier.load([b.block_id for b in fresh[: len(loaded)]], loaded)
-            for b, h in zip(fresh, hashes[len(hits) : len(hits) + len(loaded)], strict=False):
-                self.pool.set_hash(b, h)
-        s = SeqState(seq_id, self._take_row(), hits + fresh, ids, n)
-        s.extra_key = extra_key
-        s.shared_ids = share_ids
-        s.block_hashes = hashes[: len(hits) + len(loaded)]
-        s.num_computed = cached = (len(hits) + len(loaded)) * self.block_size
+        ask = chain.hashes[len(hits) : limit] if chain is not None and self.tier else []
+        loaded = self.tier.fetch(ask) if ask else []
+        s = SeqState(seq_id, self.table.open(hits, needed), chain, n)
+        self._load(s.blocks[len(hits) : len(hits) + len(loaded)], ask, loaded)
+        s.num_hashed = len(hits) + len(loaded)
+        s.num_written = cached = s.num_hashed * self.block_size
         s.tier_tokens = len(loaded) * self.block_size
         self.seqs[seq_id] = s
-        self._write_row(s, 0)
-        if ids is not None and self.enable_prefix_caching:
+        if chain is not None and self.enable_prefix_caching:
             self.prefix_queries += n
             self.prefix_hits += len(hits) * self.block_size
         if computed:
             self.mark_computed(seq_id, n)
         return cached
 
+    def _chain_of(self, token_ids: object, extra_key: object) -> tuple[HashChain | None, int]:
+        """(the new sequence's chain, its token count); validates only."""
+        if isinstance(token_ids, HashChain):
+            if token_ids.block_size != self.block_size:
+                raise CacheConfigError(f"a chain of {token_ids.block_size}-token blocks for a "
+                                       f"cache of {self.block_size}")
+            if extra_key is not None and extra_key != token_ids.extra_key:
+                raise CacheConfigError("a chain carries its own extra key")
+            _check_ids(token_ids.ids)
+            return token_ids, len(token_ids)
+        ids = self._as_ids(token_ids)
+        if ids is None:
+            return None, _as_int(token_ids)
+        return HashChain(self.block_size, ids, extra_key, hashed=self.enable_prefix_caching), len(ids)
+
+    def _load(self, blocks: list[Block], hashes: Sequence[bytes], parts: Sequence) -> None:
+        """Copy tier/snapshot block contents into `blocks` and register them under `hashes`
+        (the one path by which K/V from outside the pool become prefix blocks)."""
+        storage = self.storage
+        for b, h, p in zip(blocks, hashes, parts, strict=False):
+            if storage is not None:
+                storage.import_blocks([b.block_id], {k: t.unsqueeze(0) for k, t in p.items()})
+            self._pool.set_hash(b, h)
+
     def append(self, seq_id: SeqId, token_ids: Sequence[int] | int, *, computed: bool = True) -> None:
         """Append tokens, allocating blocks as needed; a shared last block is copied first.
 
-        A sequence created with `share_ids` grows by a count: its owner appended the ids already.
+        A count grows the sequence into ids its chain holds already (its owner appended them);
+        ids extend the chain (which must hold no more ids than the sequence).
         All-or-nothing: OutOfBlocksError changes nothing.
         """
         s = self.seq(seq_id)
         ids = self._as_ids(token_ids)
-        k = len(ids) if ids is not None else int(token_ids)  # type: ignore[arg-type]
+        k = len(ids) if ids is not None else _as_int(token_ids)
         if k == 0:
             return
-        if s.shared_ids:
-            if ids is not None:
-                raise CacheConfigError("a sequence sharing its owner's ids grows by a count")
-            if s.num_tokens + k > len(s.token_ids):  # type: ignore[arg-type]
-                raise PositionError(f"{seq_id!r}: the owner holds only {len(s.token_ids)} ids")
-        elif (ids is None) != (s.token_ids is None):
-            raise CacheConfigError("mixing known token ids and bare counts in one sequence")
+        self._check_growth(s, ids, k)
         grow = _cdiv(s.num_tokens + k, self.block_size) - len(s.blocks)
-        cow = self._needs_cow(s)
-        if grow + cow > self.pool.num_free:
-            raise OutOfBlocksError(grow + cow, self.pool.num_free, f"append to {seq_id!r}")
-        if cow:
-            self._copy_on_write(s)
-        else:
-            self._drop_stale_tail_hash(s)
-        if grow:
-            first = len(s.blocks)
-            s.blocks.extend(self.pool.allocate(grow))
-            self._write_row(s, first)
-        if ids is not None and not s.shared_ids:
-            s.token_ids.extend(ids)  # type: ignore[union-attr]
+        cow = self.needs_cow(s)
+        if grow + cow > self._pool.num_free:
+            raise OutOfBlocksError(grow + cow, self._pool.num_free, f"append to {seq_id!r}")
+        if s.num_tokens % self.block_size:
+            self.table.before_write(s.table, len(s.blocks) - 1)
+        self.table.grow(s.table, grow)
+        if ids is not None and s.chain is not None:
+            s.chain.extend(ids)
         s.num_tokens += k
         if computed:
             self.mark_computed(seq_id, s.num_tokens)
+
+    @staticmethod
+    def _check_growth(s: SeqState, ids: list[int] | None, k: int) -> None:
+        """Ids need a chain holding exactly the sequence's ids; a count needs a chain holding
+        k ids ahead of it, or no chain (a bare count)."""
+        if s.chain is None:
+            if ids is not None:
+                raise CacheConfigError("mixing known token ids and bare counts in one sequence")
+            return
+        ahead = len(s.chain) - s.num_tokens
+        if ids is not None and ahead:
+            raise CacheConfigError(f"{s.seq_id!r}: its owner appends its ids; grow it by a count")
+        if ids is None and not ahead:
+            raise CacheConfigError("mixing known token ids and bare counts in one sequence")
+        if ids is None and ahead < k:
+            raise PositionError(f"{s.seq_id!r}: its chain holds only {ahead} ids ahead")
 
     def append_one_each(
         self,
@@ -356,45 +414,44 @@ class PagedKVCache(SeqOpsMixin):
     ) -> None:
         """Decode fast path: append one token to each sequence (all-or-nothing).
 
-        `token_ids` None: every sequence shares its owner's ids, which already hold the token.
-        `computed=False` (the engine): the new tokens' K/V are not written yet; the caller calls
-        `mark_computed` after the forward pass, so no hash ever names unwritten K/V.
-        Every argument is checked before anything changes: each id known and listed once, one
-        token per sequence, and only sequences that track their token ids.
+        `token_ids` None: every sequence grows by one into its chain (its owner appended the
+        id already) or is a bare count. `computed=False` (the engine): the new tokens' K/V are
+        not written yet; the caller calls `mark_computed` after the forward pass, so no hash
+        ever names unwritten K/V. Every argument is checked before anything changes: each id
+        known and listed once, one token per sequence.
         """
         bs = self.block_size
         seqs = self._seqs_of(seq_ids)
         if len(set(seq_ids)) != len(seqs):
             raise CacheConfigError("a sequence is listed twice in one decode step")
         if token_ids is None:
-            if not all(s.shared_ids and len(s.token_ids) > s.num_tokens for s in seqs):  # type: ignore[arg-type]
-                raise CacheConfigError("append_one_each without ids needs owners one id ahead")
+            if not all(s.chain is None or len(s.chain.ids) > s.num_tokens for s in seqs):
+                raise CacheConfigError("append_one_each without ids needs chains one id ahead")
         else:
             token_ids = _check_ids(_as_list(token_ids))
             if len(token_ids) != len(seqs):
                 raise CacheConfigError(f"{len(token_ids)} tokens for {len(seqs)} sequences")
-            if any(s.token_ids is None or s.shared_ids for s in seqs):
-                raise CacheConfigError("append_one_each needs sequences with known token ids")
+            if not all(s.chain is not None and len(s.chain.ids) == s.num_tokens for s in seqs):
+                raise CacheConfigError("append_one_each with ids needs sequences holding theirs")
         need = self._one_each_need(seqs)
-        if need > self.pool.num_free:
-            raise OutOfBlocksError(need, self.pool.num_free, "decode step")
+        if need > self._pool.num_free:
+            raise OutOfBlocksError(need, self._pool.num_free, "decode step")
+        table = self.table
         for i, s in enumerate(seqs):
+            blocks = s.table.blocks
             if s.num_tokens % bs == 0:
-                s.blocks.append(self.pool.allocate(1)[0])
-                self._write_row(s, len(s.blocks) - 1)
-            elif s.blocks[-1].ref_cnt > 1:
-                self._copy_on_write(s)
-            elif s.blocks[-1].hash is not None:
-                self.pool.drop_hash(s.blocks[-1])  # see _drop_stale_tail_hash
-            if token_ids is not None:
-                s.token_ids.append(token_ids[i])  # type: ignore[union-attr]
+                table.grow(s.table, 1)
+            elif blocks[-1].ref_cnt > 1 or blocks[-1].hash is not None:
+                table.before_write(s.table, len(blocks) - 1)
+            if token_ids is not None and s.chain is not None:
+                s.chain.append(token_ids[i])
             s.num_tokens += 1
             if not computed:
                 continue
             if s.num_tokens % bs == 0:
                 self.mark_computed(s.seq_id, s.num_tokens)
             else:
-                s.num_computed = s.num_tokens
+                s.num_written = s.num_tokens
 
     def blocks_needed_one_each(self, seq_ids: Sequence[SeqId]) -> int:
         """Free blocks `append_one_each(seq_ids)` takes: a new block for each sequence at a block
@@ -405,114 +462,190 @@ class PagedKVCache(SeqOpsMixin):
     def _one_each_need(self, seqs: list[SeqState]) -> int:
         bs = self.block_size
         need = 0
-        sharers: dict[int, int] = {}  # shared partial block id -> holders in this batch
+        sharers: dict[int, list] = {}  # shared partial block id -> [block, holders in batch]
         for s in seqs:
             if s.num_tokens % bs == 0:
                 need += 1
-            elif s.blocks[-1].ref_cnt > 1:
-                bid = s.blocks[-1].block_id
-                sharers[bid] = sharers.get(bid, 0) + 1
-        for bid, k in sharers.items():
-            need += k - (k == self.pool.blocks[bid].ref_cnt)
+            else:
+                b = s.table.blocks[-1]
+                if b.ref_cnt > 1:
+                    got = sharers.setdefault(b.block_id, [b, 0])
+                    got[1] += 1
+        for b, k in sharers.values():
+            need += k - (k == b.ref_cnt)
         return need
 
     def mark_computed(self, seq_id: SeqId, num_tokens: int) -> None:
-        """Record that the first `num_tokens` tokens' K/V are written; hash the full blocks."""
+        """Record that the first `num_tokens` tokens' K/V are written; register the full blocks
+        under their chain hashes (and offer them to the tier)."""
         s = self.seq(seq_id)
         num_tokens = _as_int(num_tokens)
         if not 0 <= num_tokens <= s.num_tokens:
             raise PositionError(f"{num_tokens} computed tokens outside 0..{s.num_tokens}")
-        s.num_computed = max(s.num_computed, num_tokens)
-        if not self.enable_prefix_caching or s.token_ids is None:
+        if num_tokens > s.num_written:
+            s.num_written = num_tokens
+        if not self.enable_prefix_caching or s.chain is None:
             return
-        bs = self.block_size
-        stop = s.num_computed // bs if s.hash_limit is None else min(s.hash_limit, s.num_computed // bs)
-        for i in range(len(s.block_hashes), stop):
-            parent = s.block_hashes[-1] if s.block_hashes else ROOT_HASH
-            h = block_hash(parent, s.token_ids[i * bs : (i + 1) * bs], s.extra_key if i == 0 else None)
-            s.block_hashes.append(h)
-            self.pool.set_hash(s.blocks[i], h)
+        hashes = s.chain.hashes
+        stop = min(s.num_written // self.block_size, len(hashes))
+        if s.hash_limit is not None:
+            stop = min(stop, s.hash_limit)
+        blocks = s.table.blocks
+        for i in range(s.num_hashed, stop):
+            self._pool.set_hash(blocks[i], hashes[i])
             if self.tier is not None:
-                self.tier.offer(h, s.blocks[i])
+                self.tier.offer(hashes[i], blocks[i])
+        s.num_hashed = max(s.num_hashed, stop)
 
-    def fork(self, src: SeqId, dst: SeqId, token_ids: list[int] | None = None) -> None:
+    def fork(self, src: SeqId, dst: SeqId, chain: HashChain | None = None) -> None:
         """`dst` shares every block of `src` (ref counts + 1); writes copy on demand.
 
-        `token_ids`: the owner's list for `dst` (starting with src's tokens), referenced as with
-        `share_ids`; otherwise dst gets a copy of src's ids.
+        `chain`: dst's owner's chain (starting with src's ids, taken as with `create`);
+        otherwise dst gets a copy of src's ids and hashes.
         """
         s = self.seq(src)
-        self._check_new(dst)
-        if token_ids is not None and (not isinstance(token_ids, list)
-                                      or len(token_ids) < s.num_tokens):
-            raise CacheConfigError(f"fork {dst!r}: the owner's ids must hold src's tokens")
-        for b in s.blocks:
-            self.pool.touch(b)
-        if token_ids is None:
-            ids = None if s.token_ids is None else list(s.token_ids[: s.num_tokens])
-        else:
-            ids = token_ids
-        t = SeqState(dst, self._take_row(), list(s.blocks), ids, s.num_tokens,
-                     s.num_computed, list(s.block_hashes), s.extra_key, hash_limit=s.hash_limit,
-                     shared_ids=token_ids is not None)
+        self.check_new_id(dst)
+        if chain is not None and (not isinstance(chain, HashChain) or len(chain) < s.num_tokens
+                                  or chain.block_size != self.block_size):
+            raise CacheConfigError(f"fork {dst!r}: the owner's chain must hold src's tokens")
+        if chain is None and s.chain is not None:
+            chain = s.chain.prefix(s.num_tokens)
+        t = SeqState(dst, self.table.open(s.blocks), chain, s.num_tokens, s.num_written,
+                     s.num_hashed, s.hash_limit)
         self.seqs[dst] = t
-        self._write_row(t, 0)
 
     def free(self, seq_id: SeqId) -> None:
         """Release a sequence: its blocks lose one reference, tail first (evicted first)."""
         s = self.seq(seq_id)
-        self.pool.free(reversed(s.blocks))
+        self.table.close(s.table)
         del self.seqs[seq_id]
-        self._tables[s.row].zero_()
-        self._free_rows.append(s.row)
 
     def truncate(self, seq_id: SeqId, num_tokens: int) -> None:
-        """Keep only the first `num_tokens` tokens (context trimming); later blocks go back."""
+        """Keep only the first `num_tokens` tokens (context trimming); later blocks go back.
+        The chain loses the same ids (ids its owner appended ahead are kept)."""
         s = self.seq(seq_id)
         num_tokens = _as_int(num_tokens)
         if not 0 <= num_tokens <= s.num_tokens:
             raise PositionError(f"cannot truncate {seq_id!r} of {s.num_tokens} to {num_tokens}")
-        keep = _cdiv(num_tokens, self.block_size)
-        dropped = s.blocks[keep:]
-        self.pool.free(reversed(dropped))
-        del s.blocks[keep:]
-        self._tables[s.row, keep:].zero_()
-        if s.token_ids is not None and not s.shared_ids:
-            del s.token_ids[num_tokens:]
+        bs = self.block_size
+        self.table.cut(s.table, _cdiv(num_tokens, bs))
+        if s.chain is not None:
+            s.chain.delete(num_tokens, s.num_tokens)
         s.num_tokens = num_tokens
-        s.num_computed = min(s.num_computed, num_tokens)
-        del s.block_hashes[num_tokens // self.block_size :]
-        if num_tokens % self.block_size and s.blocks[-1].ref_cnt == 1:
-            self.pool.drop_hash(s.blocks[-1])  # partial again: it will be overwritten
+        s.num_written = min(s.num_written, num_tokens)
+        s.num_hashed = min(s.num_hashed, num_tokens // bs)
+        if num_tokens % bs and s.blocks[-1].ref_cnt == 1:
+            self.table.forget_hash(s.blocks[-1])  # partial again: it will be overwritten
 
     def reset_prefix_cache(self) -> None:
         """Empty the prefix index; blocks in use keep serving their sequences."""
-        self.pool.reset_hashes()
+        self._pool.reset_hashes()
 
     def evict(self, n: int | None = None) -> int:
         """Evict up to n cached free blocks (all if None), least recently freed first."""
-        return self.pool.evict(n)
+        return self._pool.evict(n)
 
-    # --- prefix lookup ------------------------------------------------------------------------
+    # --- sequence range operations (seq_ops.py) -----------------------------------------------
+
+    def register_rotation(self, fn: seq_ops.RotateK | None) -> None:
+        """Set the model's K re-rotation (RoPE by an angle difference); None removes it."""
+        if fn is not None and not callable(fn):
+            raise InvalidArgumentError(f"a callable expected, got {fn!r:.80}")
+        self.rotate_k = fn
+
+    def remove(self, seq_id: SeqId, start: int, end: int) -> None:
+        """Drop positions [start, end); later positions move down (see `seq_ops.remove`)."""
+        seq_ops.remove(self, seq_id, start, end)
+
+    def copy(self, src: SeqId, dst: SeqId, start: int, end: int) -> None:
+        """Append src's positions [start, end) to `dst` (see `seq_ops.copy`)."""
+        seq_ops.copy(self, src, dst, start, end)
+
+    def shift(self, seq_id: SeqId, start: int, end: int, delta: int) -> None:
+        """Re-rotate K of positions [start, end) by `delta` (see `seq_ops.shift`)."""
+        seq_ops.shift(self, seq_id, start, end, delta)
+
+    # --- prefix lookup, cached blocks, tiers --------------------------------------------------
 
     def lookup(self, token_ids: Sequence[int], extra_key: object = None) -> int:
         """Tokens of `token_ids` a new sequence would get from the cache (no state change)."""
         ids = _check_ids(_as_list(token_ids))
-        return len(self._find_cached(ids, len(ids), extra_key)[0]) * self.block_size
+        if not self.enable_prefix_caching or len(ids) < 2:
+            return 0
+        hashes = chain_hashes(ids, self.block_size, extra_key,
+                              max_blocks=(len(ids) - 1) // self.block_size)
+        return self.cached_prefix_len(hashes) * self.block_size
 
-    def _find_cached(
-        self, ids: list[int] | None, n: int, extra_key: object
-    ) -> tuple[list[Block], list[bytes]]:
-        if ids is None or not self.enable_prefix_caching or n < 2:
-            return [], []
-        hashes = chain_hashes(ids, self.block_size, extra_key, max_blocks=(n - 1) // self.block_size)
-        hits: list[Block] = []
-        for h in hashes:
-            b = self.pool.lookup(h)
+    def cached_prefix_len(self, hashes: Sequence[bytes], limit: int | None = None) -> int:
+        """How many leading hashes of a chain (at most `limit`) name blocks the device holds
+        (in use or cached free); no state change."""
+        lookup = self._pool.hash_to_block.get
+        n = len(hashes) if limit is None else min(limit, len(hashes))
+        i = 0
+        while i < n and lookup(hashes[i]) is not None:
+            i += 1
+        return i
+
+    def _find_cached(self, chain: HashChain | None, n: int) -> tuple[list[Block], int]:
+        """(the blocks of the longest cached prefix of chain's first n ids, capped at n - 1
+        tokens; that cap in blocks)."""
+        if chain is None or not self.enable_prefix_caching or n < 2:
+            return [], 0
+        limit = min((n - 1) // self.block_size, len(chain.hashes))
+        hits = []
+        lookup = self._pool.hash_to_block.get
+        for h in chain.hashes[:limit]:
+            b = lookup(h)
             if b is None:
                 break
             hits.append(b)
-        return hits, hashes
+        return hits, limit
+
+    def cached_blocks(self) -> list[tuple[bytes, int]]:
+        """(hash, block id) of every block under a prefix hash, in use or cached free."""
+        return [(h, b.block_id) for h, b in self._pool.hash_to_block.items()]
+
+    def import_cached(self, hashes: Sequence[bytes], parts: Sequence[dict[str, torch.Tensor]]) -> int:
+        """Load blocks' contents (`KVStorage.block_layout` parts, one dict per block) into free
+        device blocks as cached, evictable prefix blocks under `hashes` (warm restart).
+
+        Hashes already cached (or repeated) are skipped; evicted first among them: the last.
+        All-or-nothing: a part that does not fit the storage's layout (StorageMismatchError) or
+        too few free blocks (OutOfBlocksError) changes nothing. Returns the blocks imported.
+        """
+        if self.storage is None or not self.enable_prefix_caching:
+            raise CacheConfigError("import_cached needs storage and prefix caching")
+        if len(hashes) != len(parts):
+            raise InvalidArgumentError(f"{len(hashes)} hashes for {len(parts)} blocks")
+        todo: dict[bytes, dict[str, torch.Tensor]] = {}
+        for h, p in zip(hashes, parts, strict=True):
+            if not isinstance(h, bytes):
+                raise InvalidArgumentError(f"a block hash is bytes, got {h!r:.80}")
+            self._check_parts(p)
+            if h not in self._pool.hash_to_block:
+                todo.setdefault(h, p)
+        if len(todo) > self._pool.num_free:
+            raise OutOfBlocksError(len(todo), self._pool.num_free, "import_cached")
+        blocks = self._pool.allocate(len(todo))
+        self._load(blocks, list(todo), list(todo.values()))
+        self._pool.free(reversed(blocks))
+        return len(blocks)
+
+    def _check_parts(self, p: dict[str, torch.Tensor]) -> None:
+        assert self.storage is not None
+        layout = self.storage.block_layout()
+        if not isinstance(p, dict) or set(p) != set(layout):
+            raise StorageMismatchError(f"block parts {sorted(p) if isinstance(p, dict) else p!r:.80}"
+                                       f" != {sorted(layout)}")
+        for name, (dt, shape) in layout.items():
+            t = p[name]
+            if not isinstance(t, torch.Tensor) or t.dtype != dt or tuple(t.shape) != shape:
+                raise StorageMismatchError(f"part {name!r}: {getattr(t, 'dtype', t)!r:.40} "
+                                           f"{tuple(getattr(t, 'shape', ()))}, want {dt} {shape}")
+
+    def attach_tier(self, connector: object | None) -> None:
+        """The KV tier under the pool (a TierConnector), or None to detach it."""
+        self.tier = connector
 
     # --- batched tensors for a step -----------------------------------------------------------
 
@@ -529,7 +662,7 @@ class PagedKVCache(SeqOpsMixin):
         for s, k in zip(seqs, num_new, strict=True):
             if not 0 <= k <= s.num_tokens:
                 raise PositionError(f"{k} new tokens outside sequence {s.seq_id!r} of {s.num_tokens}")
-        rows = np.fromiter((s.row for s in seqs), np.int64, len(seqs))
+        rows = np.fromiter((s.table.index for s in seqs), np.int64, len(seqs))
         ends = np.fromiter((s.num_tokens for s in seqs), np.int64, len(seqs))
         return torch.from_numpy(self._slots(rows, ends, np.asarray(num_new, dtype=np.int64)))
 
@@ -540,11 +673,9 @@ class PagedKVCache(SeqOpsMixin):
         if not 0 <= start <= end <= s.num_tokens:
             raise PositionError(f"range {start}..{end} outside sequence {seq_id!r} of {s.num_tokens}")
         pos = np.arange(start, end, dtype=np.int64)
-        bs = self.block_size
-        return torch.from_numpy(self._np[s.row, pos // bs].astype(np.int64) * bs + pos % bs)
+        return torch.from_numpy(self.table.slots(s.table.index, pos))
 
     def _slots(self, rows: np.ndarray, ends: np.ndarray, counts: np.ndarray) -> np.ndarray:
-        bs = self.block_size
         if counts.size and (counts == 1).all():  # decode: one token each
             pos = ends - 1
         else:
@@ -552,18 +683,18 @@ class PagedKVCache(SeqOpsMixin):
             starts = np.cumsum(counts) - counts
             pos = (ends - counts)[seq_idx] + np.arange(len(seq_idx)) - starts[seq_idx]
             rows = rows[seq_idx]
-        return self._np[rows, pos // bs].astype(np.int64) * bs + pos % bs
+        return self.table.slots(rows, pos)
 
     def block_tables(self, seq_ids: Sequence[SeqId]) -> tuple[torch.Tensor, torch.Tensor]:
         """(int32 [B, max_blocks] block tables padded with 0, int32 [B] context lengths)."""
         seqs = self._seqs_of(seq_ids)
-        rows = np.fromiter((s.row for s in seqs), np.int64, len(seqs))
+        rows = np.fromiter((s.table.index for s in seqs), np.int64, len(seqs))
         lens = np.fromiter((s.num_tokens for s in seqs), np.int32, len(seqs))
         return self._tables_of(rows, lens), torch.from_numpy(lens)
 
     def _tables_of(self, rows: np.ndarray, lens: np.ndarray) -> torch.Tensor:
         width = max(1, -(-int(lens.max()) // self.block_size)) if lens.size else 1
-        return torch.from_numpy(self._np[rows, :width])
+        return self.table.tables(rows, width)
 
     def decode_tensors(
         self, seq_ids: Sequence[SeqId]
@@ -571,56 +702,15 @@ class PagedKVCache(SeqOpsMixin):
         """One decode step's (slot_mapping int64 [B], block_tables int32 [B, W], seq_lens int32 [B])
         for sequences whose newest token is the one being computed; built in one pass."""
         seqs = self._seqs_of(seq_ids)
-        rows = np.fromiter((s.row for s in seqs), np.int64, len(seqs))
+        rows = np.fromiter((s.table.index for s in seqs), np.int64, len(seqs))
         lens = np.fromiter((s.num_tokens for s in seqs), np.int64, len(seqs))
         if lens.size and lens.min() < 1:
             raise PositionError("decode_tensors needs sequences holding at least one token")
-        slots = self._slots(rows, lens, np.ones(len(seqs), np.int64))
+        slots = self.table.slots(rows, lens - 1)
         lens32 = lens.astype(np.int32)
         return torch.from_numpy(slots), self._tables_of(rows, lens32), torch.from_numpy(lens32)
 
-    def _take_row(self) -> int:
-        if not self._free_rows:
-            old = self._tables.shape[0]
-            grown = torch.zeros((2 * old, self._tables.shape[1]), dtype=torch.int32)
-            grown[:old] = self._tables
-            self._tables, self._np = grown, grown.numpy()
-            self._free_rows = list(range(2 * old - 1, old - 1, -1))
-        return self._free_rows.pop()
-
-    def _write_row(self, s: SeqState, first: int) -> None:
-        """Write s.blocks[first:] into its buffer row, growing the buffer's width if needed."""
-        n = len(s.blocks)
-        if n > self._tables.shape[1]:
-            grown = torch.zeros((self._tables.shape[0], max(n, 2 * self._tables.shape[1])),
-                                dtype=torch.int32)
-            grown[:, : self._tables.shape[1]] = self._tables
-            self._tables, self._np = grown, grown.numpy()
-        row = self._np[s.row]
-        for i in range(first, n):
-            row[i] = s.blocks[i].block_id
-
-    def _drop_stale_tail_hash(self, s: SeqState) -> None:
-        """Before an in-place write into s's partial, unshared last block, forget its hash.
-
-        Such a block can still hold a hash: it was full and shared when `truncate` cut into it,
-        and the other holders have freed it since. Its hash names contents about to be
-        overwritten, so it must not serve a prefix hit any more.
-        """
-        if s.num_tokens % self.block_size and s.blocks[-1].hash is not None:
-            self.pool.drop_hash(s.blocks[-1])
-
-    def _copy_on_write(self, s: SeqState) -> None:
-        old = s.blocks[-1]
-        new = self.pool.allocate(1)[0]
-        if self.storage is not None:
-            self.storage.copy_blocks([old.block_id], [new.block_id])
-        self.pool.free([old])
-        s.blocks[-1] = new
-        self._np[s.row, len(s.blocks) - 1] = new.block_id
-        self.cow_copies += 1
-
-    def _check_new(self, seq_id: SeqId) -> None:
+    def check_new_id(self, seq_id: SeqId) -> None:
         try:
             hash(seq_id)
         except TypeError:
@@ -647,22 +737,22 @@ class PagedKVCache(SeqOpsMixin):
                 n = min(bs, s.num_tokens - i * bs)
                 if n > fill.get(b.block_id, 0):
                     fill[b.block_id] = n
-        used = self.num_blocks - self.pool.num_free
+        used = self.num_blocks - self._pool.num_free
         live = sum(fill.values())
-        free_flags = [b.ref_cnt == 0 for b in self.pool.blocks]
+        free_flags = [b.ref_cnt == 0 for b in self._pool.blocks]
         top = max((i for i, f in enumerate(free_flags) if not f), default=-1)
         holes = sum(free_flags[: top + 1])
         run = best = 0
         for f in free_flags:
             run = run + 1 if f else 0
             best = max(best, run)
-        free = self.pool.num_free
+        free = self._pool.num_free
         return CacheStats(
             num_blocks=self.num_blocks,
             block_size=bs,
             used_blocks=used,
             free_blocks=free,
-            cached_blocks=self.pool.num_cached_free,
+            cached_blocks=self._pool.num_cached_free,
             active_sequences=len(self.seqs),
             live_tokens=live,
             utilization=live / (used * bs) if used else 1.0,
@@ -671,10 +761,10 @@ class PagedKVCache(SeqOpsMixin):
             holes=holes,
             largest_free_run=best,
             external_fragmentation=1.0 - best / free if free else 0.0,
-            allocations=self.pool.allocations,
-            frees=self.pool.frees,
-            cow_copies=self.cow_copies,
-            evictions=self.pool.evictions,
+            allocations=self._pool.allocations,
+            frees=self._pool.frees,
+            cow_copies=self.table.cow_copies,
+            evictions=self._pool.evictions,
             prefix_queries=self.prefix_queries,
             prefix_hits=self.prefix_hits,
             prefix_hit_rate=self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0,
@@ -700,57 +790,33 @@ class PagedKVCache(SeqOpsMixin):
         Updates the storage, every block table and the hash index (which maps to Block objects,
         so it follows them). Returns the number of blocks whose data moved.
         """
-        pool = self.pool
-        used = [b for b in pool.blocks if b.ref_cnt > 0]
-        cached = [b for b in pool.free_queue if b.hash is not None]
-        plain = [b for b in pool.blocks if b.ref_cnt == 0 and b.hash is None]
-        order = used + cached + plain
-        moves = [(b.block_id, new) for new, b in enumerate(order[: len(used) + len(cached)])
-                 if b.block_id != new]
+        moves = self._pool.compact()
         if self.storage is not None and moves:
             src, dst = zip(*moves, strict=True)
             self.storage.copy_blocks(list(src), list(dst))
-        for new, b in enumerate(order):
-            b.block_id = new
-        pool.blocks = order
-        # free queue: plain blocks first in id order (fill low ids), cached ones keep LRU order
-        for b in list(pool.free_queue):
-            pool.free_queue.remove(b)
-        for b in plain + cached:
-            pool.free_queue.push_back(b)
         for s in self.seqs.values():
-            self._write_row(s, 0)
+            self.table.refresh(s.table)
         return len(moves)
 
     # --- invariants ---------------------------------------------------------------------------
 
     def check_invariants(self) -> None:
         """Assert the whole state is consistent (tests call this after every operation)."""
-        pool = self.pool
+        pool = self._pool
         pool.check_invariants()
+        self.table.check([s.table for s in self.seqs.values()])
         bs = self.block_size
-        refs = [0] * self.num_blocks
-        rows = set()
         for s in self.seqs.values():
-            assert s.row not in rows, f"row {s.row} shared"
-            rows.add(s.row)
             assert len(s.blocks) == _cdiv(s.num_tokens, bs), f"{s.seq_id!r}: block count"
-            if s.shared_ids:  # the owner may hold ids the cache has not grown to yet
-                assert len(s.token_ids) >= s.num_tokens  # type: ignore[arg-type]
-            else:
-                assert s.token_ids is None or len(s.token_ids) == s.num_tokens
-            assert 0 <= s.num_computed <= s.num_tokens
-            assert len(s.block_hashes) <= s.num_tokens // bs
-            row = self._tables[s.row, : len(s.blocks)].tolist()
-            assert row == [b.block_id for b in s.blocks], f"{s.seq_id!r}: stale table row"
-            for i, b in enumerate(s.blocks):
-                assert pool.blocks[b.block_id] is b
-                refs[b.block_id] += 1
-                if i < len(s.block_hashes) and b.hash is not None:
-                    assert b.hash == s.block_hashes[i], f"{s.seq_id!r}: block {i} hash mismatch"
-        for b in pool.blocks:
-            assert b.ref_cnt == refs[b.block_id], (
-                f"block {b.block_id}: ref_cnt {b.ref_cnt} != {refs[b.block_id]} table references"
-            )
-        used = sum(1 for r in refs if r > 0)
-        assert used + pool.num_free == self.num_blocks, "free + used != total"
+            assert 0 <= s.num_written <= s.num_tokens
+            assert 0 <= s.num_hashed <= s.num_written // bs
+            if s.chain is None:
+                assert s.num_hashed == 0
+                continue
+            c = s.chain
+            assert len(c) >= s.num_tokens, f"{s.seq_id!r}: chain shorter than the sequence"
+            assert len(c.hashes) == (len(c) // bs if c.hashed else 0), f"{s.seq_id!r}: chain"
+            for i, b in enumerate(s.blocks[: s.num_hashed]):
+                assert b.hash is None or b.hash == c.hashes[i], f"{s.seq_id!r}: block {i} hash"
+        used = self.num_blocks - pool.num_free
+        assert sum(1 for b in pool.blocks if b.ref_cnt) == used, "free + used != total"

@@ -1,7 +1,7 @@
 """A block map of the KV pool: one state per block, as numpy arrays, for pictures and dashboards.
 
-`block_map(cache)` reads the block pool (reference counts, hashes) and the per-sequence block
-tables once and returns a `BlockMap`: flat arrays indexed by block id, never one Python object per
+`block_map(cache)` reads the pool's block states (`PagedKVCache.block_states`: reference
+counts, hashes) and the per-sequence block tables once and returns a `BlockMap`: flat arrays indexed by block id, never one Python object per
 block, so a 100k-block pool costs a few milliseconds and its JSON a few kilobytes (run-length).
 
 States (the `State` codes, shared by the PNG renderer and the dashboard page):
@@ -91,13 +91,10 @@ def block_map(
 ) -> BlockMap:
     """Snapshot `cache`'s pool. `label(seq_id)` names each sequence in `owners` (default: its id).
 
-    Reads the pool's blocks once (two passes) and each sequence's block table; changes nothing.
+    Reads the block states once and each sequence's block table; changes nothing.
     """
-    pool = cache.pool
     n, bs = cache.num_blocks, cache.block_size
-    blocks = pool.blocks
-    refs = np.fromiter((b.ref_cnt for b in blocks), np.int32, n)
-    hashed = np.fromiter((b.hash is not None for b in blocks), np.bool_, n)
+    refs, hashed = cache.block_states()
     state = np.full(n, State.FREE, np.uint8)
     state[(refs == 0) & hashed] = State.CACHED
     state[refs == 1] = State.OWNED
@@ -135,7 +132,7 @@ def _summary(cache: PagedKVCache, refs: np.ndarray, fill: np.ndarray) -> dict[st
         "live_tokens": live,
         "prefix_hit_rate": hits / queries if queries else 0.0,
         "cow_copies": cache.cow_copies,
-        "evictions": cache.pool.evictions,
+        "evictions": cache.num_evictions,
         "holes": top + 1 - used,
         "active_sequences": len(cache.seqs),
     }

@@ -54,14 +54,14 @@ class ContextShift:
         n = s.num_ctx - 1  # tokens in the cache
         room = n - self.n_keep
         drop = room // 2 if self.n_discard is None else min(self.n_discard, room)
-        if drop < 1 or (s.n_dropped and s.n_keep != self.n_keep) or s.num_computed < n:
+        if drop < 1 or (s.n_dropped and s.n_keep != self.n_keep) or s.num_scheduled < n:
             return 0
         bs = cache.block_size
         if cache.num_free_blocks < 2 * (-(-n // bs) - self.n_keep // bs):
             return 0  # remove + shift may copy every shared block they touch
         cache.mark_computed(s.seq_id, n)  # the step's K/V are written (commit ran before)
-        cache.remove(s.seq_id, self.n_keep, self.n_keep + drop)
+        cache.remove(s.seq_id, self.n_keep, self.n_keep + drop)  # s.chain loses them too
         cache.shift(s.seq_id, self.n_keep, n - drop, -drop)
-        s.num_computed -= drop
+        s.num_scheduled -= drop
         s.n_keep, s.n_dropped = self.n_keep, s.n_dropped + drop
         return drop

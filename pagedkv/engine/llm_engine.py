@@ -365,8 +365,7 @@ class LLMEngine:
 
     def reset_prefix_cache(self, tier: bool = False) -> dict[str, int]:
         """Empty the device prefix cache (blocks in use keep serving), and the tier if asked."""
-        before = self.cache.pool.num_cached_free + sum(1 for b in self.cache.pool.blocks
-                                                       if b.hash is not None and b.ref_cnt)
+        before = len(self.cache.cached_blocks())
         self.cache.reset_prefix_cache()
         return {"device_blocks": before, "tier_blocks": self.tiers.clear() if tier else 0}
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections import deque
 
 from pagedkv.cache import PagedKVCache
+from pagedkv.cache.hashing import HashChain
 from pagedkv.engine.context_shift import ContextShift
 from pagedkv.engine.inflight import InflightPrefixes
 from pagedkv.engine.sampler import FAILED
@@ -31,9 +32,12 @@ from pagedkv.engine.step_plan import ScheduledPrefill, StepPlan, build_plan
 class Scheduler:
     """Owns the waiting queue and the running set; drives `PagedKVCache` for both.
 
-    Invariants between steps: a running sequence is in the cache with `len(token_ids) - 1` tokens
-    (decode: the newest token is not computed yet) or fewer (prefill); its `num_computed` counts
-    the tokens whose K/V are written. A waiting sequence holds no blocks.
+    Invariants between steps: a running sequence is in the cache with `num_ctx - 1` tokens
+    (decode: the newest token is not computed yet) or fewer (prefill); its `num_scheduled`
+    counts the context tokens scheduled so far (the cache's `num_written` counts the committed
+    ones: K/V written, full blocks hashed).
+    A waiting sequence holds no blocks. With prefix caching every sequence has its `chain`
+    (built at `add`, copied at `fork`), which the cache and the in-flight set read.
     """
 
     def __init__(
@@ -61,15 +65,19 @@ class Scheduler:
     # --- queue --------------------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
+        """Queue a new sequence (after any prompt cut); its hash chain is built here, once."""
+        if self.cache.enable_prefix_caching and seq.chain is None:
+            seq.chain = HashChain(self.cache.block_size, seq.ctx_ids(0, seq.num_ctx),
+                                  seq.request.cache_salt)
         self.waiting.append(seq)
 
     def fork(self, parent: Sequence, child: Sequence) -> int:
         """`child` (a copy of parent's tokens) shares parent's blocks and joins the running set.
         Returns the number of blocks shared."""
         child.n_keep, child.n_dropped = parent.n_keep, parent.n_dropped
-        child.ctx = None if parent.ctx is None else list(parent.ctx)
-        self.cache.fork(parent.seq_id, child.seq_id, token_ids=child.cache_ids)
-        child.num_computed = parent.num_computed
+        child.chain = None if parent.chain is None else parent.chain.prefix(len(parent.chain))
+        self.cache.fork(parent.seq_id, child.seq_id, chain=child.chain)
+        child.num_scheduled = parent.num_scheduled
         child.status = Status.RUNNING
         self.running.append(child)
         return len(self.cache.block_ids(child.seq_id))
@@ -82,7 +90,7 @@ class Scheduler:
         if decodes:
             self.cache.append_one_each([s.seq_id for s in decodes], computed=False)
             for s in decodes:
-                s.num_computed = s.num_ctx
+                s.num_scheduled = s.num_ctx
             budget -= len(decodes)
         prefills: list[ScheduledPrefill] = []
         for s in self.running:
@@ -115,17 +123,15 @@ class Scheduler:
             self.preempt(self.running[-1])
 
     def _schedule_chunk(self, s: Sequence, budget: int, out: list[ScheduledPrefill]) -> int:
-        n = min(s.num_ctx - s.num_computed, budget)
-        out.append(ScheduledPrefill(s, s.num_computed, s.num_computed + n))
-        s.num_computed += n
+        n = min(s.num_ctx - s.num_scheduled, budget)
+        out.append(ScheduledPrefill(s, s.num_scheduled, s.num_scheduled + n))
+        s.num_scheduled += n
         return n
 
     def _admit(self, s: Sequence) -> bool:
         """Allocate the blocks of a waiting sequence's tokens; False (nothing changed) if short."""
-        if s.n_dropped:  # its context is not a prefix of its ids: the cache takes the context
-            s.ctx = s.ctx_ids(0, s.num_ctx)
-        cached = self.cache.try_create(s.seq_id, s.cache_ids, extra_key=s.request.cache_salt,
-                                       computed=False, reserve=self._headroom(), share_ids=True)
+        tokens = s.chain if s.chain is not None else s.num_ctx  # no caching: a bare count
+        cached = self.cache.try_create(s.seq_id, tokens, computed=False, reserve=self._headroom())
         if not isinstance(cached, int):
             return False
         if self.inflight is not None:
@@ -134,7 +140,7 @@ class Scheduler:
         if s.request.first_token_time is None and s.index == 0:
             s.request.num_cached_tokens = cached
             s.request.num_tier_cached_tokens = self.cache.seq(s.seq_id).tier_tokens
-        s.num_computed = cached
+        s.num_scheduled = cached
         s.status = Status.RUNNING
         self.running.append(s)
         return True
@@ -206,7 +212,7 @@ class Scheduler:
         """Recompute preemption: free the blocks, requeue at the front."""
         self.running.remove(s)
         self.cache.free(s.seq_id)
-        s.num_computed = 0
+        s.num_scheduled = 0
         s.status = Status.WAITING
         self.waiting.appendleft(s)
         self.num_preemptions += count

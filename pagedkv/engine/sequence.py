@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedkv.cache.hashing import HashChain
 from pagedkv.engine.detokenizer import IncrementalDetokenizer
 from pagedkv.engine.sampling_params import SamplingParams
 
@@ -20,15 +21,19 @@ class Status(enum.Enum):
 
 @dataclass(slots=True, eq=False)
 class Sequence:
-    """One stream of tokens. `token_ids` = prompt + generated, owned here (the cache references
-    this list for prefix hashing and never writes it); the cache holds the K/V of the first
-    `num_computed` of them. In decode, exactly the newest token is not computed yet."""
+    """One stream of tokens. `token_ids` = prompt + generated, owned here (the cache never sees
+    this list). `chain` (with prefix caching; the scheduler builds it at `add`) is the context's
+    ids and their block hashes, grown by `append` (each block hashed once, when it fills); the
+    cache reads it for prefix lookups and hashes, and applies its context edits to it, so
+    `len(chain) == num_ctx`. `num_scheduled`: context tokens scheduled for computation (a step's
+    K/V are written by the end of that step; the cache counts written ones, `num_written`). In
+    decode, exactly the newest token is not scheduled yet."""
 
     seq_id: int
     request: Request
     index: int  # sample index within the request (0..n-1)
     token_ids: list[int]
-    num_computed: int = 0
+    num_scheduled: int = 0
     status: Status = Status.WAITING
     finish_reason: str | None = None
     text: str = ""
@@ -38,7 +43,7 @@ class Sequence:
     # context shift: the cache holds token_ids[:n_keep] + token_ids[n_keep + n_dropped:]
     n_keep: int = 0
     n_dropped: int = 0
-    ctx: list[int] | None = None  # a shifted sequence's context ids as the cache last took them
+    chain: HashChain | None = None  # the context's ids and block hashes (prefix caching)
 
     def __post_init__(self) -> None:
         if self.detok is None:
@@ -65,20 +70,14 @@ class Sequence:
         k, d = self.n_keep, self.n_dropped
         return self.token_ids[min(start, k) : min(end, k)] + self.token_ids[max(start, k) + d : end + d]
 
-    @property
-    def cache_ids(self) -> list[int]:
-        """The list the cache references (it hashes its first tokens): the ids, or for a
-        sequence admitted after a cut, its context as it was then, grown by `append`."""
-        return self.token_ids if self.ctx is None else self.ctx
-
     def append(self, tok: int) -> None:
         self.token_ids.append(tok)
-        if self.ctx is not None:
-            self.ctx.append(tok)
+        if self.chain is not None:
+            self.chain.append(tok)
 
     @property
     def is_prefill(self) -> bool:
-        return self.num_computed < self.num_ctx - 1
+        return self.num_scheduled < self.num_ctx - 1
 
     @property
     def finished(self) -> bool:

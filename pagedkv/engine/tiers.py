@@ -47,7 +47,7 @@ class EngineTiers:
             tier = open_tier(kv_tier, self.fp)
             if tier is not None:
                 self.connector = TierConnector(tier, storage, max_queue=queue)
-                cache.tier = self.connector
+                cache.attach_tier(self.connector)
         if snapshot:
             self._open_snapshot(snapshot)
 
@@ -58,9 +58,7 @@ class EngineTiers:
         except TierUnavailableError as exc:
             log.warning("%s; no KV snapshot will be written or restored", exc)
             return
-        before = self.cache.pool.num_cached_free
-        self.snap_known = snap.restore(self.cache, self.snap)
-        self.restored = self.cache.pool.num_cached_free - before
+        self.snap_known, self.restored = snap.restore(self.cache, self.snap)
         log.info("restored %d KV blocks from the snapshot in %s", self.restored, path)
         if self.interval:
             self.snap_writer = BackgroundWriter(self.snap)
@@ -100,5 +98,5 @@ class EngineTiers:
             self.snap_writer = None
         if self.connector is not None:
             self.connector.close()
-            self.cache.tier = None
+            self.cache.attach_tier(None)
             self.connector = None

@@ -2,7 +2,8 @@
 
 Reads (engine thread, at admission): `fetch(hashes)` returns the parts of the longest run of
 consecutive hashes the tier holds, asked in pipelined batches and stopping at the first miss;
-`load(block_ids, parts)` copies them into freshly allocated device blocks.
+`PagedKVCache.create` copies them into freshly allocated device blocks and registers their
+hashes (the cache's one loading path, shared with `import_cached`).
 
 Writes (policy: a block is written once, when it becomes full and computed): the cache calls
 `offer(hash, block_id)` when it registers a full block's hash; after the step's forward pass
@@ -54,12 +55,6 @@ class TierConnector:
         self.tier.count("hit_blocks", len(out))
         self.tier.count("miss_blocks", asked - len(out))
         return out
-
-    def load(self, block_ids: Sequence[int], parts: Sequence[Parts]) -> None:
-        """Copy fetched parts into device blocks, straight from the records' buffers (no
-        intermediate batch tensor: a fresh 10-100 MB allocation costs more than the copy)."""
-        for bid, p in zip(block_ids, parts, strict=True):
-            self.storage.import_blocks([bid], {n: t.unsqueeze(0) for n, t in p.items()})
 
     # --- writes -------------------------------------------------------------------------------
 
