@@ -162,7 +162,7 @@ def write_plots(out_dir: str | Path, num_blocks: int = 3072) -> list[Path]:
     The map's pool is sized to the workload (`num_blocks`, as a server sizes it from its memory
     budget) rather than to the contiguous cache's memory, which would be mostly empty cells.
     """
-    from pagedkv.cache.snapshot import block_map
+    from pagedkv.cache.block_map import block_map
     from pagedkv.plot import render_block_map, render_utilization
 
     out_dir = Path(out_dir)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pagedkv.cache.snapshot import BlockMap, State
+from pagedkv.cache.block_map import BlockMap, State
 
 FREE_RGB = (230, 230, 230)
 CACHED_RGB = (158, 202, 225)

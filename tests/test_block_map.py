@@ -1,4 +1,4 @@
-"""The block map snapshot (pagedkv/cache/snapshot.py) against stats() and the block tables."""
+"""The block map snapshot (pagedkv/cache/block_map.py) against stats() and the block tables."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedkv.cache import PagedKVCache
-from pagedkv.cache.snapshot import State, block_map, rle, unrle
+from pagedkv.cache.block_map import State, block_map, rle, unrle
 from pagedkv.errors import OutOfBlocksError
 
 

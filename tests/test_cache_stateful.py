@@ -384,6 +384,24 @@ class CacheMachine(RuleBasedStateMachine):
         for tokens, extra in self.history:
             assert self.cache.lookup(tokens, extra) == 0
 
+    @precondition(lambda self: self.cache.enable_prefix_caching)
+    @rule()
+    def warm_restart(self) -> None:
+        """As a snapshot restore does: every hashed block's contents out, the prefix index
+        dropped, then the blocks back through `import_cached` as cached prefix blocks: with
+        room for all of them, every earlier prompt finds the same cached prefix as before."""
+        cached = self.cache.cached_blocks()
+        if not cached:
+            return
+        before = [self.cache.lookup(t, e) for t, e in self.history]
+        data = self.storage.export_blocks([b for _, b in cached])
+        parts = [{n: t[i] for n, t in data.items()} for i in range(len(cached))]
+        self.cache.reset_prefix_cache()
+        room = min(self.cache.num_free_blocks, len(cached))
+        assert self.cache.import_cached([h for h, _ in cached][:room], parts[:room]) == room
+        if room == len(cached):
+            assert [self.cache.lookup(t, e) for t, e in self.history] == before
+
     @rule()
     def defragment(self) -> None:
         self.cache.defragment()

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pagedkv.cache.snapshot import unrle
+from pagedkv.cache.block_map import unrle
 from pagedkv.plot import CACHED_RGB, FREE_RGB, OWNED_PALETTE, SHARED_MAX, shared_rgb
 from pagedkv.server import ServerThread, build_app
 from pagedkv.server.dashboard import COLORS

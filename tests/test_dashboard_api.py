@@ -15,7 +15,7 @@ import httpx
 from test_server import FakeEngine
 
 from pagedkv.cache import PagedKVCache
-from pagedkv.cache.snapshot import unrle
+from pagedkv.cache.block_map import unrle
 from pagedkv.server import ServerThread, build_app
 from pagedkv.server.dashboard import COLORS, MIN_INTERVAL_S
 

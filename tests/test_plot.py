@@ -7,7 +7,7 @@ import pytest
 from PIL import Image
 
 from pagedkv.cache import PagedKVCache
-from pagedkv.cache.snapshot import State, block_map
+from pagedkv.cache.block_map import State, block_map
 from pagedkv.demo import utilization_over_time, write_plots
 from pagedkv.plot import (
     CACHED_RGB,

@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from operator import index
+from typing import Any
 
 import numpy as np
 import torch
@@ -119,10 +120,10 @@ class CacheStats:
     memory_total_bytes: int
 
 
-def _as_list(values: object) -> list:
+def _as_list(values: Any) -> list:
     if isinstance(values, str | bytes | dict | set) or not hasattr(values, "__iter__"):
         raise InvalidArgumentError(f"a list of ints expected, got {values!r:.80}")
-    return list(values)  # type: ignore[call-overload]
+    return list(values)
 
 
 def _check_ids(ids: list) -> list[int]:
@@ -134,10 +135,10 @@ def _check_ids(ids: list) -> list[int]:
     return ids
 
 
-def _as_int(value: object) -> int:
+def _as_int(value: Any) -> int:
     if isinstance(value, bool) or not hasattr(value, "__index__"):
         raise InvalidArgumentError(f"an int expected, got {value!r:.80}")
-    return index(value)  # type: ignore[arg-type]
+    return index(value)
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -229,9 +229,9 @@ class BeamSearch:
                 child = self._seq(g.req, list(s.token_ids))
                 self._fork(s, child)
                 of[child.seq_id] = g
-                child.token_ids.append(tok)
+                child.append(tok)
                 new.append((child, score))
-            s.token_ids.append(chosen[b][0][0])
+            s.append(chosen[b][0][0])
             new.append((s, chosen[b][0][1]))
         new.sort(key=lambda t: -t[1])
         g.beams = new

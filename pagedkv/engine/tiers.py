@@ -17,7 +17,7 @@ import time
 
 from pagedkv.cache.manager import PagedKVCache
 from pagedkv.cache.tiers import TierConnector, fingerprint, open_tier, weights_digest
-from pagedkv.cache.tiers import snapshot as snap
+from pagedkv.cache.tiers import warm_restart as snap
 from pagedkv.cache.tiers.disk import DiskTier
 from pagedkv.cache.tiers.writer import BackgroundWriter
 from pagedkv.errors import TierUnavailableError

@@ -1,6 +1,6 @@
 """The live KV pool page: `GET /dashboard` (static HTML + plain JS) and `GET /v1/cache/blocks`.
 
-`/v1/cache/blocks` returns the block map of the engine's cache (`pagedkv.cache.snapshot`), run-
+`/v1/cache/blocks` returns the block map of the engine's cache (`pagedkv.cache.block_map`), run-
 length encoded, with the engine's request counters. It carries only states, counts, reference
 counts and request ids: never prompt text or token ids. It sits behind `--api-key` like every
 other data route, and shows each tenant only its own request ids: the admin (the first key) and
@@ -30,7 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, Response
 
 from pagedkv.cache import PagedKVCache
-from pagedkv.cache.snapshot import block_map, rle
+from pagedkv.cache.block_map import block_map, rle
 from pagedkv.plot import CACHED_RGB, FREE_RGB, OWNED_PALETTE, SHARED_DARK, SHARED_LIGHT, SHARED_MAX
 from pagedkv.server.async_engine import EngineDeadError
 from pagedkv.server.protocol import ApiError
