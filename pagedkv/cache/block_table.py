@@ -38,7 +38,7 @@ class TableRow:
     """One sequence's block table. `blocks` is read only outside BlockTable."""
 
     index: int  # row of the buffer
-    blocks: list[Block] = field(default_factory=list)
+    blocks: list[Block] = field(default_factory=list)  # edited in place, never rebound
 
 
 class BlockTable:
@@ -65,7 +65,7 @@ class BlockTable:
     def close(self, r: TableRow) -> None:
         """Release every block (tail first: evicted first) and the row."""
         self.pool.free(reversed(r.blocks))
-        r.blocks = []
+        r.blocks.clear()
         self.buf[r.index].zero_()
         self._free_rows.append(r.index)
 

@@ -27,7 +27,7 @@ as a PagedKVError (InvalidArgumentError, PositionError, UnknownSequenceError...)
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import index
 from typing import Any
 
@@ -68,10 +68,12 @@ class SeqState:
     num_hashed: int = 0  # leading blocks registered under their chain hash
     hash_limit: int | None = None  # blocks from here on were edited (seq_ops): never hashed
     tier_tokens: int = 0  # prompt tokens whose K/V were loaded from the KV tier at creation
+    blocks: list[Block] = field(init=False)  # table.blocks itself (the table edits it in place)
+    row: int = field(init=False)  # table.index (fixed for the sequence's life)
 
-    @property
-    def blocks(self) -> list[Block]:
-        return self.table.blocks
+    def __post_init__(self) -> None:
+        self.blocks = self.table.blocks
+        self.row = self.table.index
 
     @property
     def token_ids(self) -> list[int] | None:
@@ -426,33 +428,34 @@ class PagedKVCache:
         if len(set(seq_ids)) != len(seqs):
             raise CacheConfigError("a sequence is listed twice in one decode step")
         if token_ids is None:
-            if not all(s.chain is None or len(s.chain.ids) > s.num_tokens for s in seqs):
-                raise CacheConfigError("append_one_each without ids needs chains one id ahead")
+            for s in seqs:
+                if s.chain is not None and len(s.chain.ids) <= s.num_tokens:
+                    raise CacheConfigError("append_one_each without ids needs chains one id ahead")
         else:
             token_ids = _check_ids(_as_list(token_ids))
             if len(token_ids) != len(seqs):
                 raise CacheConfigError(f"{len(token_ids)} tokens for {len(seqs)} sequences")
-            if not all(s.chain is not None and len(s.chain.ids) == s.num_tokens for s in seqs):
-                raise CacheConfigError("append_one_each with ids needs sequences holding theirs")
+            for s in seqs:
+                if s.chain is None or len(s.chain.ids) != s.num_tokens:
+                    raise CacheConfigError("append_one_each with ids needs sequences holding theirs")
         need = self._one_each_need(seqs)
         if need > self._pool.num_free:
             raise OutOfBlocksError(need, self._pool.num_free, "decode step")
+        if token_ids is not None:  # (checked above: each has a chain)
+            HashChain.append_each([s.chain for s in seqs if s.chain is not None], token_ids)
         table = self.table
-        for i, s in enumerate(seqs):
-            blocks = s.table.blocks
-            if s.num_tokens % bs == 0:
+        for s in seqs:
+            n = s.num_tokens
+            blocks = s.blocks
+            if n % bs == 0:
                 table.grow(s.table, 1)
             elif blocks[-1].ref_cnt > 1 or blocks[-1].hash is not None:
                 table.before_write(s.table, len(blocks) - 1)
-            if token_ids is not None and s.chain is not None:
-                s.chain.append(token_ids[i])
-            s.num_tokens += 1
-            if not computed:
-                continue
-            if s.num_tokens % bs == 0:
-                self.mark_computed(s.seq_id, s.num_tokens)
-            else:
-                s.num_written = s.num_tokens
+            s.num_tokens = n = n + 1
+            if computed:
+                s.num_written = n
+                if n % bs == 0:
+                    self._register(s)
 
     def blocks_needed_one_each(self, seq_ids: Sequence[SeqId]) -> int:
         """Free blocks `append_one_each(seq_ids)` takes: a new block for each sequence at a block
@@ -467,11 +470,10 @@ class PagedKVCache:
         for s in seqs:
             if s.num_tokens % bs == 0:
                 need += 1
-            else:
-                b = s.table.blocks[-1]
-                if b.ref_cnt > 1:
-                    got = sharers.setdefault(b.block_id, [b, 0])
-                    got[1] += 1
+            elif s.blocks[-1].ref_cnt > 1:
+                b = s.blocks[-1]
+                got = sharers.setdefault(b.block_id, [b, 0])
+                got[1] += 1
         for b, k in sharers.values():
             need += k - (k == b.ref_cnt)
         return need
@@ -485,13 +487,17 @@ class PagedKVCache:
             raise PositionError(f"{num_tokens} computed tokens outside 0..{s.num_tokens}")
         if num_tokens > s.num_written:
             s.num_written = num_tokens
+        self._register(s)
+
+    def _register(self, s: SeqState) -> None:
+        """Register s's full written blocks not registered yet under their chain hashes."""
         if not self.enable_prefix_caching or s.chain is None:
             return
         hashes = s.chain.hashes
         stop = min(s.num_written // self.block_size, len(hashes))
         if s.hash_limit is not None:
             stop = min(stop, s.hash_limit)
-        blocks = s.table.blocks
+        blocks = s.blocks
         for i in range(s.num_hashed, stop):
             self._pool.set_hash(blocks[i], hashes[i])
             if self.tier is not None:
@@ -663,7 +669,7 @@ class PagedKVCache:
         for s, k in zip(seqs, num_new, strict=True):
             if not 0 <= k <= s.num_tokens:
                 raise PositionError(f"{k} new tokens outside sequence {s.seq_id!r} of {s.num_tokens}")
-        rows = np.fromiter((s.table.index for s in seqs), np.int64, len(seqs))
+        rows = np.fromiter((s.row for s in seqs), np.int64, len(seqs))
         ends = np.fromiter((s.num_tokens for s in seqs), np.int64, len(seqs))
         return torch.from_numpy(self._slots(rows, ends, np.asarray(num_new, dtype=np.int64)))
 
@@ -674,7 +680,7 @@ class PagedKVCache:
         if not 0 <= start <= end <= s.num_tokens:
             raise PositionError(f"range {start}..{end} outside sequence {seq_id!r} of {s.num_tokens}")
         pos = np.arange(start, end, dtype=np.int64)
-        return torch.from_numpy(self.table.slots(s.table.index, pos))
+        return torch.from_numpy(self.table.slots(s.row, pos))
 
     def _slots(self, rows: np.ndarray, ends: np.ndarray, counts: np.ndarray) -> np.ndarray:
         if counts.size and (counts == 1).all():  # decode: one token each
@@ -689,7 +695,7 @@ class PagedKVCache:
     def block_tables(self, seq_ids: Sequence[SeqId]) -> tuple[torch.Tensor, torch.Tensor]:
         """(int32 [B, max_blocks] block tables padded with 0, int32 [B] context lengths)."""
         seqs = self._seqs_of(seq_ids)
-        rows = np.fromiter((s.table.index for s in seqs), np.int64, len(seqs))
+        rows = np.fromiter((s.row for s in seqs), np.int64, len(seqs))
         lens = np.fromiter((s.num_tokens for s in seqs), np.int32, len(seqs))
         return self._tables_of(rows, lens), torch.from_numpy(lens)
 
@@ -703,7 +709,7 @@ class PagedKVCache:
         """One decode step's (slot_mapping int64 [B], block_tables int32 [B, W], seq_lens int32 [B])
         for sequences whose newest token is the one being computed; built in one pass."""
         seqs = self._seqs_of(seq_ids)
-        rows = np.fromiter((s.table.index for s in seqs), np.int64, len(seqs))
+        rows = np.fromiter((s.row for s in seqs), np.int64, len(seqs))
         lens = np.fromiter((s.num_tokens for s in seqs), np.int64, len(seqs))
         if lens.size and lens.min() < 1:
             raise PositionError("decode_tensors needs sequences holding at least one token")
