@@ -50,10 +50,11 @@ class Option:
 
 def option(default: Any, help: str | None = None, *, flag: str | None = _DERIVED,  # noqa: A002
            parse: Callable[[str], Any] | None = None, choices: tuple[Any, ...] | None = None,
-           metavar: str | None = None, action: str | None = None) -> Any:
-    """A dataclass field with its CLI declaration. flag=None keeps it off the command line."""
+           metavar: str | None = None, action: str | None = None, repr: bool = True) -> Any:  # noqa: A002
+    """A dataclass field with its CLI declaration. flag=None keeps it off the command line;
+    repr=False keeps a secret out of the config's repr."""
     meta = Option(help, flag, parse, choices, metavar, action)
-    return dataclasses.field(default=default, metadata={"option": meta})
+    return dataclasses.field(default=default, metadata={"option": meta}, repr=repr)
 
 
 def flag_of(f: dataclasses.Field) -> str | None:

@@ -328,7 +328,7 @@ class PagedKVCache:
         if needed > available:
             return OutOfBlocksError(needed, available, f"sequence {seq_id!r}")
         ask = chain.hashes[len(hits) : limit] if chain is not None and self.tier else []
-        loaded = self.tier.fetch(ask) if ask else []
+        loaded = self.tier.fetch(ask, chain.extra_key) if ask else []  # type: ignore[union-attr]
         s = SeqState(seq_id, self.table.open(hits, needed), chain, n)
         self._load(s.blocks[len(hits) : len(hits) + len(loaded)], ask, loaded)
         s.num_hashed = len(hits) + len(loaded)
@@ -501,7 +501,7 @@ class PagedKVCache:
         for i in range(s.num_hashed, stop):
             self._pool.set_hash(blocks[i], hashes[i])
             if self.tier is not None:
-                self.tier.offer(hashes[i], blocks[i])
+                self.tier.offer(hashes[i], blocks[i], s.chain.extra_key)
         s.num_hashed = max(s.num_hashed, stop)
 
     def fork(self, src: SeqId, dst: SeqId, chain: HashChain | None = None) -> None:

@@ -85,6 +85,14 @@ class EngineConfig:
     kv_tier: str | None = option(
         None, "second KV level shared across restarts/replicas: disk:DIR[?max_size=10GiB] or "
               "redis://host:port/db[?ttl=SECONDS]")
+    kv_tier_key: Any = option(
+        None, "authenticate and encrypt every --kv-tier/--kv-snapshot record (AES-GCM, a key per "
+              "tenant): a secret of 16+ bytes in hex or base64, the same on every replica "
+              "sharing the tier (without one, records are plaintext and unauthenticated)",
+        metavar="KEY", repr=False)  # Python: also a TierKey
+    kv_tier_key_file: str | None = option(
+        None, "read --kv-tier-key from a file (keeps it out of the process list)",
+        metavar="PATH")
     kv_snapshot: str | None = option(
         None, "write every cached KV block here on shutdown, reload it at start", metavar="DIR")
     kv_snapshot_interval: float | None = option(
@@ -116,6 +124,22 @@ class EngineConfig:
         from pagedkv.cache.sizing import parse_size
 
         return parse_size(self.kv_cache_memory)
+
+    def tier_key(self) -> Any:
+        """The TierKey of kv_tier_key / kv_tier_key_file, or None (TierConfigError)."""
+        from pagedkv.cache.tiers.seal import TierKey
+
+        if self.kv_tier_key is not None and self.kv_tier_key_file is not None:
+            raise invalid(TierConfigError, "give kv_tier_key or kv_tier_key_file, not both",
+                          "kv_tier_key", "kv_tier_key_file")
+        if self.kv_tier_key_file is not None:
+            return TierKey.from_file(self.kv_tier_key_file)
+        if isinstance(self.kv_tier_key, TierKey) or self.kv_tier_key is None:
+            return self.kv_tier_key
+        if not isinstance(self.kv_tier_key, str):
+            raise invalid(TierConfigError, "kv_tier_key is hex or base64 text, or a TierKey",
+                          "kv_tier_key")
+        return TierKey.parse(self.kv_tier_key)
 
     def context_len(self, model_len: int, sliding_window: int | None = None) -> int:
         """The context the engine serves: max_model_len, or the model's. Over the model's
@@ -187,6 +211,7 @@ class EngineConfig:
             from pagedkv.cache.tiers import parse_spec
 
             parse_spec(self.kv_tier)  # TierConfigError names what is wrong
+        self.tier_key()  # a bad key or key file fails here, before the model loads
         if (self.kv_tier or self.kv_snapshot) and not self.enable_prefix_caching:
             raise TierConfigError("a KV tier or snapshot needs prefix caching on")
 

@@ -118,7 +118,8 @@ class LLMEngine:
                                    context_shift=self.context_shift)
         self.runner = ModelRunner(self.loaded.model, self.storage)
         self.tiers = EngineTiers(self.loaded, self.cache, kv_tier=c.kv_tier, queue=c.kv_tier_queue,
-                                 snapshot=c.kv_snapshot, snapshot_interval=c.kv_snapshot_interval)
+                                 snapshot=c.kv_snapshot, snapshot_interval=c.kv_snapshot_interval,
+                                 key=c.tier_key())
         self.eos_ids = set(cfg.eos_token_ids or [])
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)

@@ -6,7 +6,8 @@ and, with a snapshot directory, reloads the previous snapshot into the device po
 step (`after_step`) the blocks that became full during the step are handed to the tier's
 background writer; with `snapshot_interval`, new cached blocks also go to the snapshot in the
 background. `snapshot_now` writes synchronously (on SIGTERM, after the server drained).
-The options come validated from EngineConfig (a tier or snapshot only with prefix caching on,
+With a TierKey (`key=`) the tier and the snapshot hold only records authenticated and encrypted
+with it. The options come validated from EngineConfig (a tier or snapshot only with prefix caching on,
 a positive interval only with a snapshot); nothing here checks them again.
 """
 
@@ -16,7 +17,7 @@ import logging
 import time
 
 from pagedkv.cache.manager import PagedKVCache
-from pagedkv.cache.tiers import TierConnector, fingerprint, open_tier, weights_digest
+from pagedkv.cache.tiers import TierConnector, TierKey, model_fingerprint, open_tier
 from pagedkv.cache.tiers import warm_restart as snap
 from pagedkv.cache.tiers.disk import DiskTier
 from pagedkv.cache.tiers.writer import BackgroundWriter
@@ -28,8 +29,9 @@ log = logging.getLogger("pagedkv.tier")
 class EngineTiers:
     def __init__(self, loaded: object, cache: PagedKVCache, *, kv_tier: str | None,
                  queue: int = 256, snapshot: str | None = None,
-                 snapshot_interval: float | None = None) -> None:
+                 snapshot_interval: float | None = None, key: TierKey | None = None) -> None:
         self.cache = cache
+        self.key = key
         self.connector: TierConnector | None = None
         self.snap: DiskTier | None = None
         self.snap_writer: BackgroundWriter | None = None
@@ -41,10 +43,9 @@ class EngineTiers:
             return
         storage = cache.storage
         assert storage is not None
-        self.fp = fingerprint(loaded.config, weights_digest(loaded.model),  # type: ignore[attr-defined]
-                              storage.block_layout(), cache.block_size)
+        self.fp = model_fingerprint(loaded, storage.block_layout(), cache.block_size)
         if kv_tier:
-            tier = open_tier(kv_tier, self.fp)
+            tier = open_tier(kv_tier, self.fp, key=key)
             if tier is not None:
                 self.connector = TierConnector(tier, storage, max_queue=queue)
                 cache.attach_tier(self.connector)
@@ -54,7 +55,7 @@ class EngineTiers:
     def _open_snapshot(self, path: str) -> None:
         cap = 2 * self.cache.num_blocks * self.cache.storage.bytes_per_block  # type: ignore[union-attr]
         try:
-            self.snap = DiskTier(path, self.fp, max_bytes=cap)
+            self.snap = DiskTier(path, self.fp, max_bytes=cap, key=self.key)
         except TierUnavailableError as exc:
             log.warning("%s; no KV snapshot will be written or restored", exc)
             return

@@ -1,7 +1,8 @@
 """KV blocks outside the device pool: a disk or Redis tier shared across restarts and replicas.
 
 `open_tier(spec, fingerprint)` builds a tier from `disk:DIR[?max_size=10GiB]` or
-`redis://host:port/db[?ttl=SECONDS]`. A disk tier that cannot be used (unwritable directory,
+`redis://host:port/db[?ttl=SECONDS]`, with an optional TierKey (`key=`) that authenticates and
+encrypts every record per tenant (seal.py). A disk tier that cannot be used (unwritable directory,
 full disk) logs a clear warning and returns None: serving continues without it.
 """
 
@@ -13,9 +14,10 @@ from pagedkv.cache.sizing import parse_size
 from pagedkv.cache.tiers.base import BlockTier, TierStats, log
 from pagedkv.cache.tiers.connector import TierConnector
 from pagedkv.cache.tiers.disk import DiskTier
-from pagedkv.cache.tiers.fingerprint import fingerprint, weights_digest
+from pagedkv.cache.tiers.fingerprint import fingerprint, model_fingerprint, weights_digest
 from pagedkv.cache.tiers.record import decode, encode
 from pagedkv.cache.tiers.redis_tier import RedisTier
+from pagedkv.cache.tiers.seal import TierKey
 from pagedkv.cache.tiers.writer import BackgroundWriter
 from pagedkv.errors import TierConfigError, TierUnavailableError
 
@@ -51,7 +53,7 @@ def parse_spec(spec: str) -> tuple[str, str, dict[str, int]]:
     raise TierConfigError(f"unknown KV tier {spec!r}: use 'disk:DIR' or 'redis://host:port/db'")
 
 
-def open_tier(spec: str, fp: bytes, **kw: float) -> BlockTier | None:
+def open_tier(spec: str, fp: bytes, **kw: object) -> BlockTier | None:
     """A tier from its spec; None (with a warning) when a disk tier cannot be used."""
     kind, target, opts = parse_spec(spec)
     if kind == "redis":
@@ -69,10 +71,12 @@ __all__ = [
     "DiskTier",
     "RedisTier",
     "TierConnector",
+    "TierKey",
     "TierStats",
     "decode",
     "encode",
     "fingerprint",
+    "model_fingerprint",
     "open_tier",
     "parse_spec",
     "weights_digest",

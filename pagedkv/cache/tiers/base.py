@@ -1,10 +1,15 @@
 """BlockTier: a store of full KV blocks outside the device pool, keyed by chained hash.
 
-A tier stores one record per block (see record.py) under (model fingerprint, block hash). It
-never raises on I/O trouble during serving: an unreachable store, a full disk or a corrupt entry
-is counted in `stats`, logged at most once per `log_interval` seconds, and reads as a miss (so the
-engine recomputes). Subclasses implement the raw byte operations; this class does the encoding,
-checking and counting. Thread-safe as far as the subclass' raw operations are (the background
+A tier stores one record per block (see record.py) under (namespace, block hash); the
+namespace names the model fingerprint and, with a TierKey, the key (replicas with another key or
+none never see, count as corrupt, or clear these records). It never raises on I/O trouble during
+serving: an unreachable store, a full disk or a corrupt entry (any record that fails to decode or
+authenticate, or an entry that is not a regular file or is larger than any valid record) is
+counted in `stats`, dropped from the store, logged at most once per `log_interval` seconds, and
+reads as a miss (so the engine recomputes); one bad entry never fails the others of a batch.
+With a key every record is sealed for the tenant (the request's cache salt) that wrote it and
+opens only for that tenant. Subclasses implement the raw byte operations; this class does the
+encoding, checking and counting. Thread-safe as far as the subclass' raw operations are (the background
 writer calls `put_many` while the engine thread calls `get_many`).
 """
 
@@ -17,7 +22,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from pagedkv.cache.tiers.record import Layout, Parts, decode, encode
+from pagedkv.cache.tiers.record import Layout, Parts, decode, encode, max_size
+from pagedkv.cache.tiers.seal import TierKey
 from pagedkv.errors import CorruptEntryError
 
 log = logging.getLogger("pagedkv.tier")
@@ -31,7 +37,7 @@ class TierStats:
     bytes_written: int = 0
     blocks_written: int = 0
     write_drops: int = 0  # blocks not written because the write queue was full
-    checksum_failures: int = 0  # corrupt, truncated or mismatched entries (never served)
+    checksum_failures: int = 0  # corrupt, forged, truncated or mismatched entries (never served)
     errors: int = 0  # I/O or connection errors
     read_seconds: float = 0.0
 
@@ -44,8 +50,11 @@ class BlockTier(ABC):
 
     scheme = "tier"
 
-    def __init__(self, fingerprint: bytes, *, log_interval: float = 10.0) -> None:
+    def __init__(self, fingerprint: bytes, *, key: TierKey | None = None,
+                 log_interval: float = 10.0) -> None:
         self.fingerprint = fingerprint
+        self.tier_key = key
+        self.namespace = fingerprint.hex()[:16] if key is None else key.namespace(fingerprint)
         self.stats = TierStats()
         self.log_interval = log_interval
         self._last_log: dict[str, float] = {}
@@ -60,44 +69,50 @@ class BlockTier(ABC):
             self._error("contains", exc)
             return False
 
-    def get(self, key: bytes, layout: Layout) -> Parts | None:
-        return self.get_many([key], layout)[0]
+    def get(self, key: bytes, layout: Layout, tenant: object = None) -> Parts | None:
+        return self.get_many([key], layout, tenant)[0]
 
-    def put(self, key: bytes, parts: Parts) -> None:
-        self.put_many([(key, parts)])
+    def put(self, key: bytes, parts: Parts, tenant: object = None) -> None:
+        self.put_many([(key, parts, tenant)])
 
-    def get_many(self, keys: Sequence[bytes], layout: Layout) -> list[Parts | None]:
+    def get_many(self, keys: Sequence[bytes], layout: Layout,
+                 tenant: object = None) -> list[Parts | None]:
         """Each key's parts, or None (absent, unreachable, or corrupt: counted, dropped)."""
         t0 = time.perf_counter()
+        limit = max_size(layout)
         try:
-            blobs = self._get_raw(keys)
+            blobs = self._get_raw(keys, limit)
         except Exception as exc:  # noqa: BLE001
             self._error("get", exc)
             blobs = [None] * len(keys)
         out: list[Parts | None] = []
         nbytes = bad = 0
         for key, blob in zip(keys, blobs, strict=True):
-            if blob is None:
-                out.append(None)
-                continue
+            parts = None
             try:
-                out.append(decode(blob, self.fingerprint, key, layout))
-                nbytes += len(blob)
+                if isinstance(blob, CorruptEntryError):
+                    raise blob
+                if blob is not None and len(blob) > limit:
+                    raise CorruptEntryError(f"{len(blob)} bytes, larger than any record")
+                if blob is not None:
+                    parts = decode(blob, self.fingerprint, key, layout, self.tier_key, tenant)
+                    nbytes += len(blob)
             except CorruptEntryError as exc:
                 bad += 1
-                out.append(None)
-                self._warn("corrupt", f"ignoring a corrupt KV block {key.hex()[:16]}: {exc}")
-                self._discard(key)
+                self._corrupt(key, exc)
+            out.append(parts)
         with self._lock:
             self.stats.checksum_failures += bad
             self.stats.bytes_read += nbytes
             self.stats.read_seconds += time.perf_counter() - t0
         return out
 
-    def put_many(self, items: Sequence[tuple[bytes, Parts]]) -> None:
+    def put_many(self, items: Sequence[tuple[bytes, Parts] | tuple[bytes, Parts, object]]) -> None:
+        """Write (key, parts) or (key, parts, tenant) items; the tenant seals the record."""
         if not items:
             return
-        blobs = [(key, encode(self.fingerprint, key, parts)) for key, parts in items]
+        blobs = [(it[0], encode(self.fingerprint, it[0], it[1], self.tier_key,
+                                it[2] if len(it) > 2 else None)) for it in items]
         try:
             self._put_raw(blobs)
         except Exception as exc:  # noqa: BLE001
@@ -106,6 +121,13 @@ class BlockTier(ABC):
         with self._lock:
             self.stats.blocks_written += len(blobs)
             self.stats.bytes_written += sum(len(b) for _, b in blobs)
+
+    def _corrupt(self, key: bytes, exc: CorruptEntryError) -> None:
+        self._warn("corrupt", f"ignoring a corrupt KV block {key.hex()[:16]}: {exc}")
+        try:
+            self._discard(key)
+        except Exception as err:  # noqa: BLE001 - dropping is best effort
+            self._error("delete", err)
 
     def count(self, field: str, n: int = 1) -> None:
         with self._lock:
@@ -141,7 +163,11 @@ class BlockTier(ABC):
     # --- raw operations (subclasses) ----------------------------------------------------------
 
     @abstractmethod
-    def _get_raw(self, keys: Sequence[bytes]) -> list[bytes | bytearray | None]: ...
+    def _get_raw(self, keys: Sequence[bytes],
+                 max_bytes: int) -> list[bytes | bytearray | CorruptEntryError | None]:
+        """Each key's stored bytes; None when absent or unreadable (one key's I/O error never
+        fails the others); a CorruptEntryError for an entry that cannot be a record (not a
+        regular file, over `max_bytes`)."""
 
     @abstractmethod
     def _put_raw(self, items: Sequence[tuple[bytes, bytes]]) -> None: ...

@@ -10,6 +10,8 @@ Writes (policy: a block is written once, when it becomes full and computed): the
 (when the K/V are in storage) the engine calls `flush()`, which copies the offered blocks out of
 the storage in one indexed gather and hands them to the background writer. Blocks loaded from
 the tier are not offered again. Eviction writes nothing more: the block is already there.
+Both directions carry the sequence's extra key (its cache salt: the tenant) so that, with a
+tier key, each record is sealed for and opened by that tenant only.
 """
 
 from __future__ import annotations
@@ -31,17 +33,17 @@ class TierConnector:
         self.layout = storage.block_layout()
         self.read_batch = read_batch
         self.writer = BackgroundWriter(tier, max_queue=max_queue) if write else None
-        self._pending: list[tuple[bytes, int]] = []
+        self._pending: list[tuple[bytes, Block, object]] = []
         self.hit_tokens = 0
         self.miss_tokens = 0
 
     # --- reads --------------------------------------------------------------------------------
 
-    def fetch(self, hashes: Sequence[bytes]) -> list[Parts]:
+    def fetch(self, hashes: Sequence[bytes], tenant: object = None) -> list[Parts]:
         """Parts of hashes[0..k) for the largest k the tier holds without a gap."""
         out: list[Parts] = []
         for i in range(0, len(hashes), self.read_batch):
-            got = self.tier.get_many(hashes[i : i + self.read_batch], self.layout)
+            got = self.tier.get_many(hashes[i : i + self.read_batch], self.layout, tenant)
             for parts in got:
                 if parts is None:
                     return self._count(out, len(hashes))
@@ -58,10 +60,10 @@ class TierConnector:
 
     # --- writes -------------------------------------------------------------------------------
 
-    def offer(self, h: bytes, block: Block) -> None:
+    def offer(self, h: bytes, block: Block, tenant: object = None) -> None:
         """A block was just registered under hash `h` (its K/V written by the end of the step)."""
         if self.writer is not None:
-            self._pending.append((h, block))
+            self._pending.append((h, block, tenant))
 
     def flush(self) -> None:
         """Copy the offered blocks out (one gather) and queue them; never waits on I/O.
@@ -72,13 +74,13 @@ class TierConnector:
         """
         if not self._pending:
             return
-        pending = [(h, b) for h, b in self._pending if b.hash == h]
+        pending = [(h, b, t) for h, b, t in self._pending if b.hash == h]
         self._pending = []
         if not pending:
             return
-        data = self.storage.export_blocks([b.block_id for _, b in pending])
-        self.writer.submit([(h, {n: t[i] for n, t in data.items()})  # type: ignore[union-attr]
-                            for i, (h, _) in enumerate(pending)])
+        data = self.storage.export_blocks([b.block_id for _, b, _ in pending])
+        self.writer.submit([(h, {n: x[i] for n, x in data.items()}, t)  # type: ignore[union-attr]
+                            for i, (h, _, t) in enumerate(pending)])
 
     def drop_pending(self) -> None:
         self._pending.clear()

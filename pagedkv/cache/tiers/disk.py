@@ -1,16 +1,22 @@
-"""`disk:DIR`: one file per block under DIR/<fingerprint>/<hh>/<hash>.kvb.
+"""`disk:DIR`: one file per block under DIR/<namespace>/<hh>/<hash>.kvb.
 
 Writes are atomic: the record goes to a temporary file in the same directory, is fsync'ed, then
 renamed over the final name (and the directory fsync'ed), so a reader (or a process restarted
 after `kill -9`) sees a whole record or none; leftover temporary files are ignored and removed
 at open. A size cap evicts the least recently used files (use = read or written by this
 process; files found at open are ordered by modification time). Several processes may share a
-directory: a file another process removed is just a miss.
+directory: a file another process removed is just a miss. Only regular files are read or
+indexed, each opened without following links and without blocking (a FIFO, a device, a link or a
+directory named like a record is a corrupt entry, never a hang), and each key's I/O error stays
+that key's.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import stat
 import threading
 import time
 import uuid
@@ -19,7 +25,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from pagedkv.cache.tiers.base import BlockTier
-from pagedkv.errors import TierUnavailableError
+from pagedkv.errors import CorruptEntryError, TierUnavailableError
 
 SUFFIX = ".kvb"
 TMP_PREFIX = ".tmp-"
@@ -29,10 +35,10 @@ class DiskTier(BlockTier):
     scheme = "disk"
 
     def __init__(self, root: str | os.PathLike, fingerprint: bytes, *,
-                 max_bytes: int | None = None, fsync: bool = True, **kw: float) -> None:
+                 max_bytes: int | None = None, fsync: bool = True, **kw: object) -> None:
         super().__init__(fingerprint, **kw)
         self.root = Path(root)
-        self.dir = self.root / fingerprint.hex()[:16]
+        self.dir = self.root / self.namespace
         self.max_bytes = max_bytes
         self.fsync = fsync
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, LRU first
@@ -77,8 +83,10 @@ class DiskTier(BlockTier):
         now = time.time()
         for p in self._walk():
             try:
-                st = p.stat()
+                st = p.lstat()
             except OSError:
+                continue
+            if not stat.S_ISREG(st.st_mode):
                 continue
             if p.name.startswith(TMP_PREFIX):
                 if now - st.st_mtime > 60:  # a writer that died mid-write (kill -9)
@@ -93,32 +101,50 @@ class DiskTier(BlockTier):
             self._size += size
 
     def _walk(self) -> Iterator[Path]:
-        for sub in self.dir.iterdir():
-            if sub.is_dir():
-                yield from sub.iterdir()
+        """Entries of the namespace directory and of its real (not linked) subdirectories."""
+        for sub in _entries(self.dir):
+            if sub.is_dir(follow_symlinks=False):
+                yield from (Path(e.path) for e in _entries(Path(sub.path)))
             elif sub.name.startswith(TMP_PREFIX):
-                yield sub
+                yield Path(sub.path)
 
     # --- raw operations -----------------------------------------------------------------------
 
     def _contains_raw(self, key: bytes) -> bool:
-        return self.path(key).exists()
+        return self.path(key).is_file()
 
-    def _get_raw(self, keys: Sequence[bytes]) -> list[bytearray | None]:
-        out: list[bytearray | None] = []
-        for key in keys:
-            try:
-                with open(self.path(key), "rb") as f:
-                    data = bytearray(os.fstat(f.fileno()).st_size)
-                    n = f.readinto(data)
-                    del data[n:]
-            except FileNotFoundError:
-                out.append(None)
-                self._forget(key)
-                continue
-            out.append(data)
-            self._touch(key, len(data))
-        return out
+    def _get_raw(self, keys: Sequence[bytes],
+                 max_bytes: int) -> list[bytearray | CorruptEntryError | None]:
+        return [self._read(key, max_bytes) for key in keys]
+
+    def _read(self, key: bytes, max_bytes: int) -> bytearray | CorruptEntryError | None:
+        try:
+            fd = os.open(self.path(key), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            self._forget(key)
+            return None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:  # a symbolic link named like a record
+                return CorruptEntryError("a link where a record file should be")
+            self._error("get", exc)
+            return None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                os.close(fd)
+                return CorruptEntryError("not a regular file")
+            if st.st_size > max_bytes:
+                os.close(fd)
+                return CorruptEntryError(f"{st.st_size} bytes, larger than any record")
+            with open(fd, "rb", buffering=0) as f:  # closes fd
+                data = bytearray(st.st_size)
+                n = f.readinto(data)
+                del data[n:]
+        except OSError as exc:
+            self._error("get", exc)
+            return None
+        self._touch(key, len(data))
+        return data
 
     def _put_raw(self, items: Sequence[tuple[bytes, bytes]]) -> None:
         dirs = set()
@@ -144,8 +170,13 @@ class DiskTier(BlockTier):
         self._enforce_cap()
 
     def _discard(self, key: bytes) -> None:
-        self.path(key).unlink(missing_ok=True)
         self._forget(key)
+        p = self.path(key)
+        try:
+            p.unlink(missing_ok=True)
+        except IsADirectoryError:
+            with contextlib.suppress(OSError):
+                p.rmdir()  # only when empty: nothing but records is ever deleted
 
     def _clear_raw(self) -> int:
         n = 0
@@ -177,6 +208,14 @@ class DiskTier(BlockTier):
                 key, size = self._index.popitem(last=False)
                 self._size -= size
             self.path(key).unlink(missing_ok=True)
+
+
+def _entries(d: Path) -> list[os.DirEntry]:
+    try:
+        with os.scandir(d) as it:
+            return list(it)
+    except OSError:
+        return []
 
 
 def _fsync_dir(d: Path) -> None:

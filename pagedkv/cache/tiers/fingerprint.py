@@ -1,10 +1,13 @@
 """Model fingerprint: which stored blocks a process may read.
 
-A block's K/V depend on the weights, the KV dtype, the block size and the storage layout; the
-chained block hash covers only the tokens (and the tenant salt). The fingerprint is a sha256
-over the model config, a digest of the weights' contents (a strided sample of every parameter,
-so it works for in-memory models and costs milliseconds), the per-block layout and LAYOUT_VERSION.
-Every key and every record carries it: a different model, dtype or layout never sees an entry.
+A block's K/V depend on everything that changes the numbers the model computes: the weights'
+contents, the model config (RoPE scaling included), the compute dtype, how the weights are
+kept (quantized or dequantized), the activations mode (int8 rounds every matmul input), the
+float32 batch copies, the KV dtype, the block size and the storage layout; the chained block
+hash covers only the tokens (and the tenant salt). The fingerprint is a sha256 over all of them
+and LAYOUT_VERSION; the weights digest hashes every parameter's full contents (a model file
+that differs in one byte of one tensor gets another fingerprint). Every key and every record
+carries it: a replica that would compute other K/V never sees an entry.
 """
 
 from __future__ import annotations
@@ -18,29 +21,37 @@ import torch
 
 from pagedkv.cache.tiers.record import Layout
 
-LAYOUT_VERSION = 1
-_SAMPLE = 4096  # values per parameter that enter the weights digest
+LAYOUT_VERSION = 2
+MODES = ("weights", "activations", "batch_weights")  # LoadedModel fields that change K/V
 
 
 def weights_digest(model: torch.nn.Module) -> bytes:
-    """sha256 over every parameter's name, shape, dtype and a strided sample of its values."""
-    h = hashlib.sha256()
+    """blake2b over every parameter's name, shape, dtype and full contents."""
+    h = hashlib.blake2b(digest_size=32)
     for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-        t = p.detach().reshape(-1)
-        step = max(1, t.numel() // _SAMPLE)
+        t = p.detach().contiguous().reshape(-1).cpu()
         h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
-        h.update(t[::step][:_SAMPLE].float().cpu().numpy().tobytes())
+        h.update(t.view(torch.uint8).numpy().data if t.numel() else b"")
     return h.digest()
 
 
-def fingerprint(config: Any, weights: bytes, layout: Layout, block_size: int) -> bytes:
-    """32 bytes naming (model config, weights, per-block layout, block size, layout version)."""
+def fingerprint(config: Any, weights: bytes, layout: Layout, block_size: int,
+                modes: dict[str, str] | None = None) -> bytes:
+    """32 bytes naming (model config, weights, compute modes, per-block layout, block size,
+    layout version)."""
     cfg = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
     doc = {
         "config": cfg,
         "weights": weights.hex(),
+        "modes": dict(modes or {}),
         "layout": {n: [str(dt), list(s)] for n, (dt, s) in layout.items()},
         "block_size": block_size,
         "layout_version": LAYOUT_VERSION,
     }
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).digest()
+
+
+def model_fingerprint(loaded: Any, layout: Layout, block_size: int) -> bytes:
+    """The fingerprint of a LoadedModel serving blocks of `layout`."""
+    modes = {m: str(getattr(loaded, m, "")) for m in MODES}
+    return fingerprint(loaded.config, weights_digest(loaded.model), layout, block_size, modes)

@@ -1,6 +1,7 @@
 """`redis://host:port/db`: blocks in a Redis shared by every replica (redis-py, pipelined).
 
-Keys are `pagedkv:<fingerprint[:16]>:<block hash>`; values are checksummed records with a TTL
+Keys are `pagedkv:<namespace>:<block hash>` (the namespace names the model fingerprint and the
+tier key, if any); values are checksummed (no key) or sealed records with a TTL
 (`ttl` seconds, default a day). The memory cap is Redis' own (`maxmemory` plus an LRU
 `maxmemory-policy`): the tier never counts bytes itself. When Redis is unreachable, every call
 is a miss for `retry_after` seconds (no connection attempt, no stall of the engine step), errors
@@ -21,14 +22,14 @@ class RedisTier(BlockTier):
     scheme = "redis"
 
     def __init__(self, url: str, fingerprint: bytes, *, ttl: int | None = 86400,
-                 retry_after: float = 1.0, timeout: float = 2.0, **kw: float) -> None:
+                 retry_after: float = 1.0, timeout: float = 2.0, **kw: object) -> None:
         super().__init__(fingerprint, **kw)
         import redis
 
         self.url = url
         self.ttl = ttl
         self.retry_after = retry_after
-        self.prefix = b"pagedkv:" + fingerprint.hex()[:16].encode() + b":"
+        self.prefix = b"pagedkv:" + self.namespace.encode() + b":"
         self.client = redis.Redis.from_url(url, socket_timeout=timeout,
                                            socket_connect_timeout=min(timeout, 1.0))
         self._down_until = 0.0
@@ -59,7 +60,7 @@ class RedisTier(BlockTier):
 
     # --- raw operations -----------------------------------------------------------------------
 
-    def _get_raw(self, keys: Sequence[bytes]) -> list[bytes | None]:
+    def _get_raw(self, keys: Sequence[bytes], max_bytes: int) -> list[bytes | None]:
         if self.is_down:
             return [None] * len(keys)
         pipe = self.client.pipeline(transaction=False)
