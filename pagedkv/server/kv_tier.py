@@ -7,6 +7,8 @@ Metrics: `pagedkv:kv_tier_{hit,miss}_tokens_total`, `..._{read,written}_bytes_to
 requests) and, with `{"tier": true}`, this model's entries in the KV tier too. It runs on the
 engine thread, between steps. It is an admin route: with API keys, only the first key (the
 admin's) may call it (any other tenant gets 403: one tenant must not flush everyone's cache).
+Emptying the tier (`{"tier": true}`) always needs the admin key: a tier may be shared by other
+replicas, and a server without API keys (anyone may call it) cannot reset it (403).
 """
 
 from __future__ import annotations
@@ -78,6 +80,9 @@ def add_kv_routes(app: Any, server: Any, admin_key: str | None = None) -> None:
                     doc.get("tier", False), bool):
                 return _error(400, "body must be {\"tier\": true|false}")
             tier = doc.get("tier", False)
+        if tier and admin is None:
+            return _error(403, "resetting the KV tier needs the admin API key: a server without "
+                               "--api-key cannot reset a tier other replicas may share")
         out = await server.engine.call(lambda engine: engine.reset_prefix_cache(tier=tier))
         log.info("cache reset: %s", out)
         return JSONResponse({"object": "cache.reset", **out})

@@ -120,8 +120,8 @@ class _GenerationRequest(BaseModel):
     @classmethod
     def _bias_entries(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
         for key, value in (bias or {}).items():
-            if not key.isdigit() or len(key) > 10:
-                raise ValueError("keys must be token ids")
+            if not (key.isascii() and key.isdigit()) or len(key) > 10:  # not "²", "１", "٣"
+                raise ValueError("keys must be token ids (ASCII digits)")
             if not -100.0 <= value <= 100.0:
                 raise ValueError("biases must lie in [-100, 100]")
         return bias
