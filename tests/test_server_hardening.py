@@ -228,6 +228,17 @@ def test_d3_list_caps(serve_fake: Any, body: dict, param: str) -> None:
     assert err["code"] != "context_length_exceeded"
 
 
+@pytest.mark.parametrize("digit", ["²", "³", "⑴", "１", "٣", "𝟙"])
+def test_issue24_logit_bias_keys_are_ascii_digits_only(serve_fake: Any, digit: str) -> None:
+    """Unicode digits were a JSON 500 with two tracebacks ("²": isdigit() but not int()) or a
+    silent token id ("１": int() takes it); both are a 400 naming logit_bias."""
+    server = serve_fake()
+    body = {"prompt": "ab", "max_tokens": 2, "logit_bias": {digit: 1.0}}
+    assert_openai_error(httpx.post(server.url + "/v1/completions", json=body), 400, "logit_bias")
+    body["logit_bias"] = {"5": 1.0}
+    assert httpx.post(server.url + "/v1/completions", json=body).status_code == 200
+
+
 def test_d3_prompt_far_over_the_context_refused_without_tokenizing(serve_fake: Any) -> None:
     engine = HostileEngine()
     engine.tokenizer.get_vocab = lambda: {bytes([b]).decode("latin-1"): b + 3  # type: ignore
