@@ -54,13 +54,13 @@ class TierKey:
         """A key written in hex or base64 (TierConfigError otherwise)."""
         text = text.strip()
         try:
-            return cls(bytes.fromhex(text))
+            secret = bytes.fromhex(text)
         except ValueError:
-            pass
-        try:
-            return cls(base64.b64decode(text, validate=True))
-        except (binascii.Error, ValueError):
-            raise TierConfigError("a KV tier key is hex or base64 text") from None
+            try:
+                secret = base64.b64decode(text, validate=True)
+            except (binascii.Error, ValueError):
+                raise TierConfigError("a KV tier key is hex or base64 text") from None
+        return cls(secret)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> TierKey:
