@@ -14,6 +14,10 @@ questions, greedy, 32 new tokens each; every figure is a median over the questio
   previous process wrote its snapshot on SIGTERM) against the first request of a plain restart.
 - tier_bytes_per_token: bytes stored in the tier per cached token; tier_read_mb_s: bytes read
   from the disk tier / time spent reading and checking them.
+- ..._keyed: the same disk-tier run with `--kv-tier-key` (every record AES-256-GCM sealed per
+  tenant); keyed_cost_ms = ttft_tier_disk_keyed_ms - ttft_tier_disk_ms. record_{encode,decode}_
+  {plain,keyed}_mb_s: one SmolLM2 block (float32, 30 layers) encoded / decoded in memory.
+The servers run with an admin API key (a keyless server cannot reset a tier).
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ import httpx
 
 DATA = Path(__file__).parent / "data"
 ENGINE = dict(num_blocks=512)  # otherwise the engine's defaults
+ADMIN = "bench-admin"
+AUTH = {"Authorization": f"Bearer {ADMIN}"}
+BENCH_KEY = "b7" * 32  # a fixed tier key: only the cost is measured
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:
@@ -78,33 +85,80 @@ def _in_process(ps: list[str], args: argparse.Namespace, tmp: Path) -> dict[str,
         ms, toks, _ = _ttft(cold_engine, p, args.max_tokens)
         cold.append(ms)
         outs.append(toks)
-    spec = f"disk:{tmp / 'disk-tier'}"
-    writer = LLMEngine(loaded, kv_tier=spec, **ENGINE)
+    plain = _disk(loaded, ps, outs, args, f"disk:{tmp / 'disk-tier'}", None)
+    keyed = _disk(loaded, ps, outs, args, f"disk:{tmp / 'disk-tier-keyed'}", BENCH_KEY)
+    st = plain.pop("stats")
+    keyed.pop("stats")
+    out = {
+        "prompt_tokens": plain.pop("prompt_tokens"),
+        "ttft_cold_ms": statistics.median(cold),
+        "ttft_tier_disk_ms": plain["ttft_ms"],
+        "disk_speedup": statistics.median(cold) / plain["ttft_ms"],
+        "disk_tokens_from_tier": plain["tokens_from_tier"],
+        "disk_outputs_equal_cold": plain["outputs_equal_cold"],
+        "tier_bytes_per_token": st["bytes_read"] / max(1, st["hit_tokens"]),
+        "tier_read_mb_s": plain["read_mb_s"],
+        "checksum_failures": st["checksum_failures"],
+        "ttft_tier_disk_keyed_ms": keyed["ttft_ms"],
+        "keyed_cost_ms": keyed["ttft_ms"] - plain["ttft_ms"],
+        "disk_keyed_outputs_equal_cold": keyed["outputs_equal_cold"],
+        "disk_keyed_tokens_from_tier": keyed["tokens_from_tier"],
+        "tier_read_mb_s_keyed": keyed["read_mb_s"],
+    }
+    out.update(_codec(loaded))
+    return out
+
+
+def _disk(loaded: Any, ps: list[str], outs: list[list[int]], args: argparse.Namespace,
+          spec: str, key: str | None) -> dict[str, Any]:
+    """A writer engine fills a disk tier with the document; a fresh reader answers every
+    question with its device cache emptied first (so the prefix comes from the tier)."""
+    from pagedkv.engine import LLMEngine
+
+    writer = LLMEngine(loaded, kv_tier=spec, kv_tier_key=key, **ENGINE)
     _ttft(writer, ps[0], 1)
     writer.close()
-    reader = LLMEngine(loaded, kv_tier=spec, **ENGINE)
+    reader = LLMEngine(loaded, kv_tier=spec, kv_tier_key=key, **ENGINE)
     _ttft(reader, "Warm up the kernels.", 2)
-    disk, same, from_tier = [], 0, []
+    ms, same, from_tier = [], 0, []
     for p, ref in zip(ps, outs, strict=True):
         reader.reset_prefix_cache()
-        ms, toks, tier_tokens = _ttft(reader, p, args.max_tokens)
-        disk.append(ms)
+        t, toks, tier_tokens = _ttft(reader, p, args.max_tokens)
+        ms.append(t)
         same += toks == ref
         from_tier.append(tier_tokens)
     st = reader.tier_stats()
     reader.close()
-    n_tokens = len(reader.tokenize(ps[0]))
-    return {
-        "prompt_tokens": n_tokens,
-        "ttft_cold_ms": statistics.median(cold),
-        "ttft_tier_disk_ms": statistics.median(disk),
-        "disk_speedup": statistics.median(cold) / statistics.median(disk),
-        "disk_tokens_from_tier": statistics.median(from_tier),
-        "disk_outputs_equal_cold": f"{same}/{len(ps)}",
-        "tier_bytes_per_token": st["bytes_read"] / max(1, st["hit_tokens"]),
-        "tier_read_mb_s": st["bytes_read"] / 1e6 / max(st["read_seconds"], 1e-9),
-        "checksum_failures": st["checksum_failures"],
-    }
+    return {"ttft_ms": statistics.median(ms), "outputs_equal_cold": f"{same}/{len(ps)}",
+            "tokens_from_tier": statistics.median(from_tier), "stats": st,
+            "prompt_tokens": len(reader.tokenize(ps[0])),
+            "read_mb_s": st["bytes_read"] / 1e6 / max(st["read_seconds"], 1e-9)}
+
+
+def _codec(loaded: Any, reps: int = 20) -> dict[str, float]:
+    """In-memory encode / decode speed of one block's record, plain and sealed."""
+    import torch
+
+    from pagedkv.cache import KVStorage
+    from pagedkv.cache.tiers import TierKey, decode, encode
+
+    cfg = loaded.config
+    st = KVStorage(cfg.num_layers, 1, 16, cfg.num_kv_heads, cfg.head_dim)
+    st.kv.copy_(torch.randn(st.kv.shape))
+    parts = {n: t[0] for n, t in st.export_blocks([0]).items()}
+    layout, fp, h = st.block_layout(), bytes(32), bytes(32)
+    out = {}
+    for name, key in (("plain", None), ("keyed", TierKey.parse(BENCH_KEY))):
+        t0 = time.perf_counter()
+        blobs = [encode(fp, h, parts, key, "tenant") for _ in range(reps)]
+        t1 = time.perf_counter()
+        for b in blobs:
+            decode(b, fp, h, layout, key, "tenant")
+        t2 = time.perf_counter()
+        mb = len(blobs[0]) * reps / 1e6
+        out[f"record_encode_{name}_mb_s"] = mb / (t1 - t0)
+        out[f"record_decode_{name}_mb_s"] = mb / (t2 - t1)
+    return out
 
 
 # --- server processes ------------------------------------------------------------------------
@@ -122,7 +176,7 @@ class _Server:
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "pagedkv.cli", "serve", "--port", str(self.port),
                "--threads", str(args.threads), "--num-blocks", str(ENGINE["num_blocks"]),
-               "--log-level", "warning", *extra]
+               "--log-level", "warning", "--api-key", ADMIN, *extra]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      env={**os.environ, "HF_HUB_OFFLINE": "1"})
         deadline = time.monotonic() + 300
@@ -141,7 +195,8 @@ class _Server:
                 "ignore_eos": True}
         t0 = time.perf_counter()
         first = None
-        with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=600) as r:
+        with httpx.stream("POST", self.url + "/v1/completions", json=body, headers=AUTH,
+                          timeout=600) as r:
             r.raise_for_status()
             for line in r.iter_lines():
                 if first is None and line.startswith("data: {"):
@@ -149,7 +204,8 @@ class _Server:
         return ((first or time.perf_counter()) - t0) * 1e3
 
     def reset(self, tier: bool) -> None:
-        httpx.post(self.url + "/v1/cache/reset", json={"tier": tier}, timeout=60).raise_for_status()
+        httpx.post(self.url + "/v1/cache/reset", json={"tier": tier}, headers=AUTH,
+                   timeout=60).raise_for_status()
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)

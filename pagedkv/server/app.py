@@ -354,6 +354,7 @@ def build_app(engine: Any, config: ServerConfig | None = None, /, **options: Any
     log_stats_interval = config.log_stats_interval
     api_key = config.api_key
     server = OpenAIServer(engine, config)
+    server.engine.chat_content_as_text = config.chat_content_special_tokens == "text"
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

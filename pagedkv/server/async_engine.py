@@ -121,9 +121,19 @@ class AsyncEngine:
     async def call(self, fn: Callable[[Any], T]) -> T:
         return await asyncio.wrap_future(self.submit(fn))
 
+    chat_content_as_text = False  # --chat-content-special-tokens text (chat_tokens.py)
+
+    def tokenizer_call(self, prompt: Prompt) -> Callable[[Any], list[int]]:
+        """fn(engine) -> the prompt's ids, as every generation request computes them."""
+        if self.chat_content_as_text and _is_chat(prompt):
+            from pagedkv.server.chat_tokens import content_as_text
+
+            return lambda engine: content_as_text(engine.tokenizer, prompt)  # type: ignore[arg-type]
+        return lambda engine: list(engine.tokenize(prompt))
+
     async def tokenize(self, prompt: Prompt, key: Any = None) -> list[int]:
         """The prompt's token ids, computed on the preprocessing thread in `key`'s turn."""
-        return list(await self.preprocess(lambda engine: engine.tokenize(prompt), key))
+        return list(await self.preprocess(self.tokenizer_call(prompt), key))
 
     async def preprocess(self, fn: Callable[[Any], T], key: Any = None) -> T:
         """Runs fn(engine) on the preprocessing thread: tokenizer work only (tokenize,
@@ -390,3 +400,7 @@ class AsyncEngine:
 def _deliver(batch: list[tuple[RequestStream, Item]]) -> None:
     for stream, item in batch:
         stream._put(item)
+
+
+def _is_chat(prompt: object) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and all(isinstance(m, dict) for m in prompt)

@@ -51,6 +51,10 @@ class ServerConfig:
     shutdown_timeout: float = option(
         30.0, "seconds to let in-flight requests finish on SIGTERM; then they end with a 503 "
               "(a second SIGTERM: at once)", parse=float)
+    chat_content_special_tokens: str = option(
+        "parse", "parse (vLLM's behaviour): special-token strings in chat message content (e.g. "
+                 "<|im_start|>) become special tokens, so a user can write a system turn; text: "
+                 "tokenize content as plain text", choices=("parse", "text"))
     log_level: str = option("info")
     log_stats_interval: float = option(
         10.0, "seconds between stats lines while busy (0: none)", parse=float)
@@ -77,6 +81,9 @@ class ServerConfig:
         check_seconds(self, InvalidParamsError, "body_timeout", "header_timeout")
         check_seconds(self, InvalidParamsError, "shutdown_timeout", "log_stats_interval",
                       zero=True)
+        if self.chat_content_special_tokens not in ("parse", "text"):
+            raise invalid(InvalidParamsError, "chat_content_special_tokens is 'parse' or 'text', "
+                          f"got {self.chat_content_special_tokens!r}", "chat_content_special_tokens")
 
 
 __all__ = ["DEFAULT_MAX_REQUEST_BYTES", "ServerConfig"]

@@ -86,7 +86,7 @@ class UtilityRoutes:
             self.server.engine.check_chars(prompt)  # as a generation request: before tokenizing
         except RequestTooLongError as exc:
             raise ApiError(400, str(exc), param="prompt", code="context_length_exceeded") from None
-        ids = await self._call(lambda engine: list(engine.tokenize(prompt)), request)
+        ids = await self._call(self.server.engine.tokenizer_call(prompt), request)
         return JSONResponse({"count": len(ids), "max_model_len": self.server.max_model_len,
                              "tokens": ids})
 
