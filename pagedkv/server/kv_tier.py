@@ -38,7 +38,8 @@ TIER_COUNTERS = (  # (stats key, metric name without prefix and _total, help)
     ("bytes_written", "kv_tier_written_bytes", "Bytes written to the KV tier."),
     ("write_drops", "kv_tier_write_drops", "Blocks not written: the tier's write queue was full."),
     ("checksum_failures", "kv_tier_checksum_failures",
-     "Tier entries ignored: bad checksum, truncated, or another model's or layout's."),
+     "Tier entries ignored and dropped: bad checksum or tag (forged, altered, another key or "
+     "tenant), undecodable, truncated, oversized, not a regular file, or another layout's."),
     ("errors", "kv_tier_errors", "KV tier I/O or connection errors (served by recompute)."),
 )
 
