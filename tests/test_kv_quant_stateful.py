@@ -39,7 +39,7 @@ class DictTier(BlockTier):
         super().__init__(FINGERPRINT)
         self.data: dict[bytes, bytes] = {}
 
-    def _get_raw(self, keys):  # noqa: ANN001, ANN202
+    def _get_raw(self, keys, max_bytes):  # noqa: ANN001, ANN202
         return [self.data.get(k) for k in keys]
 
     def _put_raw(self, items) -> None:  # noqa: ANN001
