@@ -7,6 +7,7 @@ the session's model) on a free port: the only change made to them is that addres
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -46,6 +47,20 @@ def server(smollm2: Any) -> Iterator[str]:
         yield thread.url
 
 
+@pytest.fixture(scope="module")
+def admin_server(smollm2: Any) -> Iterator[str]:
+    """A server with an admin API key (its value in $ADMIN_KEY): admin-only README lines."""
+    from pagedkv.engine import LLMEngine
+    from pagedkv.server import ServerThread, build_app
+
+    engine = LLMEngine(smollm2, num_blocks=64, max_model_len=1024)
+    with ServerThread(build_app(engine, api_key=ADMIN_KEY)) as thread:
+        yield thread.url
+
+
+ADMIN_KEY = "readme-admin"
+
+
 @pytest.mark.parametrize(
     "code",
     [pytest.param(c, marks=[pytest.mark.slow] if _needs_model(c) else [],
@@ -61,10 +76,11 @@ def test_python_block_runs(code: str, request: pytest.FixtureRequest, capsys: An
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
 @pytest.mark.parametrize("line", CURL_LINES)
-def test_curl_line_runs(line: str, server: str) -> None:
+def test_curl_line_runs(line: str, request: pytest.FixtureRequest) -> None:
+    server = request.getfixturevalue("admin_server" if "$ADMIN_KEY" in line else "server")
     cmd = re.sub(r"(?<![\w/])localhost:8000", server.removeprefix("http://"), line)
     out = subprocess.run(["bash", "-c", cmd + " --fail-with-body"], capture_output=True,
-                         text=True, timeout=120)
+                         text=True, timeout=120, env={**os.environ, "ADMIN_KEY": ADMIN_KEY})
     assert out.returncode == 0, out.stdout + out.stderr
     body = json.loads(out.stdout)
     assert "error" not in body
