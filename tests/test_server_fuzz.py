@@ -25,7 +25,7 @@ from test_server import FakeEngine, Running, assert_idle, expected_echo
 
 from pagedkv.cache import KVStorage, PagedKVCache
 from pagedkv.cache.tiers import DiskTier, encode, open_tier
-from pagedkv.cache.tiers import snapshot as snapshot
+from pagedkv.cache.tiers import warm_restart as snapshot
 from pagedkv.server import ServerThread, build_app
 
 junk = st.recursive(
@@ -251,8 +251,7 @@ def test_fuzz_snapshot_directories_restore_the_valid_blocks(tmp_path) -> None:  
         done: list[int] = []
 
         def start() -> None:
-            snapshot.restore(cache, DiskTier(root, TIER_FP, fsync=False))
-            done.append(cache.pool.num_cached_free)
+            done.append(snapshot.restore(cache, DiskTier(root, TIER_FP, fsync=False))[1])
 
         t = threading.Thread(target=start, daemon=True)
         t.start()
