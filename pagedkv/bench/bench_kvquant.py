@@ -17,7 +17,7 @@ One JSON object with:
   model-free scheduler replay (replay.py) made the same decisions.
 - end_to_end_prefill_heavy: the first workload (128 MiB, 48 x 320 + 48: 15k prompt tokens, 2.3k
   out), replayed without the model (timed too with --time-prefill-heavy): its preemptions are
-  equal for both dtypes, see docs/DESIGN.md.
+  equal for both dtypes, see benchmarks/results/NOTES.md.
 """
 
 from __future__ import annotations

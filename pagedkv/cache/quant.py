@@ -11,7 +11,7 @@ Quantized rows: for one token and one KV head, the D values x are stored as
 q = round(x / s) with s = max|x| / QMAX (int8: QMAX = 127, rounded to nearest; fp8: QMAX = 448,
 the largest finite e4m3 value, rounded by the float8 conversion), and read back as q * s. An
 all-zero row has s = 0 and reads back as zeros. Why one scale per (token, head) rather than per
-group of head_dim: see docs/DESIGN.md ("Quantized KV cache"), measured by `pagedkv bench
+group of head_dim: see benchmarks/results/NOTES.md ("Quantized KV cache"), measured by `pagedkv bench
 kvquant` (`granularity`): finer groups cost more bytes for an error the perplexity does not see.
 """
 
