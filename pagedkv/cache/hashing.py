@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 ROOT_HASH = hashlib.sha256(b"pagedkv-root").digest()
 
@@ -75,28 +75,18 @@ class HashChain:
     def append(self, token_id: int) -> None:
         ids = self.ids
         ids.append(token_id)
-        if len(ids) % self.block_size == 0 and self.hashed:
-            self._rehash()
-
-    @staticmethod
-    def append_each(chains: Iterable[HashChain], token_ids: Iterable[int]) -> None:
-        """`chains[i].append(token_ids[i])` for each i in one call (a decode step's fast path:
-        no method call per sequence)."""
-        for c, t in zip(chains, token_ids, strict=True):
-            ids = c.ids
-            ids.append(t)
-            if len(ids) % c.block_size == 0 and c.hashed:
-                c._rehash()
+        if len(ids) % self.block_size == 0:
+            self.rehash()
 
     def extend(self, token_ids: Sequence[int]) -> None:
         self.ids.extend(token_ids)
-        self._rehash()
+        self.rehash()
 
     def delete(self, start: int, end: int) -> None:
         """Drop ids [start, end); the hashes of the blocks from `start`'s on are recomputed."""
         del self.ids[start:end]
         del self.hashes[start // self.block_size :]
-        self._rehash()
+        self.rehash()
 
     def prefix(self, n: int) -> HashChain:
         """A new chain of the first `n` ids (their hashes copied, not recomputed)."""
@@ -105,7 +95,10 @@ class HashChain:
         out.hashes = self.hashes[: n // self.block_size] if self.hashed else []
         return out
 
-    def _rehash(self) -> None:
+    def rehash(self) -> None:
+        """Hash every full block not hashed yet. The decode fast paths (`Sequence.append`,
+        `PagedKVCache.append_one_each`) append to `ids` directly, saving a call per token, and
+        call this when a block fills, so the invariant holds again before anything reads it."""
         if not self.hashed:
             return
         bs, ids, out = self.block_size, self.ids, self.hashes

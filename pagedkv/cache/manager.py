@@ -441,16 +441,20 @@ class PagedKVCache:
         need = self._one_each_need(seqs)
         if need > self._pool.num_free:
             raise OutOfBlocksError(need, self._pool.num_free, "decode step")
-        if token_ids is not None:  # (checked above: each has a chain)
-            HashChain.append_each([s.chain for s in seqs if s.chain is not None], token_ids)
         table = self.table
-        for s in seqs:
+        for i, s in enumerate(seqs):
             n = s.num_tokens
             blocks = s.blocks
             if n % bs == 0:
                 table.grow(s.table, 1)
             elif blocks[-1].ref_cnt > 1 or blocks[-1].hash is not None:
                 table.before_write(s.table, len(blocks) - 1)
+            c = s.chain
+            if token_ids is not None and c is not None:  # (checked above: ids need a chain)
+                ids = c.ids
+                ids.append(token_ids[i])
+                if len(ids) % bs == 0:
+                    c.rehash()  # before _register reads the new block's hash
             s.num_tokens = n = n + 1
             if computed:
                 s.num_written = n

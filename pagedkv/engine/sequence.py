@@ -72,8 +72,12 @@ class Sequence:
 
     def append(self, tok: int) -> None:
         self.token_ids.append(tok)
-        if self.chain is not None:
-            self.chain.append(tok)
+        c = self.chain
+        if c is not None:  # HashChain.append, inlined (once per token of every sequence)
+            ids = c.ids
+            ids.append(tok)
+            if len(ids) % c.block_size == 0:
+                c.rehash()
 
     @property
     def is_prefill(self) -> bool:
