@@ -6,8 +6,9 @@ loads without torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from pagedkv.lazy import lazy_names
 
 _LAZY = {
     "LLM": "pagedkv.engine.llm_engine",
@@ -46,14 +47,4 @@ if TYPE_CHECKING:  # pragma: no cover
     from pagedkv.engine.sequence import CompletionOutput, RequestOutput
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'pagedkv.engine' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later look-ups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, globals())

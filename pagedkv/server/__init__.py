@@ -5,8 +5,9 @@ The names are imported on first use: `pagedkv serve --help` reads only `options.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from pagedkv.lazy import lazy_names
 
 _LAZY = {
     "AsyncEngine": "pagedkv.server.async_engine",
@@ -28,10 +29,4 @@ if TYPE_CHECKING:  # pragma: no cover
     from pagedkv.server.options import add_serve_args
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'pagedkv.server' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, globals())
