@@ -129,6 +129,23 @@ def kernel_source(sources: Path | Sequence[Path]) -> str:
     return "\n".join(p.read_text() for p in [SIMD_PRELUDE, *paths])
 
 
+def _cached_build(key: str, flags: list[str], prefix: str) -> tuple[str | None, Path]:
+    """The library name and build folder for `key` + `flags`; the name is None when a cached
+    build of them was found and loaded (a warm start skips ninja's up-to-date check: the name
+    already pins the sources)."""
+    name = _build_name(key, flags, prefix)
+    build_dir = cache_root() / "kernels" / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    lib = build_dir / f"{name}.so"
+    if lib.exists():
+        try:
+            torch.ops.load_library(str(lib))
+            return None, build_dir
+        except Exception:  # half-written or foreign file: rebuild
+            logger.debug("cached kernel %s did not load; rebuilding", lib, exc_info=True)
+    return name, build_dir
+
+
 def build_and_load(sources: Path | Sequence[Path], prefix: str,
                    extra_flags: Sequence[str] = ()) -> None:
     """Compile `sources` (one library, cached by content, flags and versions) and load it into
@@ -140,17 +157,9 @@ def build_and_load(sources: Path | Sequence[Path], prefix: str,
 
     source = kernel_source(sources)
     flags = [*build_flags(), *extra_flags]
-    name = _build_name(source, flags, prefix)
-    build_dir = cache_root() / "kernels" / name
-    build_dir.mkdir(parents=True, exist_ok=True)
-    lib = build_dir / f"{name}.so"
-    if lib.exists():
-        # warm start: skip the ninja up-to-date check (the name already pins the source)
-        try:
-            torch.ops.load_library(str(lib))
-            return
-        except Exception:  # half-written or foreign file: rebuild below
-            logger.debug("cached kernel %s did not load; rebuilding", lib, exc_info=True)
+    name, build_dir = _cached_build(source, flags, prefix)
+    if name is None:
+        return
     _ninja_on_path()
     cpp_extension.load_inline(
         name=name,
@@ -181,16 +190,9 @@ def build_and_load_units(sources: Sequence[Path], prefix: str, extra_flags: Sequ
     dirs = [SIMD_PRELUDE.parent, *(Path(d) for d in include_dirs)]
     key = "\n".join(p.read_text() for p in [*sources, *_headers(dirs)])
     flags = [*build_flags(), *extra_flags]
-    name = _build_name(key, flags, prefix)
-    build_dir = cache_root() / "kernels" / name
-    build_dir.mkdir(parents=True, exist_ok=True)
-    lib = build_dir / f"{name}.so"
-    if lib.exists():
-        try:
-            torch.ops.load_library(str(lib))
-            return
-        except Exception:  # half-written or foreign file: rebuild below
-            logger.debug("cached kernel %s did not load; rebuilding", lib, exc_info=True)
+    name, build_dir = _cached_build(key, flags, prefix)
+    if name is None:
+        return
     _ninja_on_path()
     cpp_extension.load(
         name=name,
