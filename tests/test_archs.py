@@ -127,7 +127,7 @@ def test_gguf_partial_rotary_and_longrope_refused() -> None:
     cfg = ModelConfig.from_gguf({**_META, "phi3.attention.sliding_window": 2047}, ["output.weight"])
     assert (cfg.architecture, cfg.head_dim, cfg.sliding_window, cfg.fused_projections) == ("phi3", 96, 2047, True)
     with pytest.raises(UnsupportedModelError, match="supported: "):
-        ModelConfig.from_gguf({**_META, "general.architecture": "gemma3"}, [])
+        ModelConfig.from_gguf({**_META, "general.architecture": "gemma2"}, [])
 
 
 def test_hf_partial_rotary_refused() -> None:

@@ -2,7 +2,9 @@
 
 Every case scatters each sequence's blocks over a shuffled pool whose other slots hold random
 garbage, so reading a wrong block or slot shows up as a wrong answer. Both decode backends are
-checked: the compiled kernel and the pure-torch fallback (PAGEDKV_NO_KERNEL=1).
+checked: the compiled kernel and the pure-torch fallback (PAGEDKV_NO_KERNEL=1). Sliding-window
+cases (a band mask: a token at p sees p - window < j <= p) put -1 in the table entries of blocks
+wholly before the window, so reading one is an error, not a quiet wrong answer.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class Spec:
     decodes: list[int]  # seq_len incl. the new token
     seed: int
     scale: float
+    window: int = 0  # sliding window in tokens (0: none)
 
 
 @st.composite
@@ -84,6 +87,7 @@ def specs(draw, max_prefill: int = 40, max_context: int = 70) -> Spec:
         decodes=decodes,
         seed=draw(st.integers(0, 2**31 - 1)),
         scale=draw(st.sampled_from([1.0 / math.sqrt(d), 0.3])),
+        window=draw(st.sampled_from([0, 0, 1, 5, 17, 64])),
     )
 
 
@@ -145,7 +149,12 @@ def build_case(spec: Spec, dtype: torch.dtype) -> Case:
         qs = q[row : row + n].float().transpose(0, 1)  # [Hq, n, D]
         ks = full_k.float().repeat_interleave(spec.group, dim=1).transpose(0, 1)
         vs = full_v.float().repeat_interleave(spec.group, dim=1).transpose(0, 1)
-        mask = torch.arange(c + n)[None, :] <= (torch.arange(n)[:, None] + c)
+        qpos, kpos = torch.arange(n)[:, None] + c, torch.arange(c + n)[None, :]
+        mask = kpos <= qpos
+        if spec.window:
+            mask &= kpos > qpos - spec.window
+            # blocks wholly before the first query's window are never read: poison their ids
+            tables[i, : max(0, c - spec.window + 1) // bs] = -1
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=spec.scale)
         ref[row : row + n] = o.transpose(0, 1)
         row += n
@@ -164,8 +173,8 @@ def build_case(spec: Spec, dtype: torch.dtype) -> Case:
     return Case(q, k, v, k_cache, v_cache, meta, ref)
 
 
-def run_and_check(case: Case, scale: float, atol: float, rtol: float) -> None:
-    out = paged_attention(case.q, case.k, case.v, case.layer, case.meta, scale)
+def run_and_check(case: Case, scale: float, atol: float, rtol: float, window: int = 0) -> None:
+    out = paged_attention(case.q, case.k, case.v, case.layer, case.meta, scale, window=window)
     assert out.shape == case.q.shape and out.dtype == case.q.dtype
     torch.testing.assert_close(out.float(), case.ref, atol=atol, rtol=rtol)
     # every new token's K/V landed at its slot
@@ -184,7 +193,7 @@ FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthChe
 @given(spec=specs())
 def test_mixed_batch_float32(name: str, spec: Spec) -> None:
     with backend(name):
-        run_and_check(build_case(spec, torch.float32), spec.scale, atol=1e-5, rtol=1e-5)
+        run_and_check(build_case(spec, torch.float32), spec.scale, atol=1e-5, rtol=1e-5, window=spec.window)
 
 
 @pytest.mark.parametrize("name", BACKENDS)
@@ -193,7 +202,8 @@ def test_mixed_batch_float32(name: str, spec: Spec) -> None:
 def test_mixed_batch_bfloat16(name: str, spec: Spec) -> None:
     # reference sees the same bf16-rounded inputs; the gap is the bf16 rounding of the output
     with backend(name):
-        run_and_check(build_case(spec, torch.bfloat16), spec.scale, atol=2e-2, rtol=2e-2)
+        run_and_check(build_case(spec, torch.bfloat16), spec.scale, atol=2e-2, rtol=2e-2,
+                      window=spec.window)
 
 
 @pytest.mark.parametrize("name", BACKENDS)
@@ -201,7 +211,8 @@ def test_mixed_batch_bfloat16(name: str, spec: Spec) -> None:
 @given(spec=specs())
 def test_mixed_batch_float16(name: str, spec: Spec) -> None:
     with backend(name):
-        run_and_check(build_case(spec, torch.float16), spec.scale, atol=2e-3, rtol=2e-3)
+        run_and_check(build_case(spec, torch.float16), spec.scale, atol=2e-3, rtol=2e-3,
+                      window=spec.window)
 
 
 # --- decode -----------------------------------------------------------------------------------
@@ -241,6 +252,33 @@ def test_decode_long_contexts(name: str, threads: int, lens: list[int]) -> None:
     try:
         with backend(name):
             out = paged_decode_attention(q, kc, vc, tables, seq_lens, 0.2)
+    finally:
+        torch.set_num_threads(old)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("window", [1, 100, 512])
+def test_decode_window_long_contexts(name: str, threads: int, window: int) -> None:
+    """The band over long sequences (split along their length when the batch is small): only
+    the last `window` positions count, and blocks wholly before them are never read."""
+    lens = [1000, 3, 700, 129]
+    q, kc, vc, tables, seq_lens, _ = _decode_problem(len(lens), lens, seed=3)
+    hq, hkv, d, bs = q.shape[1], kc.shape[2], kc.shape[3], kc.shape[1]
+    ref = torch.empty_like(q)
+    for i, n in enumerate(lens):
+        first = max(0, n - window)
+        ids = tables[i, : -(-n // bs)].long()
+        ks = kc[ids].reshape(-1, hkv, d)[first:n].repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
+        vs = vc[ids].reshape(-1, hkv, d)[first:n].repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
+        ref[i] = F.scaled_dot_product_attention(q[i][:, None], ks, vs, scale=0.2)[:, 0]
+        tables[i, : first // bs] = -1
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with backend(name):
+            out = paged_decode_attention(q, kc, vc, tables, seq_lens, 0.2, window=window)
     finally:
         torch.set_num_threads(old)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

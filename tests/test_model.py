@@ -114,7 +114,7 @@ TINY = dict(
 def _tiny(kind: str) -> Any:
     import transformers as tf
 
-    torch.manual_seed({"llama": 0, "qwen2": 1, "mistral": 2}[kind])
+    torch.manual_seed({"llama": 0, "qwen2": 1, "mistral": 2, "mistral_window": 3, "gemma3": 4}[kind])
     if kind == "llama":  # untied, Llama-3 rope scaling over a short original context
         cfg = tf.LlamaConfig(
             **TINY,
@@ -132,8 +132,18 @@ def _tiny(kind: str) -> Any:
     elif kind == "qwen2":  # q/k/v bias, tied embeddings
         cfg = tf.Qwen2Config(**TINY, tie_word_embeddings=True, rope_theta=1e6)
         model = tf.Qwen2ForCausalLM(cfg)
-    else:
-        cfg = tf.MistralConfig(**TINY, head_dim=16, tie_word_embeddings=False, sliding_window=None)
+    elif kind == "gemma3":  # sandwich norms, GeGLU, two RoPE bases, a window of 8 on 2 of 3 layers
+        cfg = tf.Gemma3TextConfig(
+            **{**TINY, "num_hidden_layers": 3}, head_dim=16, sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            query_pre_attn_scalar=24, rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+        )
+        model = tf.Gemma3ForCausalLM(cfg)
+    else:  # Mistral; "mistral_window": every layer's window is 8 tokens
+        window = 8 if kind == "mistral_window" else None
+        cfg = tf.MistralConfig(**TINY, head_dim=16, tie_word_embeddings=False, sliding_window=window)
         model = tf.MistralForCausalLM(cfg)
     with torch.no_grad():  # the default init (zero biases, unit norms) would hide bugs
         for name, p in model.named_parameters():
@@ -144,7 +154,7 @@ def _tiny(kind: str) -> Any:
     return model.eval()
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "mistral"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "mistral", "mistral_window", "gemma3"])
 def tiny_pair(request: pytest.FixtureRequest) -> tuple[LlamaModel, Any]:
     hf = _tiny(request.param)
     return load_model(hf).model, hf
@@ -400,3 +410,19 @@ def test_wrong_shapes_and_missing_weights(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 80}))
     with pytest.raises(ModelLoadError, match="shape"):
         load_model(tmp_path)
+
+
+def test_gemma3_shift_keys_use_each_layers_rope() -> None:
+    """Context shift re-rotates K per layer: the sliding layers by the local base (10,000), the
+    full one by the global base."""
+    model = load_model(_tiny("gemma3")).model
+    assert [layer.local_rope for layer in model.layers] == [True, False, True]
+    pos, delta = torch.arange(5, 12), -4
+    raw = torch.randn(len(pos), 2, 16, generator=torch.Generator().manual_seed(0))
+
+    def at(p: torch.Tensor) -> torch.Tensor:  # [L, T, H, D]: each layer's K at positions p
+        ropes = [model.rope_local if layer.local_rope else model.rope for layer in model.layers]
+        return torch.stack([r.rotate(raw, *r.lookup(p)) for r in ropes])
+
+    torch.testing.assert_close(model.shift_keys(at(pos), delta), at(pos + delta), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(at(pos)[0], at(pos)[1])  # the two bases differ

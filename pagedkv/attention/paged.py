@@ -11,6 +11,11 @@ Prefill uses torch's scaled_dot_product_attention per sequence (a few per step).
 path (every layer, every step), uses the compiled CPU kernel in paged_decode.cpp, which reads the
 cache block by block; on other devices, or when the kernel cannot be built, a pure-torch
 fallback runs instead. Softmax is computed in float32 for every input dtype.
+
+Sliding-window layers (`window` > 0 tokens) use the same paths with a band mask: a token at
+position p attends to positions p - window < j <= p (transformers' and vLLM's convention). Prefill
+gathers only the blocks the band reaches, decode starts at the window's first position, so
+blocks wholly before it are never read.
 """
 
 from __future__ import annotations
@@ -103,13 +108,15 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     out: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Write k/v at meta.slot_mapping, then attend; returns [T, Hq, D] in q's dtype.
 
     q [T, Hq, D]; k, v [T, Hkv, D]; `cache` one layer's views (KVStorage.layer(i)). The
     metadata's checks and the decode backend are decided by the first layer (meta.plan).
     `out`: a contiguous [T, Hq, D] tensor of q's dtype to write into (the model reuses one per
-    step across its layers); None: a new one.
+    step across its layers); None: a new one. `window`: the layer's sliding window in tokens
+    (0: the whole context).
     """
     plan = meta.plan
     if plan is None or not plan.fits(q, cache):
@@ -137,6 +144,7 @@ def paged_attention(
             out=out[:num_prefill],
             k_scale=cache.k_scale,
             v_scale=cache.v_scale,
+            window=window,
         )
     if plan.num_decodes:
         qd = q[num_prefill:] if num_prefill else q  # no view op on a pure-decode step
@@ -145,7 +153,7 @@ def paged_attention(
             if qd.stride(-1) != 1:
                 qd = qd.contiguous()
             plan.op(qd, cache.k, cache.v, plan.block_tables, plan.seq_lens, float(scale),
-                              od, cache.k_scale, cache.v_scale)
+                    od, cache.k_scale, cache.v_scale, window)
         else:
             paged_decode_attention(
                 qd,
@@ -158,6 +166,7 @@ def paged_attention(
                 out=od,
                 k_scale=cache.k_scale,
                 v_scale=cache.v_scale,
+                window=window,
             )
     return out
 
@@ -215,6 +224,7 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Causal attention for prefill sequences whose new tokens are concatenated in q/k/v.
 
@@ -223,7 +233,8 @@ def paged_prefill_attention(
     k_cache/v_cache [N, bs, Hkv, D] through block_tables[i]) and new tokens 0..j. The new tokens'
     K/V are taken from k/v, not from the cache, so this does not depend on them being written.
     Quantized caches (k_scale/v_scale [N, bs, Hkv] given) are dequantized block by gathered block.
-    Returns [P, Hq, D] (written into `out` when given).
+    `window` > 0: a band mask (query at p sees keys p - window < j <= p), and only the blocks
+    the band reaches are gathered. Returns [P, Hq, D] (written into `out` when given).
     """
     _check_scales(k_cache, v_cache, k_scale, v_scale)
     if out is None:
@@ -235,24 +246,36 @@ def paged_prefill_attention(
         if n == 0:
             continue
         qi, ki, vi = q[start : start + n], k[start : start + n], v[start : start + n]
-        if ctx == 0:
-            # fresh prompt: its K/V are exactly the new contiguous slices
+        # the first cached block the band reaches (query 0, at ctx, sees keys > ctx - window)
+        b0 = max(0, ctx - window + 1) // bs if window else 0
+        if ctx == 0 and (not window or n <= window):
+            # fresh prompt within the window: its K/V are exactly the new contiguous slices
             out[start : start + n] = _sdpa(qi, ki, vi, scale, causal=True)
+        elif ctx <= b0 * bs:
+            # no cached token is in reach: the new tokens alone, under the band
+            out[start : start + n] = _sdpa(qi, ki, vi, scale, mask=_band(n, ctx, ctx, window, q.device))
         else:
             # prefix-cache hit or a later chunk: gather the cached context by whole blocks
             nb = -(-ctx // bs)
-            ids = block_tables[i, :nb].to(device=k_cache.device, dtype=torch.int64)
-            kc = gather_blocks(k_cache, k_scale, ids, ctx, q.dtype)  # [ctx, Hkv, D]
-            vc = gather_blocks(v_cache, v_scale, ids, ctx, q.dtype)
+            ids = block_tables[i, b0:nb].to(device=k_cache.device, dtype=torch.int64)
+            first = b0 * bs
+            kc = gather_blocks(k_cache, k_scale, ids, ctx - first, q.dtype)  # [ctx - first, Hkv, D]
+            vc = gather_blocks(v_cache, v_scale, ids, ctx - first, q.dtype)
             # the chunk's own K/V join at full precision (they are not read back from the cache)
-            kk = torch.cat([kc.to(ki.dtype), ki])  # [ctx + n, Hkv, D]
+            kk = torch.cat([kc.to(ki.dtype), ki])  # [ctx - first + n, Hkv, D]
             vv = torch.cat([vc.to(vi.dtype), vi])
-            # offset-causal: query j sits at absolute position ctx + j
-            qpos = torch.arange(n, device=q.device).unsqueeze(1) + ctx
-            kpos = torch.arange(ctx + n, device=q.device).unsqueeze(0)
-            out[start : start + n] = _sdpa(qi, kk, vv, scale, mask=kpos <= qpos)
+            out[start : start + n] = _sdpa(qi, kk, vv, scale, mask=_band(n, ctx, first, window, q.device))
         start += n
     return out
+
+
+def _band(n: int, ctx: int, first: int, window: int, device: torch.device) -> torch.Tensor:
+    """[n, ctx - first + n] bool: query j (position ctx + j) sees key i (position first + i)
+    when it is not in the future and, with a window, within the last `window` positions."""
+    qpos = torch.arange(n, device=device).unsqueeze(1) + ctx
+    kpos = torch.arange(first, ctx + n, device=device).unsqueeze(0)
+    mask = kpos <= qpos
+    return mask & (kpos > qpos - window) if window else mask
 
 
 # --- decode -----------------------------------------------------------------------------------
@@ -277,13 +300,15 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """One query token per sequence over its paged K/V; returns [B, Hq, D] in q's dtype.
 
     q [B, Hq, D]; k_cache/v_cache [N, bs, Hkv, D]; block_tables [B, max_blocks] int32;
     seq_lens [B] int32 (tokens to attend, the new one included, already written).
     `max_seq_len` (optional, >= max(seq_lens)) spares the fallback a device sync.
-    Quantized caches (int8/fp8) need k_scale/v_scale [N, bs, Hkv] float32.
+    Quantized caches (int8/fp8) need k_scale/v_scale [N, bs, Hkv] float32. `window` > 0: only
+    the last `window` positions are attended (and read).
 
     On CPU this runs the compiled kernel, which reads K/V in place through the block table.
     The pure-torch fallback (other devices, PAGEDKV_NO_KERNEL=1, or no compiler) gathers the
@@ -303,12 +328,13 @@ def paged_decode_attention(
         if q.stride(-1) != 1:
             q = q.contiguous()
         _kernel.decode_op()(
-            q, k_cache, v_cache, block_tables, seq_lens, float(scale), out, k_scale, v_scale
+            q, k_cache, v_cache, block_tables, seq_lens, float(scale), out, k_scale, v_scale, window
         )
         return out
     out.copy_(
         _decode_torch(
-            q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, k_scale, v_scale
+            q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, k_scale, v_scale,
+            window,
         )
     )
     return out
@@ -372,9 +398,11 @@ def _decode_torch(
     max_seq_len: int | None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Pure-torch paged decode: per-chunk block gather + float32 online softmax (any device).
-    Quantized chunks are dequantized right after their gather."""
+    Quantized chunks are dequantized right after their gather. With a window, chunks start at
+    the earliest window start of the batch and positions before a row's start are masked."""
     b, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     g = hq // hkv
@@ -387,8 +415,10 @@ def _decode_torch(
     l_sum = torch.zeros((b, hkv, g, 1), device=dev)  # running softmax denominator
     acc = torch.zeros((b, hkv, g, d), device=dev)  # running un-normalized output
     step = max(1, _FALLBACK_CHUNK_TOKENS // bs)  # blocks per chunk
-    for j0 in range(0, -(-max_len // bs), step):
-        ids = tables[:, j0 : j0 + step]  # [B, c]
+    starts = (lens - window).clamp_min(0) if window else None  # [B, 1] first attended position
+    first_block = int(starts.min()) // bs if window else 0
+    for j0 in range(first_block, -(-max_len // bs), step):
+        ids = tables[:, j0 : j0 + step].clamp_min(0)  # [B, c] (entries before a window: any id)
         c = ids.shape[1]
         # gather only this chunk's blocks: [B, c, bs, Hkv, D] -> [B, Hkv, c*bs, D]
         kc = k_cache[ids].reshape(b, c * bs, hkv, d).float()
@@ -399,7 +429,10 @@ def _decode_torch(
         kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)
         s = torch.matmul(qf, kc.transpose(-1, -2))  # [B, Hkv, G, c*bs]
         pos = torch.arange(j0 * bs, (j0 + c) * bs, device=dev)
-        s = s.masked_fill((pos.unsqueeze(0) >= lens)[:, None, None, :], -math.inf)
+        hidden = pos.unsqueeze(0) >= lens
+        if starts is not None:
+            hidden |= pos.unsqueeze(0) < starts
+        s = s.masked_fill(hidden[:, None, None, :], -math.inf)
         m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
         # rows with nothing visible yet keep m = -inf; subtract 0 there to avoid inf - inf
         m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)

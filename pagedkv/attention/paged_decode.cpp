@@ -376,6 +376,12 @@ struct Problem {
   const int32_t* seq_lens;  // [B]
   int64_t B, Hq, Hkv, G, D, bs;
   float scale;
+  int64_t window;  // > 0: attend to the last `window` tokens only (sliding window); 0: all
+
+  // First position sequence b attends to: the window's start, or 0.
+  int64_t start(int64_t b) const {
+    return window > 0 ? std::max<int64_t>(0, seq_lens[b] - window) : 0;
+  }
 };
 
 // Per-thread scratch, reused across the work items a thread runs.
@@ -591,7 +597,7 @@ void decode_impl(const Problem& p, at::Tensor& out, int64_t max_len, int64_t tot
 
   if (splits == 1) {
     run_items(B, nthreads, p, kWiden, [&](int64_t b, Scratch& sc) {
-      attend_range<T>(p, b, 0, p.seq_lens[b], sc);
+      attend_range<T>(p, b, p.start(b), p.seq_lens[b], sc);
       for (int64_t hq = 0; hq < Hq; ++hq) {
         float* a = sc.acc.data() + hq * D;
         // seq_len == 0 leaves acc = 0, l = 0: write zeros rather than NaN
@@ -608,7 +614,7 @@ void decode_impl(const Problem& p, at::Tensor& out, int64_t max_len, int64_t tot
   run_items(B * splits, nthreads, p, kWiden, [&](int64_t item, Scratch& sc) {
     const int64_t b = item / splits, s = item % splits;
     const int64_t len = p.seq_lens[b];
-    const int64_t t0 = std::min(len, s * chunk), t1 = std::min(len, t0 + chunk);
+    const int64_t t0 = std::min(len, p.start(b) + s * chunk), t1 = std::min(len, t0 + chunk);
     attend_range<T>(p, b, t0, t1, sc);  // an empty range leaves m = -inf, l = 0, acc = 0
     std::copy(sc.m.begin(), sc.m.end(), pm.begin() + item * Hq);
     std::copy(sc.l.begin(), sc.l.end(), pl.begin() + item * Hq);
@@ -635,11 +641,14 @@ void decode_impl(const Problem& p, at::Tensor& out, int64_t max_len, int64_t tot
   }
 }
 
-// out[b, hq] = softmax(scale * q[b, hq] . K[b, :len_b, hq // G]) V[b, :len_b, hq // G]
+// out[b, hq] = softmax(scale * q[b, hq] . K[b, s_b:len_b, hq // G]) V[b, s_b:len_b, hq // G]
+// with s_b = max(0, len_b - window) for a sliding-window layer (window > 0), else 0. Blocks
+// wholly before s_b are never read (nor checked): their table entries may be anything.
 void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                   at::Tensor& out, const std::optional<at::Tensor>& k_scale,
-                  const std::optional<at::Tensor>& v_scale) {
+                  const std::optional<at::Tensor>& v_scale, int64_t window) {
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: no window)");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, Hq, D] with a contiguous last dim");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes() &&
@@ -682,17 +691,18 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
     const int64_t len = lens[b];
     TORCH_CHECK(len >= 0 && len <= max_blocks * bs, "seq_lens[", b, "] = ", len,
                 " does not fit the block table");
-    for (int64_t j = 0; j < (len + bs - 1) / bs; ++j) {
+    const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+    for (int64_t j = first / bs; j < (len + bs - 1) / bs; ++j) {
       const int64_t id = bt[b * max_blocks + j];
       TORCH_CHECK(id >= 0 && id < N, "block id ", id, " outside [0, ", N, ")");
     }
-    max_len = std::max(max_len, len);
-    total_len += len;
+    max_len = std::max(max_len, len - first);  // the longest span attended
+    total_len += len - first;
   }
 
   Problem p{q.data_ptr(), q.scalar_type(), q.stride(0), q.stride(1), k_cache.data_ptr(),
             v_cache.data_ptr(), ks, vs, bt, max_blocks, lens, B, Hq, Hkv, Hq / Hkv, D, bs,
-            static_cast<float>(scale)};
+            static_cast<float>(scale), window};
   switch (kv_type) {
     case at::kFloat:
       decode_impl<float>(p, out, max_len, total_len);
@@ -720,7 +730,7 @@ TORCH_LIBRARY(pagedkv_attn, m) {
   m.def(
       "paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor seq_lens, float scale, Tensor(a!) out, Tensor? k_scale=None, "
-      "Tensor? v_scale=None) -> ()");
+      "Tensor? v_scale=None, int window=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedkv_attn, CPU, m) {

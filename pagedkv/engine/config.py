@@ -141,19 +141,14 @@ class EngineConfig:
                           "kv_tier_key")
         return TierKey.parse(self.kv_tier_key)
 
-    def context_len(self, model_len: int, sliding_window: int | None = None) -> int:
+    def context_len(self, model_len: int) -> int:
         """The context the engine serves: max_model_len, or the model's. Over the model's
-        context is refused (CacheConfigError): positions past it were never trained. A model
-        with a sliding window is served within the window (full attention is exact there)."""
+        context is refused (CacheConfigError): positions past it were never trained.
+        (Sliding-window layers attend within their window at any length.)"""
         n = self.max_model_len or model_len
         if n > model_len:
             raise invalid(CacheConfigError, f"max_model_len ({n}) is over the model's context "
                                             f"of {model_len} tokens", "max_model_len")
-        if sliding_window and n > sliding_window:
-            if self.max_model_len:
-                log.warning("max_model_len %d is cut to the model's sliding window of %d "
-                            "(pagedkv has no windowed attention)", n, sliding_window)
-            n = sliding_window
         return n
 
     # --- validation -------------------------------------------------------------------------------

@@ -99,7 +99,7 @@ class LLMEngine:
         wdtype = next(self.loaded.model.parameters()).dtype
         kv_dtype = kv_dtype or wdtype  # "auto": the model's dtype
         # not capped by the cache: a request that could never fit it is rejected instead
-        self.max_model_len = c.context_len(cfg.max_position_embeddings, cfg.sliding_window)
+        self.max_model_len = c.context_len(cfg.max_position_embeddings)
         num_blocks = c.num_blocks or num_blocks_for_budget(
             c.kv_cache_bytes, cfg.num_layers, c.block_size, cfg.num_kv_heads, cfg.head_dim,
             kv_dtype)
@@ -111,7 +111,7 @@ class LLMEngine:
         self.context_shift = ContextShift(c.n_keep, c.n_discard) if c.context_shift else None
         if self.context_shift is not None:
             self.context_shift.check(self.max_model_len, num_blocks * c.block_size)
-            self.cache.register_rotation(self.loaded.model.rope.shift_keys)
+            self.cache.register_rotation(self.loaded.model.shift_keys)
         self.scheduler = Scheduler(self.cache, c.max_num_seqs, c.max_num_batched_tokens,
                                    max_model_len=self.max_model_len,
                                    dedup_inflight_prefixes=c.dedup_inflight_prefixes,

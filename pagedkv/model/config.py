@@ -10,9 +10,11 @@ from pagedkv.errors import ModelLoadError, UnsupportedModelError
 
 # HF model_type / GGUF general.architecture -> our name. All share one decoder layout; Qwen3
 # adds an RMSNorm over each q and k head before RoPE (`qk_norm`), Phi-3 stores q/k/v and gate/up
-# fused in one matrix each (`fused_projections`).
+# fused in one matrix each (`fused_projections`), Gemma 3 adds a norm after attention and after
+# the MLP (`sandwich_norms`), scales the embeddings, uses GeGLU and windows most layers.
 SUPPORTED_ARCHITECTURES = {
     "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+    "gemma3_text": "gemma3",
 }
 _HF_CLASS_TO_TYPE = {
     "LlamaForCausalLM": "llama",
@@ -20,9 +22,14 @@ _HF_CLASS_TO_TYPE = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "Gemma3ForCausalLM": "gemma3",
 }
 # GGUF general.architecture values read here (llama.cpp files Mistral under "llama")
-_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
+_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
+# Gemma 3: every 6th layer (5, 11, ...) attends to the whole context, the others to a window
+GEMMA3_PATTERN = 6
+GEMMA3_LOCAL_THETA = 10000.0
+LAYER_TYPES = ("sliding", "full")
 # GGUF tensors of RoPE variants not implemented: Llama 3.1 frequency factors, Phi-3 LongRoPE
 _GGUF_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -30,7 +37,7 @@ _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_p
 
 @dataclass(slots=True)
 class ModelConfig:
-    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "phi3"
+    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "phi3" | "gemma3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -49,8 +56,13 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
-    # Mistral/Qwen2 sliding window: attention here is full, so an engine must cap context at it
+    # Sliding-window attention: a token at position p attends to positions (p - window, p] on
+    # the layers `layer_types` marks "sliding"; None there: every layer (Mistral, Phi-3, Qwen2)
     sliding_window: int | None = None
+    layer_types: list[str] | None = None  # per layer "sliding" | "full" (Gemma 3)
+    rope_local_theta: float | None = None  # the sliding layers' RoPE base (Gemma 3: 10,000)
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (None: head_dim)
+    hidden_act: str = "silu"  # "silu" (SwiGLU) | "gelu_tanh" (GeGLU, Gemma)
 
     def __post_init__(self) -> None:
         self.rope_scaling = normalize_rope_scaling(self.rope_scaling)
@@ -71,6 +83,20 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ModelLoadError(f"config: RoPE needs an even head_dim, got {self.head_dim}")
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise UnsupportedModelError(f"config: hidden_act {self.hidden_act!r} is not supported")
+        if self.sliding_window is not None and (
+            not isinstance(self.sliding_window, int) or self.sliding_window < 1
+        ):
+            raise ModelLoadError(f"config: sliding_window must be a positive int, got {self.sliding_window!r}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers or set(self.layer_types) - set(LAYER_TYPES):
+                raise ModelLoadError(
+                    f"config: layer_types must name {self.num_layers} layers, each one of "
+                    f"{list(LAYER_TYPES)}, got {self.layer_types!r}"
+                )
+            if "sliding" in self.layer_types and self.sliding_window is None:
+                raise ModelLoadError("config: sliding layers need a sliding_window")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -80,6 +106,39 @@ class ModelConfig:
         """Checkpoints store `self_attn.qkv_proj` and `mlp.gate_up_proj` whole (Phi-3)."""
         return self.architecture == "phi3"
 
+    @property
+    def sandwich_norms(self) -> bool:
+        """Gemma: an RMSNorm on the attention output and on the MLP output, each before its
+        residual add (four norms per layer); embeddings scaled by sqrt(hidden_size)."""
+        return self.architecture == "gemma3"
+
+    @property
+    def embedding_scale(self) -> float | None:
+        """The factor on the looked-up embeddings (not the tied LM head): Gemma's sqrt(hidden)."""
+        return self.hidden_size**0.5 if self.sandwich_norms else None
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_window(self, i: int) -> int | None:
+        """Layer i's attention window in tokens, or None for full attention."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[i] == "sliding":
+            return self.sliding_window
+        return None
+
+    def layer_rope_theta(self, i: int) -> float:
+        """Layer i's RoPE base: the local base on a windowed layer when the model has one."""
+        if self.rope_local_theta is not None and self.layer_window(i) is not None:
+            return self.rope_local_theta
+        return self.rope_theta
+
+    @property
+    def has_windows(self) -> bool:
+        return any(self.layer_window(i) is not None for i in range(self.num_layers))
+
     # --- constructors ---------------------------------------------------------------------------
 
     @classmethod
@@ -87,6 +146,8 @@ class ModelConfig:
         """From a transformers PretrainedConfig or a config.json dict."""
         d = hf_config if isinstance(hf_config, Mapping) else hf_config.to_dict()
         arch = _hf_architecture(d)
+        if arch == "gemma3":
+            return _gemma3_from_hf(d)
         if d.get("hidden_act", "silu") != "silu" or d.get("mlp_bias", False):
             raise UnsupportedModelError(
                 f"{arch}: only a bias-free SwiGLU (silu) MLP is supported, got "
@@ -132,6 +193,8 @@ class ModelConfig:
                 f"unsupported GGUF architecture {gguf_arch!r}; supported: {list(_GGUF_ARCHITECTURES)}"
             )
         names = set(tensor_names)
+        if gguf_arch == "gemma3":
+            return _gemma3_from_gguf(metadata, names)
         rope_tensors = [n for n in _GGUF_ROPE_TENSORS if n in names]
         if rope_tensors:
             raise UnsupportedModelError(
@@ -180,6 +243,100 @@ class ModelConfig:
             eos_token_ids=_as_id_list([e for e in eos if e is not None]),
             sliding_window=int(window) if window else None,
         )
+
+
+def _gemma3_from_hf(d: Mapping[str, Any]) -> ModelConfig:
+    """Gemma 3 text from a transformers config: rope_parameters per layer type (transformers 5)
+    or rope_theta / rope_local_base_freq, layer_types or the every-6th pattern."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if d.get(key) is not None:
+            raise UnsupportedModelError(f"gemma3: {key} is not supported")
+    act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise UnsupportedModelError(f"gemma3: hidden_activation {act!r} is not supported")
+    rope = d.get("rope_parameters") or {}
+    full, local = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
+    for params in (full, local):
+        if params.get("rope_type", "default") != "default":
+            raise UnsupportedModelError(f"gemma3: rope scaling {params['rope_type']!r} is not supported")
+    n = d["num_hidden_layers"]
+    types = d.get("layer_types") or [
+        "sliding_attention" if (i + 1) % d.get("sliding_window_pattern", GEMMA3_PATTERN) else "full_attention"
+        for i in range(n)
+    ]
+    heads = d["num_attention_heads"]
+    return ModelConfig(
+        architecture="gemma3",
+        vocab_size=d["vocab_size"],
+        hidden_size=d["hidden_size"],
+        intermediate_size=d["intermediate_size"],
+        num_layers=n,
+        num_heads=heads,
+        num_kv_heads=d.get("num_key_value_heads") or heads,
+        head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+        rope_theta=float(full.get("rope_theta") or d.get("rope_theta") or 1e6),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
+        attention_bias=bool(d.get("attention_bias", False)),
+        qk_norm=True,
+        max_position_embeddings=d.get("max_position_embeddings", 2048),
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_ids=_as_id_list(d.get("eos_token_id")),
+        sliding_window=d.get("sliding_window"),
+        layer_types=["sliding" if t == "sliding_attention" else "full" for t in types],
+        rope_local_theta=float(local.get("rope_theta") or d.get("rope_local_base_freq") or GEMMA3_LOCAL_THETA),
+        query_pre_attn_scalar=float(d.get("query_pre_attn_scalar") or 256),
+        hidden_act="gelu_tanh",
+    )
+
+
+def _gemma3_from_gguf(metadata: Mapping[str, Any], names: set[str]) -> ModelConfig:
+    """Gemma 3 from llama.cpp's keys. The file carries the window and the global RoPE base; the
+    layer pattern (every 6th global), the local base (10,000) and the attention scale are the
+    architecture's, as llama.cpp and transformers fix them (the 27B model, 62 layers, scales by
+    hidden / heads; the others by head_dim)."""
+    def get(key: str, default: Any = None) -> Any:
+        v = metadata.get(f"gemma3.{key}", default)
+        if v is None:
+            raise ModelLoadError(f"GGUF metadata lacks gemma3.{key}")
+        return v
+
+    scaling = metadata.get("gemma3.rope.scaling.type", "none")
+    if scaling != "none":
+        raise UnsupportedModelError(f"GGUF gemma3 rope scaling {scaling!r} is not supported")
+    hidden, heads, n = int(get("embedding_length")), int(get("attention.head_count")), int(get("block_count"))
+    head_dim = int(get("attention.key_length", 256))
+    if int(get("rope.dimension_count", head_dim)) != head_dim:
+        raise UnsupportedModelError("GGUF gemma3: partial rotary embeddings are not supported")
+    window = metadata.get("gemma3.attention.sliding_window")
+    tokens = metadata.get("tokenizer.ggml.tokens") or []
+    eos = [metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot")]
+    if "<end_of_turn>" in tokens:  # the chat turn's end; the file names it only in the vocabulary
+        eos.append(tokens.index("<end_of_turn>"))
+    return ModelConfig(
+        architecture="gemma3",
+        vocab_size=int(metadata.get("gemma3.vocab_size") or len(tokens)),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=n,
+        num_heads=heads,
+        num_kv_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        rope_theta=float(get("rope.freq_base", 1e6)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        tie_word_embeddings="output.weight" not in names,
+        qk_norm=True,
+        max_position_embeddings=int(get("context_length", 32768)),
+        bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=_as_id_list([e for e in eos if e is not None]),
+        sliding_window=int(window) if window else None,
+        layer_types=None if not window else [
+            "full" if (i + 1) % GEMMA3_PATTERN == 0 else "sliding" for i in range(n)
+        ],
+        rope_local_theta=GEMMA3_LOCAL_THETA,
+        query_pre_attn_scalar=float(hidden // heads if n == 62 else head_dim),
+        hidden_act="gelu_tanh",
+    )
 
 
 def normalize_rope_scaling(scaling: Mapping[str, Any] | None) -> dict[str, Any] | None:

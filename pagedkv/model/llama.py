@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, SmolLM2) over the paged KV cache.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3, SmolLM2) over the paged
+KV cache.
 
 One forward serves a whole engine step: the new tokens of every sequence, prefills and decodes,
 flattened into one [T] dimension with no padding. Attention is `paged_attention`, which writes
@@ -10,6 +11,11 @@ together, the RoPE tables are gathered once per step for all layers, each residu
 with the RMSNorm after it (fused_ops.cpp; torch ops without the kernel), and the LM head runs
 only on the rows whose logits are wanted. Weights are float tensors or, for a GGUF loaded with
 weights="quantized", the file's blocks (quant.py).
+
+Gemma 3 is the same decoder with four norms per layer (the attention and MLP outputs are normed
+before their residual adds), embeddings scaled by sqrt(hidden), GeGLU (tanh gelu), the attention
+scale from query_pre_attn_scalar, and sliding-window layers with their own RoPE base: each layer
+reads one of two RoPE tables, both gathered once per step, and passes its window to attention.
 """
 
 from __future__ import annotations
@@ -77,10 +83,10 @@ class RotaryEmbedding(nn.Module):
     RoPE three ops: x * cos, a flip of the two halves, and one addcmul.
     """
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, theta: float | None = None) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.inv_freq = _inv_freq(cfg)  # [D/2] float32
+        self.inv_freq = _inv_freq(cfg, theta)  # [D/2] float32
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin_signed", torch.empty(0), persistent=False)
         # start small (a 128k-context model would need 134 MB of tables); lookup() grows them
@@ -124,12 +130,14 @@ class RotaryEmbedding(nn.Module):
         return torch.addcmul(x * cos, swapped, sin_signed)
 
 
-def _inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """[D/2] float32 rotary frequencies, with Llama-3 frequency scaling when configured."""
+def _inv_freq(cfg: ModelConfig, theta: float | None = None) -> torch.Tensor:
+    """[D/2] float32 rotary frequencies of base `theta` (None: cfg.rope_theta, with Llama-3
+    frequency scaling when configured; a local base is never scaled)."""
     d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    base = cfg.rope_theta if theta is None else theta
+    inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     s = cfg.rope_scaling
-    if s is None:
+    if s is None or theta is not None:
         return inv
     # Llama 3: long wavelengths (low frequencies) are slowed down by `factor`, short ones are
     # kept, and the band between is interpolated linearly in 1/wavelength.
@@ -144,13 +152,17 @@ def _inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quantized: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quantized: bool = False, index: int = 0) -> None:
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
         self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
         self.eps = cfg.rms_norm_eps
-        self.scale = d**-0.5
+        self.scale = cfg.attention_scale
+        # attention window in tokens (0: the whole context) and which RoPE table (1: the local one)
+        self.window = cfg.layer_window(index) or 0
+        self.local_rope = cfg.rope_local_theta is not None and self.window > 0
+        self.gelu = cfg.hidden_act == "gelu_tanh"
         self.input_norm = _rms_weight(h, dtype)
         q = quantized
         self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, cfg.attention_bias, dtype, q)
@@ -161,6 +173,9 @@ class DecoderLayer(nn.Module):
         # Qwen3: RMSNorm over every q and k head (weights [D]) before RoPE
         self.q_norm = _rms_weight(d, dtype) if cfg.qk_norm else None
         self.k_norm = _rms_weight(d, dtype) if cfg.qk_norm else None
+        # Gemma: the attention output and the MLP output are normed before their residual adds
+        self.attn_out_norm = _rms_weight(h, dtype) if cfg.sandwich_norms else None
+        self.mlp_out_norm = _rms_weight(h, dtype) if cfg.sandwich_norms else None
         self.bind()
 
     def bind(self) -> None:
@@ -204,7 +219,7 @@ class DecoderLayer(nn.Module):
         if bufs is not None and qkv is bufs[4]:  # the step's views of the scratch, made once
             qk_in, q, k, v, o2 = bufs[8]
             fused[0](self._norm_qk(qk_in), cos, sin, bufs[0])
-            paged_attention(q, k, v, cache, meta, self.scale, bufs[1])
+            paged_attention(q, k, v, cache, meta, self.scale, bufs[1], self.window)
             return self._o(o2, bufs[5])
         # q and k are rotated together: one set of RoPE ops instead of two (one op when fused)
         qk_in = self._norm_qk(qkv[:, : self.q_size + self.kv_size].view(t, hq + hkv, d))
@@ -215,12 +230,16 @@ class DecoderLayer(nn.Module):
             qk = RotaryEmbedding.rotate(qk_in, cos, sin)
         q, k = qk[:, :hq], qk[:, hq:]  # [T, Hq, D], [T, Hkv, D]
         v = qkv[:, self.q_size + self.kv_size :].view(t, hkv, d)  # [T, Hkv, D]
-        o = paged_attention(q, k, v, cache, meta, self.scale, None if bufs is None else bufs[1])
+        o = paged_attention(q, k, v, cache, meta, self.scale, None if bufs is None else bufs[1], self.window)
         return self._o(o.reshape(t, self.q_size), None if bufs is None else bufs[5])
 
     def mlp(self, h: torch.Tensor, fused: tuple | None = None, bufs: tuple | None = None) -> torch.Tensor:
         """h = post_attention_norm(x) [T, H] -> the MLP's output [T, H]."""
         gu = self._gate_up(h, None if bufs is None else bufs[6])  # [T, 2I]
+        if self.gelu:  # GeGLU, torch's own tanh gelu (transformers' gelu_pytorch_tanh)
+            gate, up = gu.chunk(2, dim=-1)
+            act = F.gelu(gate, approximate="tanh").mul_(up)
+            return self._down(act, None if bufs is None else bufs[7])
         if fused is not None:
             act = torch.empty(gu.shape[0], gu.shape[1] // 2) if bufs is None else bufs[2]
             fused[1](gu, act)
@@ -268,9 +287,17 @@ class LlamaModel(nn.Module):
         )
         self.embed_q: QWeight | None = None  # quantized token embeddings [V, H]
         self.lm_head_q: QWeight | None = None  # quantized LM head [V, H] (the same one when tied)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, quantized) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, quantized, i) for i in range(cfg.num_layers))
         self.norm = _rms_weight(h, dtype)
-        self.rope = RotaryEmbedding(cfg, dtype)
+        self.rope = RotaryEmbedding(cfg, dtype)  # the full-attention layers' (all, without a local base)
+        self.rope_local = (
+            RotaryEmbedding(cfg, dtype, cfg.rope_local_theta)
+            if any(layer.local_rope for layer in self.layers) else None
+        )
+        # Gemma: embeddings times sqrt(hidden), rounded to the compute dtype as transformers does
+        self._embed_scale = (
+            None if cfg.embedding_scale is None else torch.tensor(cfg.embedding_scale).to(dtype)
+        )
         self._lm_head_packed: torch.Tensor | None = None
 
     def pack_weights(self) -> bool:
@@ -333,6 +360,14 @@ class LlamaModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.lm_head_t.dtype
 
+    def shift_keys(self, k: torch.Tensor, delta: int) -> torch.Tensor:
+        """Every layer's keys k [L, T, H, D], stored after RoPE at positions p -> as if rotated at
+        p + delta, each layer by its own RoPE table (the cache's `shift` callback)."""
+        if self.rope_local is None:
+            return self.rope.shift_keys(k, delta)
+        ropes = [self.rope_local if layer.local_rope else self.rope for layer in self.layers]
+        return torch.stack([r.shift_keys(k[i], delta) for i, r in enumerate(ropes)])
+
     def weight_bytes(self) -> int:
         """Bytes held by the weights (quantized blocks are parameters too; a tied table once)."""
         return sum(p.numel() * p.element_size() for p in self.parameters())
@@ -355,7 +390,11 @@ class LlamaModel(nn.Module):
             x = self.embed_q.rows(input_ids)  # [T, H]: only the looked-up rows are dequantized
         else:
             x = F.embedding(input_ids, self.embedding_weight())  # [T, H], fresh: safe to add_ into
-        cos, sin = self.rope.lookup(positions)  # [T, 1, D] each, shared by every layer
+        if self._embed_scale is not None:
+            x.mul_(self._embed_scale)
+        tables = (self.rope.lookup(positions),)  # ([T, 1, D] cos, sin), shared by every layer
+        if self.rope_local is not None:
+            tables = (tables[0], self.rope_local.lookup(positions))
         eps, layers = self.config.rms_norm_eps, list(self.layers)  # list: no ModuleList indexing per layer
         fused = qkernel.fused() if x.dtype == torch.float32 else None  # ops, once per step
         # each residual add is fused with the RMSNorm that follows it (fused_ops.cpp)
@@ -364,9 +403,14 @@ class LlamaModel(nn.Module):
         bufs = None if fused is None else self._step_buffers(x)
         hb = None if bufs is None else bufs[3]
         for i, (layer, cache) in enumerate(zip(layers, kv.layers, strict=False)):
+            cos, sin = tables[layer.local_rope]
             a = layer.attention(h, cos, sin, cache, meta, fused, bufs)
+            if layer.attn_out_norm is not None:  # Gemma: norm the output before the residual add
+                a = F.rms_norm(a, a.shape[-1:], layer.attn_out_norm, eps)
             h = _add_rms_norm(x, a, layer.norms[1], eps, fused, hb)
             m = layer.mlp(h, fused, bufs)
+            if layer.mlp_out_norm is not None:
+                m = F.rms_norm(m, m.shape[-1:], layer.mlp_out_norm, eps)
             if i < last:
                 h = _add_rms_norm(x, m, layers[i + 1].norms[0], eps, fused, hb)
             else:
@@ -443,6 +487,8 @@ class LlamaModel(nn.Module):
                 raise ModelLoadError(
                     f"weight {name}: shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
                 )
+            if self.config.sandwich_norms and name.endswith("norm.weight"):
+                tensor = 1.0 + tensor.float()  # Gemma norms scale by 1 + w (as transformers)
             dest.copy_(tensor)
             seen.add(name)
         self._attach_quantized(pending)
@@ -502,7 +548,12 @@ class LlamaModel(nn.Module):
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             t[p + "input_layernorm.weight"] = layer.input_norm.data
-            t[p + "post_attention_layernorm.weight"] = layer.post_attention_norm.data
+            if layer.attn_out_norm is not None:  # Gemma's names: post_attention = after attention
+                t[p + "post_attention_layernorm.weight"] = layer.attn_out_norm.data
+                t[p + "pre_feedforward_layernorm.weight"] = layer.post_attention_norm.data
+                t[p + "post_feedforward_layernorm.weight"] = layer.mlp_out_norm.data
+            else:
+                t[p + "post_attention_layernorm.weight"] = layer.post_attention_norm.data
             if layer.q_norm is not None:
                 t[p + "self_attn.q_norm.weight"] = layer.q_norm.data
                 t[p + "self_attn.k_norm.weight"] = layer.k_norm.data

@@ -67,7 +67,17 @@ _GGUF_LAYER = {
     "attn_k_norm": "self_attn.k_norm",
     "attn_qkv": "self_attn.qkv_proj",  # Phi-3's fused projections
 }
-_GGUF_FUSED_LAYER = {**_GGUF_LAYER, "ffn_up": "mlp.gate_up_proj"}  # Phi-3: ffn_up holds gate|up
+# Per-architecture tensor maps: a Llama map on another layout would load silently wrong weights.
+_GGUF_LAYER_MAPS = {
+    "phi3": {**_GGUF_LAYER, "ffn_up": "mlp.gate_up_proj"},  # Phi-3: ffn_up holds gate|up
+    # Gemma 3: ffn_norm is the norm before the MLP; the attention and MLP outputs have their own
+    "gemma3": {
+        **_GGUF_LAYER,
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_attention_norm": "post_attention_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+}
 _GGUF_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -211,28 +221,31 @@ def _load_gguf(path: Path, dtype: torch.dtype, tokenizer: Any | None, keep: bool
     cfg = ModelConfig.from_gguf(g.metadata, g.tensors)
     model = LlamaModel(cfg, dtype, quantized=keep)
     # llama.cpp permutes q/k rows only for its "llama" rope layout; qwen2 files are unpermuted
-    permuted = g.metadata.get("general.architecture") == "llama"
-    model.load_weights(_gguf_weights(g, cfg, permuted, keep))
+    arch = g.metadata.get("general.architecture")
+    model.load_weights(_gguf_weights(g, cfg, arch == "llama", keep, _GGUF_LAYER_MAPS.get(arch, _GGUF_LAYER)))
     if tokenizer is None and "tokenizer.ggml.model" in g.metadata:
         tokenizer = _gguf_tokenizer(path)
     return LoadedModel(model, cfg, tokenizer, path.stem, weights="quantized" if keep else "float32")
 
 
 def _gguf_weights(
-    g: GGUFFile, cfg: ModelConfig, permuted: bool, keep: bool
+    g: GGUFFile, cfg: ModelConfig, permuted: bool, keep: bool, table: dict[str, str] = _GGUF_LAYER,
 ) -> Iterator[tuple[str, torch.Tensor | QPart]]:
     """(HF name, float32 tensor) for each tensor of the file, one at a time; with `keep`, every
     matrix comes as a QPart instead: a view of the file's mapped blocks, not copied and not
     read here (only llama q/k rows, reordered, are copies). F32 tensors are views of the
-    mapping too, copied once, into their parameter."""
+    mapping too, copied once, into their parameter. `table`: the architecture's layer names.
+    Gemma files store each norm as 1 + w; it comes out as transformers' w (the model adds 1)."""
     for gguf_name in g.tensors:
-        name = _hf_name(gguf_name, cfg.fused_projections)
+        name = _hf_name(gguf_name, table)
         info = g.tensors[gguf_name]
         if keep and len(info.shape) == 2:
             rows = g.tensor_bytes(gguf_name)  # [rows, row_bytes] uint8, the file's pages
             yield name, QPart(info.qtype, _unpermute_if(rows, name, cfg, permuted), info.shape[1])
             continue
         arr = g.dequantize(gguf_name)  # F32: a copy-on-write view of the mapping
+        if cfg.sandwich_norms and name.endswith("norm.weight"):
+            arr = arr - np.float32(1)  # float32, as transformers' Gemma tensor processor
         w = torch.from_numpy(arr if arr.flags.writeable else np.array(arr))
         yield name, _unpermute_if(w, name, cfg, permuted)
 
@@ -246,12 +259,11 @@ def _unpermute_if(w: torch.Tensor, name: str, cfg: ModelConfig, permuted: bool) 
     return w
 
 
-def _hf_name(gguf_name: str, fused: bool = False) -> str:
-    """transformers name of a GGUF tensor; unknown names pass through (load_weights rejects them).
-    `fused`: the file stores gate|up as one `ffn_up` (Phi-3)."""
+def _hf_name(gguf_name: str, table: dict[str, str] = _GGUF_LAYER) -> str:
+    """transformers name of a GGUF tensor under an architecture's layer `table`; unknown names
+    pass through (load_weights rejects them)."""
     if gguf_name in _GGUF_GLOBAL:
         return _GGUF_GLOBAL[gguf_name]
-    table = _GGUF_FUSED_LAYER if fused else _GGUF_LAYER
     m = _GGUF_LAYER_RE.fullmatch(gguf_name)
     if m and m.group(2) in table:
         return f"model.layers.{m.group(1)}.{table[m.group(2)]}.{m.group(3)}"
