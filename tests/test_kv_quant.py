@@ -269,10 +269,10 @@ def test_decode_reads_quantized_blocks_like_their_float_twin(name, dtype, spec: 
     q = case.q[m.num_prefill_tokens :]
     with backend(name):
         got = paged_decode_attention(q, quant.k, quant.v, m.decode_block_tables,
-                                     m.decode_seq_lens, spec.scale,
+                                     m.decode_seq_lens, spec.scale, window=spec.window,
                                      k_scale=quant.k_scale, v_scale=quant.v_scale)
         want = paged_decode_attention(q, twin.k, twin.v, m.decode_block_tables,
-                                      m.decode_seq_lens, spec.scale)
+                                      m.decode_seq_lens, spec.scale, window=spec.window)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
