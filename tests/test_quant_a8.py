@@ -1,6 +1,7 @@
-"""The opt-in activation-quantized matmul (activations="int8", qmatmul_a8.cpp) against a numpy
-reference of the same int8 arithmetic, for Q4_0, Q4_1 and Q8_0 weights made by the gguf
-package's quantizer; the scalar path against the AVX2 one (bit-identical); QWeight's routing."""
+"""The opt-in activation-quantized matmul (activations="int8", qmatmul_a8.cpp and qmatmul_a8x.cpp)
+against a numpy reference of the same int8 arithmetic, for Q4_0, Q4_1 and Q8_0 weights made by
+the gguf package's quantizer and random valid blocks of every other kernel type; the scalar path
+against the AVX2 one (bit-identical); QWeight's routing."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf.quants import quantize
+from gguf.quants import dequantize, quantize
 from test_quant import _blocks
 
 from pagedkv.errors import UnsupportedModelError
@@ -16,6 +17,8 @@ from pagedkv.model import qkernel, quant
 from pagedkv.model.quant import QWeight
 
 A8 = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
+A8B = [Q.Q5_0, Q.Q5_1, Q.IQ4_NL]  # the other 32-element types (activations per 32)
+A8X = [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS]  # super-block types (activations per 256)
 ROWS = [1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 40]
 
 needs_kernel = pytest.mark.skipif(not qkernel.load(), reason="needs the compiled kernel")
@@ -120,6 +123,60 @@ def test_matmul_matches_int8_reference(qtype: Q, n: int, k: int) -> None:
         assert (err <= 2e-6 * mag + 1e-30).all(), f"T={t}: max err {err.max()} (mag {mag.max()})"
 
 
+def ref_matmul_deq(qtype: Q, data: np.ndarray, x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
+    """Any type: the gguf package's dequantized weights against x quantized to int8 in blocks of
+    `group` (d = max|x| / 127 per block), in float64, and the sum of |terms| for the tolerance."""
+    t, k = x.shape
+    b = x.reshape(t, k // group, group)
+    d = (np.abs(b).max(-1) / np.float32(127)).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+    xi = np.rint(b * inv[..., None]).astype(np.float64)
+    w = dequantize(data, qtype).reshape(data.shape[0], k // group, group).astype(np.float64)
+    dd = d[:, None].astype(np.float64)
+    return (np.einsum("nbk,tbk->tnb", w, xi) * dd).sum(-1), (np.einsum("nbk,tbk->tnb", np.abs(w), np.abs(xi)) * dd).sum(-1)
+
+
+def _run_linear(qtype: Q, data: np.ndarray, x: np.ndarray, impl: int) -> np.ndarray:
+    out = torch.empty(x.shape[0], data.shape[0])
+    qkernel.a8()[2](torch.from_numpy(x), [torch.from_numpy(data)], [int(qtype)], out, impl)
+    return out.numpy()
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", A8B + A8X, ids=lambda q: q.name)
+def test_other_types_match_int8_reference(qtype: Q) -> None:
+    """Every other kernel type on the int8 row kernel: random valid blocks (scales of both signs,
+    subnormal ones, a zero block), row counts not a multiple of 4; AVX2 == scalar."""
+    sb = qtype in A8X
+    k = 512 if sb else 96
+    for n in (1, 37):
+        data = _blocks(qtype, n, k, seed=n)
+        for t in (1, 2, 3, 4, 5, 9, 17):
+            x = _acts(t, k, seed=t)
+            fast, scalar = _run_linear(qtype, data, x, 0), _run_linear(qtype, data, x, 1)
+            assert np.array_equal(fast, scalar), f"T={t}: AVX2 and scalar paths differ"
+            if not sb:  # the matmul op (activations quantized beforehand) gives the same
+                assert np.array_equal(fast, _run(qtype, data, x, 0))
+            ref, mag = ref_matmul_deq(qtype, data, x, 256 if sb else 32)
+            err = np.abs(fast - ref)
+            assert (err <= 1e-5 * mag + 1e-30).all(), f"T={t}: max err {err.max()} (mag {mag.max()})"
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_other_types_are_close_to_exact(qtype: Q) -> None:
+    """A real Q4_K_M file's types: int8 activations within ~1.5% of exact."""
+    k = 512
+    w = QWeight(k, [(qtype, torch.from_numpy(_blocks(qtype, 64, k, 7)))])
+    x = torch.from_numpy(_acts(3, k, 5))
+    exact = w.linear(x)
+    w.set_activations("int8")
+    assert w.a8
+    rel = (w.linear(x) - exact).norm() / exact.norm()
+    assert 0 < rel < 0.015
+
+
 @needs_kernel
 def test_int8_products_are_close_to_exact() -> None:
     """The approximation itself: int8 activations stay within ~1% of the float32 product."""
@@ -135,7 +192,7 @@ def test_int8_products_are_close_to_exact() -> None:
 
 @needs_kernel
 def test_qweight_routes_segments_and_rows() -> None:
-    """Q4_1 / Q6_K / Q8_0 segments of one weight: the K-quant one stays exact, the others are int8;
+    """Q4_1 / Q6_K / Q8_0 segments of one weight, all int8 (one op call quantizes x for all);
     above A8_ROWS rows, and in float32 mode, the whole product is the exact path's."""
     k = 512
     parts = [(Q.Q4_1, _weights(Q.Q4_1, 24, k, 1)), (Q.Q6_K, _blocks(Q.Q6_K, 8, k, 3)),
@@ -151,15 +208,13 @@ def test_qweight_routes_segments_and_rows() -> None:
         if t > quant.A8_ROWS:
             assert torch.equal(mixed, exact)
             continue
-        q6 = torch.empty(t, 8)
-        qkernel.qmatmul()(torch.from_numpy(x), w.parts[1][1], int(Q.Q6_K), q6, 0)
-        assert torch.equal(mixed[:, 24:32], q6)  # Q6_K: the exact kernel, float32 activations
+        assert np.array_equal(mixed[:, 24:32].numpy(), _run_linear(Q.Q6_K, parts[1][1], x, 0))
         assert np.array_equal(mixed[:, :24].numpy(), _run(Q.Q4_1, parts[0][1], x, 0))
         assert np.array_equal(mixed[:, 32:].numpy(), _run(Q.Q8_0, parts[2][1], x, 0))
 
 
-def test_mode_is_validated_and_k_quants_only_stay_exact() -> None:
-    w = QWeight(256, [(Q.Q4_K, torch.from_numpy(_blocks(Q.Q4_K, 4, 256, 0)))])
+def test_mode_is_validated_and_float_types_stay_exact() -> None:
+    w = QWeight(256, [(Q.F16, torch.zeros(4, 512, dtype=torch.uint8))])
     with pytest.raises(UnsupportedModelError, match="activations"):
         w.set_activations("int4")
     w.set_activations("int8")
@@ -175,7 +230,11 @@ def test_op_rejects_bad_shapes() -> None:
     xq, xd, xs = torch.zeros(2, 64, dtype=torch.int8), torch.zeros(2, 2), torch.zeros(2, 2)
     w = torch.zeros(3, 40, dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="unsupported ggml type"):
+        matmul(xq, xd, xs, w, int(Q.F16), torch.zeros(2, 3), 0, 0)
+    with pytest.raises(RuntimeError, match="super-block types take linear"):
         matmul(xq, xd, xs, w, int(Q.Q4_K), torch.zeros(2, 3), 0, 0)
+    with pytest.raises(RuntimeError, match="not whole blocks"):  # 64 elements of a 256-block type
+        qkernel.a8()[2](torch.zeros(2, 64), [w], [int(Q.Q4_K)], torch.zeros(2, 3), 0)
     with pytest.raises(RuntimeError, match="weight must be"):
         matmul(xq, xd, xs, w, int(Q.Q8_0), torch.zeros(2, 3), 0, 0)
     with pytest.raises(RuntimeError, match="out must be"):

@@ -49,7 +49,12 @@ class TinySpec:
     qtypes: dict[str, Q] = field(default_factory=dict)
 
     def qtype(self, kind: str) -> Q:
-        return self.qtypes.get(kind, Q.Q8_0)
+        """kind: attn, ffn, embd, output, or a tensor's own (attn_v, ffn_down, ffn_down_odd: the
+        odd layers'), which falls back to its family's."""
+        if kind in self.qtypes:
+            return self.qtypes[kind]
+        family = {"attn_v": "attn", "ffn_down": "ffn", "ffn_down_odd": "ffn_down"}.get(kind)
+        return self.qtype(family) if family else Q.Q8_0
 
 
 @functools.cache
@@ -65,14 +70,22 @@ def smollm2_vocab(n: int) -> tuple[list[str], list[int], list[str]]:
     return tokens, types, merges
 
 
+# byte offsets of each block's fp16 scales (d, then dmin where the type has one)
+F16_AT = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.IQ4_NL: (0,),
+          Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
+          Q.IQ4_XS: (0,)}
+
+
 def _random_blocks(rng: np.random.Generator, rows: int, k: int, qtype: Q, scale: float) -> np.ndarray:
-    """Valid Q8_0 / Q4_0 blocks drawn directly (random quants, one fp16 scale per block giving
-    values of about `scale` / sqrt(k)): a 0.5 GB file in seconds, no quantizer pass."""
+    """Valid blocks of any F16_AT type drawn directly (random quants and sub-block scales, fp16
+    scales giving values of roughly `scale` / sqrt(k)): a 0.5 GB file in seconds, no quantizer."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     out = rng.integers(0, 256, (rows, k // block, size), dtype=np.uint8)
-    top = 127 if qtype == Q.Q8_0 else 8
-    d = np.float16(scale / np.sqrt(k) / (top / 2))
-    out[:, :, :2] = np.frombuffer(d.tobytes(), dtype=np.uint8)
+    top = {Q.Q8_0: 127, Q.Q6_K: 32 * 64, Q.Q5_K: 31 * 32, Q.Q4_K: 15 * 32, Q.Q3_K: 4 * 16,
+           Q.Q2_K: 3 * 8, Q.IQ4_XS: 127 * 16, Q.IQ4_NL: 127, Q.Q5_0: 16, Q.Q5_1: 31}.get(qtype, 8)
+    d = np.frombuffer(np.float16(scale / np.sqrt(k) / (top / 2)).tobytes(), dtype=np.uint8)
+    for at in F16_AT[qtype]:
+        out[:, :, at : at + 2] = d
     return out.reshape(rows, -1)
 
 
@@ -85,7 +98,7 @@ def _tensors(spec: TinySpec, fast: bool = False) -> dict[str, tuple[np.ndarray, 
 
     def mat(rows: int, k: int, kind: str, scale: float = 1.0) -> tuple[np.ndarray, Q]:
         qtype = spec.qtype(kind)
-        if fast and qtype in (Q.Q8_0, Q.Q4_0):
+        if fast and qtype in F16_AT:
             return _random_blocks(rng, rows, k, qtype, scale), qtype
         return (rng.standard_normal((rows, k), dtype=np.float32) * (scale / np.sqrt(k)), qtype)
 
@@ -101,7 +114,7 @@ def _tensors(spec: TinySpec, fast: bool = False) -> dict[str, tuple[np.ndarray, 
         else:
             out[p + "attn_q.weight"] = mat(q, h, "attn")
             out[p + "attn_k.weight"] = mat(kv, h, "attn")
-            out[p + "attn_v.weight"] = mat(kv, h, "attn")
+            out[p + "attn_v.weight"] = mat(kv, h, "attn_v")
         if spec.bias:
             for part, rows in (("q", q), ("k", kv), ("v", kv)):
                 out[p + f"attn_{part}.bias"] = (0.1 * rng.standard_normal(rows, dtype=np.float32), Q.F32)
@@ -115,7 +128,7 @@ def _tensors(spec: TinySpec, fast: bool = False) -> dict[str, tuple[np.ndarray, 
         else:
             out[p + "ffn_gate.weight"] = mat(n, h, "ffn")
             out[p + "ffn_up.weight"] = mat(n, h, "ffn")
-        out[p + "ffn_down.weight"] = mat(h, n, "ffn")
+        out[p + "ffn_down.weight"] = mat(h, n, "ffn_down_odd" if i % 2 else "ffn_down")
     out["output_norm.weight"] = norm(h)
     if not spec.tied:
         out["output.weight"] = mat(spec.vocab, h, "output", 3.0)
@@ -201,6 +214,13 @@ FULL_SPECS = {
     "qwen2.5-0.5b-q4_0": TinySpec("qwen2", "Qwen2.5 0.5B synthetic", 896, 14, 2, 64, 4864, layers=24,
                                   vocab=151936, bias=True, seed=11,
                                   qtypes={"attn": Q.Q4_0, "ffn": Q.Q4_0, "embd": Q.Q8_0}),
+    # a real Q4_K_M file's mix for these shapes (rows of 896 are not whole 256-blocks, so
+    # llama.cpp's quantizer falls back: Q4_K -> Q5_0, Q6_K -> Q8_0): Q5_0 x133, Q8_0 x13,
+    # Q4_K x12, Q6_K x12 (ffn_down, 4864 wide, alternating): 0.40 GB
+    "qwen2.5-0.5b-q4_k_m": TinySpec("qwen2", "Qwen2.5 0.5B synthetic", 896, 14, 2, 64, 4864, layers=24,
+                                    vocab=151936, bias=True, seed=12,
+                                    qtypes={"attn": Q.Q5_0, "attn_v": Q.Q8_0, "ffn": Q.Q5_0,
+                                            "ffn_down": Q.Q4_K, "ffn_down_odd": Q.Q6_K, "embd": Q.Q8_0}),
 }
 
 

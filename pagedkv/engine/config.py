@@ -51,8 +51,9 @@ class EngineConfig:
         None, "GGUF weights: keep the file's quantized blocks (the default for GGUF at float32) "
               "or dequantize them to float32 at load", choices=("quantized", "float32"))
     activations: str = option(
-        "float32", "int8: round each quantized matmul's input to 8 bits per 32 values and "
-                   "multiply in integers (llama.cpp's way; faster, approximate). float32: exact",
+        "float32", "int8: round each quantized matmul's input to 8 bits per 32 values (per 256 "
+                   "for K-quants) and multiply in integers (llama.cpp's way; faster, "
+                   "approximate). float32: exact",
         choices=("float32", "int8"))
     batch_weights: str = option(
         "quantized", "float32: also keep a float32 copy of the quantized weights, pre-packed, "

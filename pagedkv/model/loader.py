@@ -9,8 +9,9 @@ with `gguf.quants.dequantize` at load and casts it to the requested dtype. Eithe
 multiplies by exactly the weights transformers builds from the same file.
 
 `activations="int8"` (quantized weights only; opt-in, approximate): each quantized matmul's
-input is rounded to int8 per 32-element block and multiplied in integers, as llama.cpp does
-(quant.py); "float32" (the default) keeps the exact path.
+input is rounded to int8 per 32-element block (per 256 for the K-quants and IQ4_XS) and
+multiplied in integers, as llama.cpp does (quant.py); "float32" (the default) keeps the exact
+path.
 
 `batch_weights="float32"` (quantized weights only; opt-in, exact): also keep a float32 copy of
 every quantized matrix, pre-packed for oneDNN, for prefill and large batches (above the

@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
 # one translation unit each; the headers they include (ggml_blocks.h, vec.h, ...) live in _DIR
-_SOURCES = [_DIR / n for n in ("qmatmul.cpp", "qmatmul_avx2.cpp", "qmatmul_avx512.cpp", "qmatmul_a8.cpp",
+_SOURCES = [_DIR / n for n in ("qmatmul.cpp", "qmatmul_avx2.cpp", "qmatmul_avx512.cpp", "qmatmul_a8.cpp", "qmatmul_a8x.cpp",
                                "qmatmul_panel.cpp", "fused_ops.cpp")]
 _EXTRA_FLAGS = ["-ffp-contract=off"]
 

@@ -38,6 +38,7 @@
 #include "ggml_blocks.h"
 #include "qmatmul_a8.h"
 #include "simd.inc"
+#include "vec.h"
 
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
@@ -52,11 +53,26 @@ using ggml::half;
 using ggml::Q4_0;
 using ggml::Q4_1;
 using ggml::Q8_0;
+using ggml::Q5_0;
+using ggml::Q5_1;
+using ggml::IQ4_NL;
 constexpr int64_t PF_TILES = 4;
 constexpr int64_t QK = ggml::QK;
 
-int64_t block_bytes(int64_t t) {  // 0: a type this kernel does not multiply
-  return t == Q4_0 || t == Q4_1 || t == Q8_0 ? ggml::type_info(t)->bytes : 0;
+int64_t block_bytes(int64_t t) {  // 0: a type of qmatmul_a8x.cpp, or none
+  return t == Q4_0 || t == Q4_1 || t == Q8_0 || t == Q5_0 || t == Q5_1 || t == IQ4_NL
+             ? ggml::type_info(t)->bytes : 0;
+}
+
+bool panel_type(int64_t t) { return t == Q4_0 || t == Q4_1 || t == Q8_0; }
+
+// signed integer weights (the sign trick before maddubs) and no offset term
+constexpr bool signed_type(int64_t t) { return t == Q8_0 || t == IQ4_NL; }
+
+int64_t row_bytes(int64_t t, int64_t K) {
+  if (!block_bytes(t) && !x_type(t)) return 0;
+  const ggml::TypeInfo* i = ggml::type_info(t);
+  return K % i->block ? 0 : K / i->block * i->bytes;
 }
 
 // --- activation quantization -------------------------------------------------------------------
@@ -112,7 +128,7 @@ void quant_block_avx2(const float* x, int8_t* q, float* d, float* s, int32_t* is
 // --- scalar dot products: the AVX2 arithmetic, lane by lane ------------------------------------
 
 struct WBlock {
-  int w[QK];  // integer weights: Q4 nibbles 0..15 (element order), Q8 signed values
+  int w[QK];  // integer weights: Q4 nibbles 0..15, Q5 0..31 (element order), Q8 / IQ4_NL signed
   float d, m;
 };
 
@@ -120,6 +136,19 @@ inline void unpack_scalar(int64_t t, const uint8_t* b, WBlock& wb) {
   if (t == Q8_0) {
     wb.d = half(b), wb.m = 0.f;
     for (int i = 0; i < QK; ++i) wb.w[i] = static_cast<int8_t>(b[2 + i]);
+    return;
+  }
+  if (t == IQ4_NL) {
+    wb.d = half(b), wb.m = 0.f;
+    for (int i = 0; i < QK; ++i) wb.w[i] = ggml::IQ4_LEVELS[ggml::nibble(b + 2, i)];
+    return;
+  }
+  if (t == Q5_0 || t == Q5_1) {  // u = nibble | high bit << 4; Q5_0: w = d (u - 16)
+    const int o = t == Q5_0 ? 2 : 4;
+    const uint32_t qh = ggml::u32(b + o);
+    for (int i = 0; i < QK; ++i) wb.w[i] = ggml::nibble(b + o + 4, i) | static_cast<int>((qh >> i) & 1) << 4;
+    wb.d = half(b);
+    wb.m = t == Q5_1 ? half(b + 2) : wb.d * -16.f;
     return;
   }
   const uint8_t* qs = b + (t == Q4_1 ? 4 : 2);
@@ -165,8 +194,8 @@ void row_scalar(int64_t t, const uint8_t* row, int64_t nb, int64_t T, const int8
     }
     // rows in whole groups of 4 sum the offsets after the loop, the others block by block
     float summ = 0.f;
-    if (t != Q8_0 && r < T - T % 4) summ = offset_dot_scalar(mb.data(), xs + r * nb, nb);
-    else if (t != Q8_0)
+    if (!signed_type(t) && r < T - T % 4) summ = offset_dot_scalar(mb.data(), xs + r * nb, nb);
+    else if (!signed_type(t))
       for (int64_t b = 0; b < nb; ++b) summ = summ + mb[b] * xs[r * nb + b];
     res[r * ldr] = hsum_lanes(acc) + summ;
   }
@@ -191,12 +220,22 @@ float offset_dot_avx2(const float* m, const float* s, int64_t nb) {
 // both converted from half by one instruction.
 template <int64_t QT>
 __attribute__((always_inline)) inline __m128 load_block(const uint8_t* blk, __m256i& w, __m256i& aw) {
-  if (QT == Q8_0) {
-    w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+  if (QT == Q8_0 || QT == IQ4_NL) {
+    w = QT == Q8_0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2))
+                   : vec::lookup16(ggml::IQ4_LEVELS, vec::nibbles(blk + 2));
     aw = _mm256_abs_epi8(w);
     uint16_t h;
     std::memcpy(&h, blk, 2);
     return _mm_cvtph_ps(_mm_cvtsi32_si128(h));
+  }
+  if (QT == Q5_0 || QT == Q5_1) {
+    const int o = QT == Q5_0 ? 2 : 4;
+    const __m256i hi = _mm256_and_si256(vec::bit_bytes(ggml::u32(blk + o)), _mm256_set1_epi8(0x10));
+    w = aw = _mm256_or_si256(vec::nibbles(blk + o + 4), hi);
+    if (QT == Q5_1) return vec::half2(blk);
+    uint16_t h;
+    std::memcpy(&h, blk, 2);
+    return _mm_mul_ps(_mm_cvtph_ps(_mm_set1_epi16(static_cast<short>(h))), _mm_setr_ps(1.f, -16.f, 0.f, 0.f));
   }
   // the 16 bytes in both halves, the upper half shifted right by 4: nibbles in element order
   const __m256i raw = _mm256_broadcastsi128_si256(
@@ -220,7 +259,7 @@ __attribute__((always_inline)) inline __m128 load_block(const uint8_t* blk, __m2
 template <int64_t QT, int W, int R>
 __attribute__((always_inline)) inline void tile_inline(const uint8_t* row, int64_t rb, int64_t nb, const int8_t* xq,
                                                        const float* xp, int64_t K, float* res, int64_t ldr) {
-  constexpr int64_t bb = QT == Q4_0 ? 18 : QT == Q4_1 ? 20 : 34;
+  constexpr int64_t bb = QT == Q4_0 || QT == IQ4_NL ? 18 : QT == Q4_1 ? 20 : QT == Q5_0 ? 22 : QT == Q5_1 ? 24 : 34;
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[W][R];
   __m128 summ[W][R];
@@ -237,11 +276,11 @@ __attribute__((always_inline)) inline void tile_inline(const uint8_t* row, int64
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + QK * b));
       const __m128 ds = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(xp + 2 * (r * nb + b))));
       for (int v = 0; v < W; ++v) {
-        const __m256i xv = QT == Q8_0 ? _mm256_sign_epi8(x, w[v]) : x;
+        const __m256i xv = signed_type(QT) ? _mm256_sign_epi8(x, w[v]) : x;
         const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw[v], xv), ones);
         const __m128 prod = _mm_mul_ps(dm[v], ds);  // [d * dx, m * sx]
         acc[v][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcastss_ps(prod), acc[v][r]);
-        if (QT != Q8_0) summ[v][r] = _mm_add_ps(summ[v][r], prod);
+        if (!signed_type(QT)) summ[v][r] = _mm_add_ps(summ[v][r], prod);
       }
     }
   }
@@ -256,7 +295,7 @@ __attribute__((always_inline)) inline void tile_inline(const uint8_t* row, int64
 template <int64_t QT, int W, int R>
 __attribute__((always_inline)) inline void tile_late(const uint8_t* row, int64_t rb, int64_t nb, const int8_t* xq, const float* xd,
                const float* xs, int64_t K, float* res, int64_t ldr, float* mb) {
-  constexpr int64_t bb = QT == Q4_0 ? 18 : QT == Q4_1 ? 20 : 34;
+  constexpr int64_t bb = QT == Q4_0 || QT == IQ4_NL ? 18 : QT == Q4_1 ? 20 : QT == Q5_0 ? 22 : QT == Q5_1 ? 24 : 34;
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[W][R];
   for (int v = 0; v < W; ++v)
@@ -268,13 +307,13 @@ __attribute__((always_inline)) inline void tile_late(const uint8_t* row, int64_t
     for (int v = 0; v < W; ++v) {
       const __m128 dm = load_block<QT>(row + v * rb + bb * b, w[v], aw[v]);
       dw[v] = _mm256_broadcastss_ps(dm);
-      if (QT != Q8_0) mb[v * nb + b] = _mm_cvtss_f32(_mm_movehdup_ps(dm));
+      if (!signed_type(QT)) mb[v * nb + b] = _mm_cvtss_f32(_mm_movehdup_ps(dm));
     }
     for (int r = 0; r < R; ++r) {
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + QK * b));
       const __m256 dx = _mm256_broadcast_ss(xd + r * nb + b);
       for (int v = 0; v < W; ++v) {
-        const __m256i xv = QT == Q8_0 ? _mm256_sign_epi8(x, w[v]) : x;
+        const __m256i xv = signed_type(QT) ? _mm256_sign_epi8(x, w[v]) : x;
         const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw[v], xv), ones);
         acc[v][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw[v], dx), acc[v][r]);
       }
@@ -282,7 +321,7 @@ __attribute__((always_inline)) inline void tile_late(const uint8_t* row, int64_t
   }
   for (int v = 0; v < W; ++v)
     for (int r = 0; r < R; ++r)
-      res[v + r * ldr] = hsum(acc[v][r]) + (QT == Q8_0 ? 0.f : offset_dot_avx2(mb + v * nb, xs + r * nb, nb));
+      res[v + r * ldr] = hsum(acc[v][r]) + (signed_type(QT) ? 0.f : offset_dot_avx2(mb + v * nb, xs + r * nb, nb));
 }
 
 // W weight rows against all T activation rows, 4 at a time (the weight rows stay in L1)
@@ -309,7 +348,7 @@ void range_avx2(const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, int64_t nb
                 float* out, int64_t ldo) {
   std::vector<float> mb(T >= 4 ? 2 * nb : 0);  // the offsets of the current weight rows (tile_late)
   int64_t n = n0;
-  for (; QT != Q8_0 && n + 2 <= n1; n += 2) rows_avx2<QT, 2>(w + n * rb, rb, nb, T, xq, xd, xs, xp, K, out + n, ldo, mb.data());
+  for (; !signed_type(QT) && n + 2 <= n1; n += 2) rows_avx2<QT, 2>(w + n * rb, rb, nb, T, xq, xd, xs, xp, K, out + n, ldo, mb.data());
   for (; n < n1; ++n) rows_avx2<QT, 1>(w + n * rb, rb, nb, T, xq, xd, xs, xp, K, out + n, ldo, mb.data());
 }
 
@@ -318,6 +357,9 @@ void range_avx2(int64_t qt, const uint8_t* w, int64_t rb, int64_t n0, int64_t n1
                 int64_t K, float* out, int64_t ldo) {
   if (qt == Q4_0) range_avx2<Q4_0>(w, rb, n0, n1, nb, T, xq, xd, xs, xp, K, out, ldo);
   else if (qt == Q4_1) range_avx2<Q4_1>(w, rb, n0, n1, nb, T, xq, xd, xs, xp, K, out, ldo);
+  else if (qt == Q5_0) range_avx2<Q5_0>(w, rb, n0, n1, nb, T, xq, xd, xs, xp, K, out, ldo);
+  else if (qt == Q5_1) range_avx2<Q5_1>(w, rb, n0, n1, nb, T, xq, xd, xs, xp, K, out, ldo);
+  else if (qt == IQ4_NL) range_avx2<IQ4_NL>(w, rb, n0, n1, nb, T, xq, xd, xs, xp, K, out, ldo);
   else range_avx2<Q8_0>(w, rb, n0, n1, nb, T, xq, xd, xs, xp, K, out, ldo);
 }
 #endif
@@ -382,8 +424,9 @@ void matmul(const at::Tensor& xq, const at::Tensor& xd, const at::Tensor& xs, co
             int64_t qtype, at::Tensor& out, int64_t col0, int64_t impl) {
   check_act(xq, xd, xs);
   const int64_t T = xq.size(0), K = xq.size(1), nb = K / QK, N = w.size(0);
+  TORCH_CHECK(block_bytes(qtype) > 0, "activation-quantized matmul: unsupported ggml type ", qtype,
+              " (the super-block types take linear, which quantizes x per 256)");
   const int64_t bb = block_bytes(qtype);
-  TORCH_CHECK(bb > 0, "activation-quantized matmul: unsupported ggml type ", qtype);
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) == nb * bb,
               "weight must be a contiguous uint8 [N, ", nb * bb, "] tensor");
   TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.stride(1) == 1 &&
@@ -414,19 +457,21 @@ void matmul(const at::Tensor& xq, const at::Tensor& xd, const at::Tensor& xs, co
 // the int8 types with K / 32 blocks per row, out [T, sum N_i]; returns each segment's first
 // output column (and the total last).
 std::vector<int64_t> check_segments(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes,
-                                    const at::Tensor& out) {
+                                    const at::Tensor& out, bool panel) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) > 0 &&
                   x.size(1) % QK == 0,
               "x must be a contiguous float32 [T, K] tensor, K a multiple of 32");
   TORCH_CHECK(ws.size() == qtypes.size() && !ws.empty(), "one qtype per weight segment");
-  const int64_t nb = x.size(1) / QK;
+  const int64_t K = x.size(1);
   std::vector<int64_t> first{0};
   for (size_t i = 0; i < ws.size(); ++i) {
-    const int64_t bb = block_bytes(qtypes[i]);
-    TORCH_CHECK(bb > 0, "activation-quantized matmul: unsupported ggml type ", qtypes[i]);
+    TORCH_CHECK(panel ? panel_type(qtypes[i]) : block_bytes(qtypes[i]) > 0 || x_type(qtypes[i]),
+                "activation-quantized matmul: unsupported ggml type ", qtypes[i]);
+    const int64_t rbytes = row_bytes(qtypes[i], K);
+    TORCH_CHECK(rbytes > 0, "rows of ", K, " elements are not whole blocks of ggml type ", qtypes[i]);
     TORCH_CHECK(ws[i].dim() == 2 && ws[i].scalar_type() == at::kByte && ws[i].is_contiguous() &&
-                    ws[i].size(1) == nb * bb,
-                "weight must be a contiguous uint8 [N, ", nb * bb, "] tensor");
+                    ws[i].size(1) == rbytes,
+                "weight must be a contiguous uint8 [N, ", rbytes, "] tensor");
     first.push_back(first.back() + ws[i].size(0));
   }
   TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.is_contiguous() &&
@@ -450,6 +495,15 @@ void linear(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, at::
   const int64_t grain = std::max<int64_t>(16, N / (8 * std::max<int64_t>(1, at::get_num_threads())));
   const bool fast = use_avx2(impl);
   const std::vector<float> pp = pairs(dp, sp, T * nb);
+  // the super-block types' activations, quantized per 256 (only when a segment needs them)
+  std::vector<int8_t> kq;
+  std::vector<float> kd;
+  std::vector<int16_t> kbs;
+  const int64_t nsb = K / ggml::QK_K;
+  if (std::any_of(qtypes.begin(), qtypes.end(), x_type)) {
+    kq.resize(T * K), kd.resize(T * nsb), kbs.resize(16 * T * nsb);
+    quantize_sb(x.data_ptr<float>(), kq.data(), kd.data(), kbs.data(), T * nsb, impl);
+  }
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     for (size_t i = 0; i < ws.size(); ++i) {
       const int64_t a = std::max(n0, first[i]), b = std::min(n1, first[i + 1]);
@@ -457,6 +511,10 @@ void linear(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, at::
       const uint8_t* wp = ws[i].data_ptr<uint8_t>();  // segment rows, local index n - first[i]
       const int64_t rb = ws[i].size(1), c = first[i];
       float* oc = op + c;
+      if (x_type(qtypes[i])) {
+        x_range(qtypes[i], wp, rb, a - c, b - c, nsb, T, kq.data(), kd.data(), kbs.data(), K, oc, N, impl);
+        continue;
+      }
 #ifdef A8_AVX2
       if (fast) {
         range_avx2(qtypes[i], wp, rb, a - c, b - c, nb, T, qp, dp, sp, pp.data(), K, oc, N);

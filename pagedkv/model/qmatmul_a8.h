@@ -9,18 +9,41 @@
 
 namespace a8 {
 
-// bytes per block of an int8-kernel weight type (Q4_0, Q4_1, Q8_0), 0 for any other type
+// bytes per block of a 32-element weight type of qmatmul_a8.cpp's row kernel (Q4_0, Q4_1, Q8_0,
+// Q5_0, Q5_1, IQ4_NL), 0 for any other type
 int64_t block_bytes(int64_t t);
+
+// the panel kernel's types (qmatmul_panel.cpp): Q4_0, Q4_1, Q8_0
+bool panel_type(int64_t t);
+
+// the super-block types of the int8 row kernel (qmatmul_a8x.cpp): Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
+// IQ4_XS
+bool x_type(int64_t t);
+
+// bytes of a K-element weight row of type t, 0 when the int8 row kernel does not multiply t or
+// K is not a whole number of t's blocks
+int64_t row_bytes(int64_t t, int64_t K);
 
 // nblocks 32-element blocks of x -> q int8, d = max|x| / 127, s = d * sum(q) per block; isum
 // (optional): each block's integer sum of q. impl: 0 = fastest available, 1 = scalar.
 void quantize_blocks(const float* xp, int8_t* qp, float* dp, float* sp, int64_t nblocks, int64_t impl,
                      int32_t* isum = nullptr);
 
+// nsb 256-element blocks of x -> q int8 (dK = max|x| / 127 per block, q = nearbyint(x * (1 / dK)))
+// and bs[16 b + k] = the integer sum of q over elements 16 k .. 16 k + 15 of block b (int16): the
+// activations of x_range. impl: 0 = fastest available, 1 = scalar (same results).
+void quantize_sb(const float* x, int8_t* q, float* d, int16_t* bs, int64_t nsb, int64_t impl);
+
+// weight rows [n0, n1) of an x_type t (rows of rb bytes, nsb = K / 256 super-blocks) against T
+// activation rows quantized by quantize_sb -> out[r * ldo + n]. impl as above.
+void x_range(int64_t t, const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, int64_t nsb, int64_t T,
+             const int8_t* xq, const float* xd, const int16_t* bs, int64_t K, float* out, int64_t ldo,
+             int64_t impl);
+
 // The arguments of linear (and panel): x [T, K] f32 (K a multiple of 32), weight segments of
-// the int8 types with K / 32 blocks per row, out [T, sum N_i]; returns each segment's first
-// output column (and the total last).
+// the int8 row kernel's types with row_bytes(t, K) per row (the panel: block_bytes types only),
+// out [T, sum N_i]; returns each segment's first output column (and the total last).
 std::vector<int64_t> check_segments(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes,
-                                    const at::Tensor& out);
+                                    const at::Tensor& out, bool panel = false);
 
 }  // namespace a8

@@ -253,7 +253,7 @@ void prefetch_panel(at::TensorList ws, std::pair<int64_t, int64_t> panel) {
 }
 
 void panel(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, at::Tensor& out, int64_t impl) {
-  const std::vector<int64_t> first = a8::check_segments(x, ws, qtypes, out);
+  const std::vector<int64_t> first = a8::check_segments(x, ws, qtypes, out, /*panel=*/true);
   const int64_t T = x.size(0), K = x.size(1), nb = K / QK, N = first.back();
   if (T == 0 || N == 0) return;
   std::vector<int8_t> xq(T * K);

@@ -33,12 +33,13 @@ for the stored blocks; only the summation order differs.
 
 Opt-in approximate mode, `activations = "int8"` (set by LlamaModel.set_activations): up to
 A8_ROWS activation rows, `linear(x)` quantizes x once per call to int8 per 32-element block
-(qmatmul_a8.cpp; shared by all the segments, e.g. q/k/v) and multiplies the Q4_0, Q4_1 and Q8_0
-segments in integers, as llama.cpp does; the invariant above then does not hold (the activations
-are rounded to 8 bits). On a CPU with AVX-512 VNNI, a weight whose segments are all of those types
-is multiplied from PANEL_ROWS rows on (big batches, prefill) by the panel kernel
-(qmatmul_panel.cpp: 16 weight rows unpacked per panel, vpdpbusd), with no upper limit. Other
-segment types (K-quants, F16/BF16/F32) take the exact path with the float32 x, as do calls above
+(qmatmul_a8.cpp; shared by all the segments, e.g. q/k/v) and multiplies every quantized segment
+(A8_TYPES: the 32-element types by qmatmul_a8.cpp, x quantized per 32; the K-quants and IQ4_XS by
+qmatmul_a8x.cpp, x quantized per 256 as llama.cpp's q8_K) in integers, as llama.cpp does; the invariant above then does not hold
+(the activations are rounded to 8 bits). On a CPU with AVX-512 VNNI, a weight whose segments are
+all PANEL_TYPES (Q4_0, Q4_1, Q8_0) is multiplied from PANEL_ROWS rows on (big batches, prefill)
+by the panel kernel (qmatmul_panel.cpp: 16 weight rows unpacked per panel, vpdpbusd), with no
+upper limit. F16/BF16/F32 segments take the exact path with the float32 x, as do calls above
 A8_ROWS rows without the panel kernel (prefill: the tiled path) and every call without the kernel.
 """
 
@@ -65,7 +66,11 @@ KERNEL_TYPES = frozenset({
 TILE_ELEMS = 1 << 20  # float32 elements per dequantized tile (4 MiB)
 ACTIVATIONS = ("float32", "int8")  # activation modes; "int8" is the approximate, opt-in one
 BATCH_WEIGHTS = ("quantized", "float32")  # what calls above the kernels' rows multiply by
-A8_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q8_0})  # segment types the int8 kernel multiplies
+PANEL_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q8_0})  # the int8 panel kernel's types (many rows)
+# segment types the int8 row kernel multiplies: 32-element blocks (qmatmul_a8.cpp, activations
+# quantized per 32) and super-blocks (qmatmul_a8x.cpp, activations quantized per 256)
+A8_SB_TYPES = frozenset({Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS})
+A8_TYPES = PANEL_TYPES | {Q.Q5_0, Q.Q5_1, Q.IQ4_NL} | A8_SB_TYPES
 
 
 def _crossovers(capability: str, packed: bool = False) -> tuple[int, int]:
@@ -163,6 +168,7 @@ class QWeight:
         self._batch: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set_batch_weights
         self.a8 = False  # activations="int8": see set_activations
         self._a8_all = False
+        self._panel = False
         self._a8_args = ([d for _, d in self.parts], [int(q) for q, _ in self.parts])
 
     def set_activations(self, mode: str) -> None:
@@ -171,6 +177,7 @@ class QWeight:
             raise UnsupportedModelError(f"unsupported activations {mode!r}; choose one of {list(ACTIVATIONS)}")
         self.a8 = mode == "int8" and any(q in A8_TYPES for q, _ in self.parts) and self.k % 32 == 0
         self._a8_all = all(q in A8_TYPES for q, _ in self.parts)  # one op call per linear
+        self._panel = self._a8_all and all(q in PANEL_TYPES for q, _ in self.parts)
 
     def set_batch_weights(self, mode: str) -> None:
         """"quantized" (the default): calls above the kernels' rows multiply dequantized tiles.
@@ -226,7 +233,7 @@ class QWeight:
         if out is None:
             out = torch.empty(t, self.n, dtype=torch.float32)
         packed = self._batch is not None
-        if self.a8 and self._a8_all and t >= PANEL_ROWS and (panel := qkernel.panel()) is not None:
+        if self.a8 and self._panel and t >= PANEL_ROWS and (panel := qkernel.panel()) is not None:
             panel(x, *self._a8_args, out, A8_IMPL)
             return out
         if self.a8 and 0 < t <= (PACKED_A8_ROWS if packed else A8_ROWS):
@@ -250,14 +257,21 @@ class QWeight:
         return out
 
     def _linear_a8(self, x: torch.Tensor, out: torch.Tensor, op) -> None:  # noqa: ANN001
-        """out = x W^T with x quantized to int8 blocks once for all the A8_TYPES segments."""
+        """out = x W^T in int8 for the A8_TYPES segments (x quantized to 32-element blocks once
+        for all the PANEL_TYPES ones; each super-block segment by the linear op, which quantizes
+        x per 256), the exact kernel for the rest (F16/BF16/F32)."""
         quantize, matmul, linear = qkernel.a8()
         if self._a8_all:  # the common case: one op quantizes x and fills every segment
             linear(x, *self._a8_args, out, A8_IMPL)
             return
-        xa = quantize_activations(x, quantize)
+        xa = None
         for data, qtype, col in self._calls:
-            if qtype in A8_TYPES:
+            if qtype in A8_SB_TYPES:
+                seg = torch.empty(x.shape[0], data.shape[0])
+                linear(x, [data], [qtype], seg, A8_IMPL)
+                out[:, col : col + data.shape[0]] = seg
+            elif qtype in A8_TYPES:
+                xa = xa or quantize_activations(x, quantize)
                 matmul(*xa, data, qtype, out, col, A8_IMPL)
             else:
                 op(x, data, qtype, out, col)

@@ -23,10 +23,9 @@ namespace vec {
 #define PQ_INLINE __attribute__((always_inline)) inline
 
 // 16 bytes -> their 32 nibbles as bytes 0..15 in element order (low nibbles, then high ones)
-PQ_INLINE __m256i nibbles(const uint8_t* qs) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m128i m = _mm_set1_epi8(0x0F);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m), _mm_and_si128(raw, m));
+PQ_INLINE __m256i nibbles(const uint8_t* qs) {  // the 16 bytes in both halves, the upper shifted by 4
+  const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+  return _mm256_and_si256(_mm256_srlv_epi64(raw, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0F));
 }
 
 // 32 bytes at p, each shifted right by `shift` (0..7) and masked to `mask`

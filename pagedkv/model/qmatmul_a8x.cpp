@@ -1,0 +1,438 @@
+// The int8-activation row kernel for the super-block types (activations=int8): Q2_K, Q3_K,
+// Q4_K, Q5_K, Q6_K, IQ4_XS, the llama.cpp way (its vec_dot_q*_K_q8_K family).
+//
+// The activations of these rows are quantized per 256-element block (one super-block):
+// dK = max|x| / 127, q = nearbyint(x * (1 / dK)), and bs[k] = the integer sum of q over each 16
+// elements (int16). A weight super-block is written as integers u with 16 integer scales sc and
+// mins mn (one per 16 elements; the per-32 types repeat each):
+//   w[e] = d * sc[e / 16] * u[e] - dmin * MK * mn[e / 16]
+//   Q4_K, Q5_K: u the 4/5-bit quants, sc/mn their 6-bit scales and mins, MK = 1
+//   Q2_K: u 0..3, sc/mn 4 bits, MK = 1
+//   Q6_K: u 0..63, w = d sc (u - 32): mn = sc, dmin = d, MK = 32   (sc signed)
+//   Q3_K: u = ql + 4 h (0..7), w = d sc (u - 4): mn = sc, dmin = d, MK = 4   (sc signed)
+//   IQ4_XS: u the signed non-linear levels, sc = ls - 32, no min
+// The dot with the activations is summed in 8 int32 lanes per super-block, exactly:
+//   I[l] = sum over chunks j (32 elements) and i = 4l..4l+3 of sc[(32 j + i) / 16] u q
+//   M[l] = MK * (mn[2l] bs[2l] + mn[2l+1] bs[2l+1])
+// then folded into 8 float lanes, super-block by super-block, and summed at the end:
+//   y[l] = fma(float(I[l]), d * dK, y[l]);  y[l] = fma(float(M[l]), -(dmin * dK), y[l])
+//   result = ((y0 + y4) + (y2 + y6)) + ((y1 + y5) + (y3 + y7))
+// With AVX2, I comes from maddubs (u8 x s8 -> int16 pairs; IQ4_XS by the sign trick |u| x
+// sign(q, u); no pair saturates: |u| <= 127, |q| <= 127) and madd with the chunk's scales, M
+// from one madd of the mins with bs. The scalar path (impl=1, or a build without AVX2) computes
+// the same integers and float steps lane by lane: both give bit-identical results.
+//
+// Each weight row is read once per call: up to 2 weight rows x 2 activation rows per pass over
+// the row (the rows stay in L1 for the next pass); threads split the weight rows (the caller).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "ggml_blocks.h"
+#include "qmatmul_a8.h"
+#include "vec.h"
+
+namespace a8 {
+
+using namespace ggml;
+
+bool x_type(int64_t t) {
+  switch (t) {
+    case Q2_K: case Q3_K: case Q4_K: case Q5_K: case Q6_K: case IQ4_XS: return true;
+    default: return false;
+  }
+}
+
+namespace {
+
+// --- activations per 256 ------------------------------------------------------------------------
+
+void quant_sb_scalar(const float* x, int8_t* q, float* d, int16_t* bs) {
+  float amax = 0.f;
+  for (int i = 0; i < QK_K; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float dd = amax / 127.f;
+  const float id = dd != 0.f ? 1.f / dd : 0.f;
+  for (int k = 0; k < QK_K / 16; ++k) {
+    int s = 0;
+    for (int i = 16 * k; i < 16 * k + 16; ++i) {
+      const int v = static_cast<int>(std::nearbyint(x[i] * id));
+      q[i] = static_cast<int8_t>(v);
+      s += v;
+    }
+    bs[k] = static_cast<int16_t>(s);
+  }
+  *d = dd;
+}
+
+#ifdef PQ_AVX2
+PQ_INLINE int32_t hsum_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
+  return _mm_cvtsi128_si32(s);
+}
+
+void quant_sb_avx2(const float* x, int8_t* q, float* d, int16_t* bs) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 m = _mm256_setzero_ps();
+  for (int i = 0; i < QK_K; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  const float dd = _mm_cvtss_f32(h) / 127.f;
+  const __m256 id = _mm256_set1_ps(dd != 0.f ? 1.f / dd : 0.f);
+  constexpr int R = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  for (int k = 0; k < QK_K / 16; ++k) {
+    const __m256i a = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 16 * k), id), R));
+    const __m256i b = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 16 * k + 8), id), R));
+    bs[k] = static_cast<int16_t>(hsum_i32(_mm256_add_epi32(a, b)));
+    // int32 -> int8: packs interleave the 128-bit halves (a0-3 b0-3 | a4-7 b4-7), then a0-3 b0-3 a4-7 b4-7
+    const __m256i p16 = _mm256_packs_epi32(a, b);
+    const __m128i p8 = _mm_packs_epi16(_mm256_castsi256_si128(p16), _mm256_extracti128_si256(p16, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * k),
+                     _mm_shuffle_epi8(p8, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15)));
+  }
+  *d = dd;
+}
+#endif
+
+}  // namespace
+
+void quantize_sb(const float* x, int8_t* q, float* d, int16_t* bs, int64_t nsb, int64_t impl) {
+  for (int64_t b = 0; b < nsb; ++b) {
+#ifdef PQ_AVX2
+    if (impl == 0) {
+      quant_sb_avx2(x + QK_K * b, q + QK_K * b, d + b, bs + 16 * b);
+      continue;
+    }
+#endif
+    quant_sb_scalar(x + QK_K * b, q + QK_K * b, d + b, bs + 16 * b);
+  }
+  (void)impl;
+}
+
+namespace {
+
+// --- one weight super-block's scales (both paths) -----------------------------------------------
+
+constexpr int min_mult(int64_t t) { return t == Q6_K ? 32 : t == Q3_K ? 4 : 1; }
+constexpr bool has_min(int64_t t) { return t != IQ4_XS; }
+constexpr int64_t sb_bytes(int64_t t) {
+  return t == Q2_K ? 84 : t == Q3_K ? 110 : t == Q4_K ? 144 : t == Q5_K ? 176 : t == Q6_K ? 210 : 136;
+}
+
+// 16 signed bytes of scales and 16 of mins, one per 16 elements; d and dmin
+struct Scales {
+  alignas(16) int8_t sc[16];
+  alignas(16) int8_t mn[16];
+  float d, dmin;
+};
+
+inline uint32_t word(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+inline void put(int8_t* dst, uint32_t w) { std::memcpy(dst, &w, 4); }
+
+// 8 per-32 values (bytes) -> 16 per-16 values
+inline void twice(const uint8_t v[8], int8_t* dst) {
+  for (int j = 0; j < 8; ++j) dst[2 * j] = dst[2 * j + 1] = static_cast<int8_t>(v[j]);
+}
+
+template <int64_t QT>
+inline void scales_of(const uint8_t* b, Scales& s) {
+  if constexpr (QT == Q4_K || QT == Q5_K) {
+    // scale_min_k4 for the 8 sub-blocks at once: words a, b, c of the 12 bytes
+    const auto& h = *reinterpret_cast<const BlockQ4_K*>(b);  // d, dmin, scales: the same offsets in Q5_K
+    const uint32_t a = word(h.scales), bw = word(h.scales + 4), c = word(h.scales + 8);
+    uint8_t sc[8], mn[8];
+    const uint32_t s03 = a & 0x3F3F3F3F, m03 = bw & 0x3F3F3F3F;
+    const uint32_t s47 = (c & 0x0F0F0F0F) | (((a >> 6) & 0x03030303) << 4);
+    const uint32_t m47 = ((c >> 4) & 0x0F0F0F0F) | (((bw >> 6) & 0x03030303) << 4);
+    std::memcpy(sc, &s03, 4), std::memcpy(sc + 4, &s47, 4);
+    std::memcpy(mn, &m03, 4), std::memcpy(mn + 4, &m47, 4);
+    twice(sc, s.sc), twice(mn, s.mn);
+    s.d = half(h.d), s.dmin = half(h.dmin);
+  } else if constexpr (QT == Q2_K) {
+    const auto& h = *reinterpret_cast<const BlockQ2_K*>(b);
+    for (int k = 0; k < 16; ++k) s.sc[k] = static_cast<int8_t>(h.scales[k] & 0x0F), s.mn[k] = static_cast<int8_t>(h.scales[k] >> 4);
+    s.d = half(h.d), s.dmin = half(h.dmin);
+  } else if constexpr (QT == Q6_K) {
+    const auto& h = *reinterpret_cast<const BlockQ6_K*>(b);
+    std::memcpy(s.sc, h.scales, 16), std::memcpy(s.mn, h.scales, 16);
+    s.d = s.dmin = half(h.d);
+  } else if constexpr (QT == Q3_K) {
+    // scale_q3_k for the 16 groups at once: low nibbles from bytes 0-7, 2-bit highs from 8-11
+    const auto& h = *reinterpret_cast<const BlockQ3_K*>(b);
+    const uint32_t w0 = word(h.scales), w1 = word(h.scales + 4), hw = word(h.scales + 8);
+    const uint32_t lo[4] = {w0 & 0x0F0F0F0F, w1 & 0x0F0F0F0F, (w0 >> 4) & 0x0F0F0F0F, (w1 >> 4) & 0x0F0F0F0F};
+    for (int g = 0; g < 4; ++g) put(s.sc + 4 * g, (lo[g] | (((hw >> (2 * g)) & 0x03030303) << 4)));
+    for (int k = 0; k < 16; ++k) s.sc[k] = static_cast<int8_t>(s.sc[k] - 32);
+    std::memcpy(s.mn, s.sc, 16);
+    s.d = s.dmin = half(h.d);
+  } else {
+    static_assert(QT == IQ4_XS, "a type without int8 scales");
+    const auto& h = *reinterpret_cast<const BlockIQ4_XS*>(b);
+    uint8_t sc[8];
+    for (int j = 0; j < 8; ++j) sc[j] = static_cast<uint8_t>(scale_iq4_xs(h, j));
+    twice(sc, s.sc);
+    std::memset(s.mn, 0, 16);
+    s.d = half(h.d), s.dmin = 0.f;
+  }
+}
+
+// --- scalar ------------------------------------------------------------------------------------
+
+// u of element e (0..255) of a super-block
+template <int64_t QT>
+inline int u_of(const uint8_t* b, int e) {
+  const int j = e / 32, i = e % 32;
+  if constexpr (QT == Q4_K) {
+    return (reinterpret_cast<const BlockQ4_K*>(b)->qs[32 * (j / 2) + i] >> (4 * (j % 2))) & 0x0F;
+  } else if constexpr (QT == Q5_K) {
+    const auto& h = *reinterpret_cast<const BlockQ5_K*>(b);
+    return ((h.qs[32 * (j / 2) + i] >> (4 * (j % 2))) & 0x0F) | (((h.qh[i] >> j) & 1) << 4);
+  } else if constexpr (QT == Q2_K) {
+    return (reinterpret_cast<const BlockQ2_K*>(b)->qs[32 * (j / 4) + i] >> (2 * (j % 4))) & 0x03;
+  } else if constexpr (QT == Q6_K) {
+    const auto& h = *reinterpret_cast<const BlockQ6_K*>(b);
+    const int hh = j / 4, jj = j % 4;
+    const int lo = (h.ql[64 * hh + 32 * (jj % 2) + i] >> (4 * (jj / 2))) & 0x0F;
+    return lo | (((h.qh[32 * hh + i] >> (2 * jj)) & 0x03) << 4);
+  } else if constexpr (QT == Q3_K) {
+    const auto& h = *reinterpret_cast<const BlockQ3_K*>(b);
+    return ((h.qs[32 * (j / 4) + i] >> (2 * (j % 4))) & 0x03) | (((h.hmask[i] >> j) & 1) << 2);
+  } else {
+    return IQ4_LEVELS[nibble(reinterpret_cast<const BlockIQ4_XS*>(b)->qs + 16 * j, i)];
+  }
+}
+
+inline float hsum8(const float* l) { return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7])); }
+
+template <int64_t QT>
+void row_scalar(const uint8_t* row, int64_t nsb, int64_t T, const int8_t* xq, const float* xd,
+                const int16_t* bs, int64_t K, float* res, int64_t ldr) {
+  for (int64_t r = 0; r < T; ++r) {
+    float y[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int64_t sb = 0; sb < nsb; ++sb) {
+      const uint8_t* b = row + sb_bytes(QT) * sb;
+      Scales s;
+      scales_of<QT>(b, s);
+      const int8_t* x = xq + r * K + QK_K * sb;
+      const int16_t* bk = bs + 16 * (r * nsb + sb);
+      const float dx = xd[r * nsb + sb];
+      for (int l = 0; l < 8; ++l) {
+        int32_t isum = 0;
+        for (int j = 0; j < 8; ++j)
+          for (int i = 32 * j + 4 * l; i < 32 * j + 4 * l + 4; ++i) isum += s.sc[i / 16] * u_of<QT>(b, i) * x[i];
+        y[l] = std::fmaf(static_cast<float>(isum), s.d * dx, y[l]);
+        if (has_min(QT)) {
+          const int32_t msum = min_mult(QT) * (s.mn[2 * l] * bk[2 * l] + s.mn[2 * l + 1] * bk[2 * l + 1]);
+          y[l] = std::fmaf(static_cast<float>(msum), -(s.dmin * dx), y[l]);
+        }
+      }
+    }
+    res[r * ldr] = hsum8(y);
+  }
+}
+
+// --- AVX2 ----------------------------------------------------------------------------------------
+
+#ifdef PQ_AVX2
+
+// the 32 u of chunk j (0..7) of super-block b, bytes in element order (IQ4_XS: signed)
+template <int64_t QT>
+PQ_INLINE __m256i chunk(const uint8_t* b, int j) {
+  if constexpr (QT == Q4_K) {
+    return vec::bits(reinterpret_cast<const BlockQ4_K*>(b)->qs + 32 * (j / 2), 4 * (j % 2), 0x0F);
+  } else if constexpr (QT == Q5_K) {
+    const auto& h = *reinterpret_cast<const BlockQ5_K*>(b);
+    return _mm256_or_si256(vec::bits(h.qs + 32 * (j / 2), 4 * (j % 2), 0x0F),
+                           _mm256_and_si256(vec::bit_of_bytes(h.qh, j), _mm256_set1_epi8(0x10)));
+  } else if constexpr (QT == Q2_K) {
+    return vec::bits(reinterpret_cast<const BlockQ2_K*>(b)->qs + 32 * (j / 4), 2 * (j % 4), 0x03);
+  } else if constexpr (QT == Q6_K) {
+    const auto& h = *reinterpret_cast<const BlockQ6_K*>(b);
+    const int hh = j / 4, jj = j % 4;
+    const __m256i lo = vec::bits(h.ql + 64 * hh + 32 * (jj % 2), 4 * (jj / 2), 0x0F);
+    return _mm256_or_si256(lo, _mm256_slli_epi16(vec::bits(h.qh + 32 * hh, 2 * jj, 0x03), 4));
+  } else if constexpr (QT == Q3_K) {
+    const auto& h = *reinterpret_cast<const BlockQ3_K*>(b);
+    return _mm256_or_si256(vec::bits(h.qs + 32 * (j / 4), 2 * (j % 4), 0x03),
+                           _mm256_and_si256(vec::bit_of_bytes(h.hmask, j), _mm256_set1_epi8(4)));
+  } else {
+    return vec::lookup16(IQ4_LEVELS, vec::nibbles(reinterpret_cast<const BlockIQ4_XS*>(b)->qs + 16 * j));
+  }
+}
+
+// scales_of in registers (the same bytes; no byte stores for the vector loads to wait on)
+PQ_INLINE __m128i twice_v(uint64_t v) {  // 8 bytes -> each twice
+  const __m128i x = _mm_cvtsi64_si128(static_cast<long long>(v));
+  return _mm_unpacklo_epi8(x, x);
+}
+
+template <int64_t QT>
+PQ_INLINE void scales_v(const uint8_t* b, __m128i& sc, __m128i& mn, float& d, float& dmin) {
+  if constexpr (QT == Q4_K || QT == Q5_K) {
+    const auto& h = *reinterpret_cast<const BlockQ4_K*>(b);
+    const uint32_t a = word(h.scales), bw = word(h.scales + 4), c = word(h.scales + 8);
+    const uint64_t s03 = a & 0x3F3F3F3F, m03 = bw & 0x3F3F3F3F;
+    const uint64_t s47 = (c & 0x0F0F0F0F) | (((a >> 6) & 0x03030303) << 4);
+    const uint64_t m47 = ((c >> 4) & 0x0F0F0F0F) | (((bw >> 6) & 0x03030303) << 4);
+    sc = twice_v(s03 | s47 << 32), mn = twice_v(m03 | m47 << 32);
+    const __m128 dd = vec::half2(h.d);
+    d = _mm_cvtss_f32(dd), dmin = _mm_cvtss_f32(_mm_movehdup_ps(dd));
+  } else if constexpr (QT == Q2_K) {
+    const auto& h = *reinterpret_cast<const BlockQ2_K*>(b);
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h.scales));
+    sc = _mm_and_si128(raw, _mm_set1_epi8(0x0F));
+    mn = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F));
+    const __m128 dd = vec::half2(h.d);  // d, dmin adjacent
+    d = _mm_cvtss_f32(dd), dmin = _mm_cvtss_f32(_mm_movehdup_ps(dd));
+  } else if constexpr (QT == Q6_K) {
+    const auto& h = *reinterpret_cast<const BlockQ6_K*>(b);
+    sc = mn = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h.scales));
+    d = dmin = half(h.d);
+  } else if constexpr (QT == Q3_K) {
+    const auto& h = *reinterpret_cast<const BlockQ3_K*>(b);
+    const uint32_t w0 = word(h.scales), w1 = word(h.scales + 4), hw = word(h.scales + 8);
+    const __m128i lo = _mm_setr_epi32(static_cast<int>(w0 & 0x0F0F0F0F), static_cast<int>(w1 & 0x0F0F0F0F),
+                                      static_cast<int>((w0 >> 4) & 0x0F0F0F0F), static_cast<int>((w1 >> 4) & 0x0F0F0F0F));
+    const __m128i hi = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32(static_cast<int>(hw)), _mm_setr_epi32(0, 2, 4, 6)),
+                                     _mm_set1_epi8(0x03));
+    sc = mn = _mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi16(hi, 4)), _mm_set1_epi8(32));
+    d = dmin = half(h.d);
+  } else {
+    // scale_iq4_xs for the 8 sub-blocks at once: nibbles of scales_l in order, 2-bit highs of scales_h
+    const auto& h = *reinterpret_cast<const BlockIQ4_XS*>(b);
+    const uint32_t l = word(h.scales_l);
+    const __m128i lo = _mm_unpacklo_epi8(_mm_cvtsi32_si128(static_cast<int>(l & 0x0F0F0F0F)),
+                                         _mm_cvtsi32_si128(static_cast<int>((l >> 4) & 0x0F0F0F0F)));
+    const int hw = h.scales_h[0] | (h.scales_h[1] << 8);
+    const __m256i hi32 = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(hw), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+                                          _mm256_set1_epi32(3));
+    const __m128i hi16 = _mm_packs_epi32(_mm256_castsi256_si128(hi32), _mm256_extracti128_si256(hi32, 1));
+    const __m128i ls = _mm_or_si128(lo, _mm_slli_epi16(_mm_packs_epi16(hi16, hi16), 4));  // bytes 0-7
+    const __m128i v = _mm_sub_epi8(ls, _mm_set1_epi8(32));
+    sc = _mm_unpacklo_epi8(v, v), mn = _mm_setzero_si128();
+    d = half(h.d), dmin = 0.f;
+  }
+}
+
+// chunk j's scales as 16 int16 lanes: lanes 0-7 (elements 0-15) sc[2j], lanes 8-15 sc[2j+1];
+// sc16 holds the 16 scales as int16 (dword j = the pair of chunk j)
+PQ_INLINE __m256i chunk_scales(__m256i sc16, int j) {
+  const __m256i pair = _mm256_permutevar8x32_epi32(sc16, _mm256_set1_epi32(j));
+  return _mm256_shuffle_epi8(pair, _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                                    2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3));
+}
+
+// W weight rows (W <= 2) x R activation rows (R <= 2), the whole row: res[v + r * ldr]
+template <int64_t QT, int W, int R>
+PQ_INLINE void tile(const uint8_t* row, int64_t rb, int64_t nsb, const int8_t* xq, const float* xd,
+                    const int16_t* bs, int64_t K, float* res, int64_t ldr) {
+  constexpr bool SG = QT == IQ4_XS;
+  constexpr int64_t bb = sb_bytes(QT);
+  __m256 y[W][R];
+  for (int v = 0; v < W; ++v)
+    for (int r = 0; r < R; ++r) y[v][r] = _mm256_setzero_ps();
+  for (int64_t sb = 0; sb < nsb; ++sb) {
+    __m256i sc16[W], acc[W][R];
+    __m128i mn8[W];
+    float d[W], dmin[W];
+    for (int v = 0; v < W; ++v) {
+      const uint8_t* b = row + v * rb + bb * sb;
+      _mm_prefetch(reinterpret_cast<const char*>(b + 4 * W * rb), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(b + 4 * W * rb + 64), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(b + 4 * W * rb + 128), _MM_HINT_T0);
+      __m128i sc8;
+      scales_v<QT>(b, sc8, mn8[v], d[v], dmin[v]);
+      sc16[v] = _mm256_cvtepi8_epi16(sc8);
+      for (int r = 0; r < R; ++r) acc[v][r] = _mm256_setzero_si256();
+    }
+    for (int j = 0; j < 8; ++j) {
+      __m256i u[W], scj[W];
+      for (int v = 0; v < W; ++v) u[v] = chunk<QT>(row + v * rb + bb * sb, j), scj[v] = chunk_scales(sc16[v], j);
+      for (int r = 0; r < R; ++r) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + QK_K * sb + 32 * j));
+        for (int v = 0; v < W; ++v) {
+          const __m256i p = SG ? _mm256_maddubs_epi16(_mm256_abs_epi8(u[v]), _mm256_sign_epi8(x, u[v]))
+                               : _mm256_maddubs_epi16(u[v], x);
+          acc[v][r] = _mm256_add_epi32(acc[v][r], _mm256_madd_epi16(p, scj[v]));
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const float dx = xd[r * nsb + sb];
+      __m256i b16 = _mm256_setzero_si256();
+      if constexpr (has_min(QT)) b16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs + 16 * (r * nsb + sb)));
+      for (int v = 0; v < W; ++v) {
+        y[v][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[v][r]), _mm256_set1_ps(d[v] * dx), y[v][r]);
+        if constexpr (has_min(QT)) {
+          __m256i m = _mm256_madd_epi16(_mm256_cvtepi8_epi16(mn8[v]), b16);
+          if constexpr (min_mult(QT) == 32) m = _mm256_slli_epi32(m, 5);
+          if constexpr (min_mult(QT) == 4) m = _mm256_slli_epi32(m, 2);
+          y[v][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(-(dmin[v] * dx)), y[v][r]);
+        }
+      }
+    }
+  }
+  for (int v = 0; v < W; ++v)
+    for (int r = 0; r < R; ++r) res[v + r * ldr] = simd::hsum(y[v][r]);
+}
+
+template <int64_t QT, int W>
+void rows(const uint8_t* row, int64_t rb, int64_t nsb, int64_t T, const int8_t* xq, const float* xd,
+          const int16_t* bs, int64_t K, float* res, int64_t ldr) {
+  int64_t t = 0;
+  for (; t + 2 <= T; t += 2)
+    tile<QT, W, 2>(row, rb, nsb, xq + t * K, xd + t * nsb, bs + 16 * t * nsb, K, res + t * ldr, ldr);
+  if (t < T) tile<QT, W, 1>(row, rb, nsb, xq + t * K, xd + t * nsb, bs + 16 * t * nsb, K, res + t * ldr, ldr);
+}
+
+template <int64_t QT>
+void range(const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, int64_t nsb, int64_t T,
+           const int8_t* xq, const float* xd, const int16_t* bs, int64_t K, float* out, int64_t ldo,
+           int64_t impl) {
+  if (impl == 0) {
+    int64_t n = n0;
+    for (; n + 2 <= n1; n += 2) rows<QT, 2>(w + n * rb, rb, nsb, T, xq, xd, bs, K, out + n, ldo);
+    for (; n < n1; ++n) rows<QT, 1>(w + n * rb, rb, nsb, T, xq, xd, bs, K, out + n, ldo);
+    return;
+  }
+  for (int64_t n = n0; n < n1; ++n) row_scalar<QT>(w + n * rb, nsb, T, xq, xd, bs, K, out + n, ldo);
+}
+
+#else
+
+template <int64_t QT>
+void range(const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, int64_t nsb, int64_t T,
+           const int8_t* xq, const float* xd, const int16_t* bs, int64_t K, float* out, int64_t ldo,
+           int64_t) {
+  for (int64_t n = n0; n < n1; ++n) row_scalar<QT>(w + n * rb, nsb, T, xq, xd, bs, K, out + n, ldo);
+}
+
+#endif  // PQ_AVX2
+
+}  // namespace
+
+void x_range(int64_t t, const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, int64_t nsb, int64_t T,
+             const int8_t* xq, const float* xd, const int16_t* bs, int64_t K, float* out, int64_t ldo,
+             int64_t impl) {
+  switch (t) {
+    case Q2_K: range<Q2_K>(w, rb, n0, n1, nsb, T, xq, xd, bs, K, out, ldo, impl); return;
+    case Q3_K: range<Q3_K>(w, rb, n0, n1, nsb, T, xq, xd, bs, K, out, ldo, impl); return;
+    case Q4_K: range<Q4_K>(w, rb, n0, n1, nsb, T, xq, xd, bs, K, out, ldo, impl); return;
+    case Q5_K: range<Q5_K>(w, rb, n0, n1, nsb, T, xq, xd, bs, K, out, ldo, impl); return;
+    case Q6_K: range<Q6_K>(w, rb, n0, n1, nsb, T, xq, xd, bs, K, out, ldo, impl); return;
+    case IQ4_XS: range<IQ4_XS>(w, rb, n0, n1, nsb, T, xq, xd, bs, K, out, ldo, impl); return;
+    default: TORCH_CHECK(false, "x_range: not a super-block type: ", t);
+  }
+}
+
+}  // namespace a8
