@@ -379,6 +379,36 @@ def test_smollm2_batch_weights_float32_matches_transformers(smollm2: Any, hf_smo
     assert max_diff(out, [hf_logits(hf_smollm2, ids)]) < F32_TOL
 
 
+def test_fused_gelu_tanh_mul_matches_torch() -> None:
+    """GeGLU in one pass (x / (1 + e^(-2y)) through the vectorized exp) equals torch's tanh gelu
+    (gate) * up to float32 rounding, over the whole range."""
+    if not qkernel.load():
+        pytest.skip(f"kernel unavailable: {qkernel.info()['error']}")
+    gen = torch.Generator().manual_seed(4)
+    gu = torch.randn(5, 2 * 77, generator=gen) * 4
+    gu[0, :8] = torch.tensor([-200.0, -12.0, -5.0, -1e-30, 0.0, 1e-30, 12.0, 200.0])
+    out = torch.empty(5, 77)
+    qkernel.fused()[3](gu, out)
+    gate, up = gu[:, :77], gu[:, 77:]
+    want = torch.nn.functional.gelu(gate.double(), approximate="tanh") * up.double()
+    torch.testing.assert_close(out.double(), want, rtol=2e-6, atol=1e-12)
+
+
+def test_fused_norm_add_rms_norm_matches_torch() -> None:
+    """Gemma's output norm, residual add and next norm in one pass equal the three torch ops."""
+    if not qkernel.load():
+        pytest.skip(f"kernel unavailable: {qkernel.info()['error']}")
+    gen = torch.Generator().manual_seed(5)
+    x, delta = torch.randn(7, 640, generator=gen), torch.randn(7, 640, generator=gen) * 30
+    wd, w = torch.rand(640, generator=gen) + 0.5, torch.rand(640, generator=gen) * 4
+    want_x = x + torch.nn.functional.rms_norm(delta, (640,), wd, 1e-6)
+    want = torch.nn.functional.rms_norm(want_x, (640,), w, 1e-6)
+    out = torch.empty_like(x)
+    qkernel.fused()[4](x, delta, wd, w, 1e-6, out)
+    torch.testing.assert_close(x, want_x, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
 def test_fused_silu_mul_matches_torch() -> None:
     """SwiGLU in one pass (vectorized exp with AVX2) equals torch's silu(gate) * up to float32
     rounding, over the whole range (very negative gates give 0, very positive ones the gate)."""

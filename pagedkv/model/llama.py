@@ -236,23 +236,28 @@ class DecoderLayer(nn.Module):
     def mlp(self, h: torch.Tensor, fused: tuple | None = None, bufs: tuple | None = None) -> torch.Tensor:
         """h = post_attention_norm(x) [T, H] -> the MLP's output [T, H]."""
         gu = self._gate_up(h, None if bufs is None else bufs[6])  # [T, 2I]
-        if self.gelu:  # GeGLU, torch's own tanh gelu (transformers' gelu_pytorch_tanh)
-            gate, up = gu.chunk(2, dim=-1)
-            act = F.gelu(gate, approximate="tanh").mul_(up)
-            return self._down(act, None if bufs is None else bufs[7])
-        if fused is not None:
+        if fused is not None:  # SwiGLU or GeGLU in one pass
             act = torch.empty(gu.shape[0], gu.shape[1] // 2) if bufs is None else bufs[2]
-            fused[1](gu, act)
+            fused[3 if self.gelu else 1](gu, act)
             return self._down(act, None if bufs is None else bufs[7])
         gate, up = gu.chunk(2, dim=-1)  # [T, I] each
+        if self.gelu:  # GeGLU: transformers' gelu_pytorch_tanh
+            return self._down(F.gelu(gate, approximate="tanh").mul_(up))
         return self._down(F.silu(gate).mul_(up))  # SwiGLU
 
 
 def _add_rms_norm(
     x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: float, fused: tuple | None,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, w_delta: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x += delta (in place); returns rms_norm(x) * w, in `out` when given (fused only)."""
+    """x += delta (in place); returns rms_norm(x) * w, in `out` when given (fused only).
+    `w_delta` (Gemma's output norms): x += rms_norm(delta) * w_delta instead."""
+    if w_delta is not None:
+        if fused is not None:
+            out = torch.empty_like(x) if out is None else out
+            fused[4](x, delta.contiguous(), w_delta, w, eps, out)
+            return out
+        delta = F.rms_norm(delta, delta.shape[-1:], w_delta, eps)
     if fused is not None:
         out = torch.empty_like(x) if out is None else out
         fused[2](x, delta.contiguous(), w, eps, out)
@@ -405,14 +410,13 @@ class LlamaModel(nn.Module):
         for i, (layer, cache) in enumerate(zip(layers, kv.layers, strict=False)):
             cos, sin = tables[layer.local_rope]
             a = layer.attention(h, cos, sin, cache, meta, fused, bufs)
-            if layer.attn_out_norm is not None:  # Gemma: norm the output before the residual add
-                a = F.rms_norm(a, a.shape[-1:], layer.attn_out_norm, eps)
-            h = _add_rms_norm(x, a, layer.norms[1], eps, fused, hb)
+            # Gemma: each output normed before its residual add (attn_out_norm, mlp_out_norm)
+            h = _add_rms_norm(x, a, layer.norms[1], eps, fused, hb, layer.attn_out_norm)
             m = layer.mlp(h, fused, bufs)
-            if layer.mlp_out_norm is not None:
-                m = F.rms_norm(m, m.shape[-1:], layer.mlp_out_norm, eps)
             if i < last:
-                h = _add_rms_norm(x, m, layers[i + 1].norms[0], eps, fused, hb)
+                h = _add_rms_norm(x, m, layers[i + 1].norms[0], eps, fused, hb, layer.mlp_out_norm)
+            elif layer.mlp_out_norm is not None:
+                x.add_(F.rms_norm(m, m.shape[-1:], layer.mlp_out_norm, eps))
             else:
                 x.add_(m)
         if logits_indices is not None:

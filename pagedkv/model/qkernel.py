@@ -11,7 +11,7 @@ pagedkv/attention/kernel.py) plus -ffp-contract=off, so that the kernel dequanti
 the float32 roundings of the `gguf` package (a fused multiply-add would round d * q + m once).
 Registered as torch.ops.pagedkv_q.{qmatmul,qgemm,qrows,has_gemm,limit_isa,types},
 torch.ops.pagedkv_a8.{quantize,matmul,linear,panel,panel_vnni} and
-torch.ops.pagedkv_ops.{add_rms_norm,silu_mul,rope,argmax}.
+torch.ops.pagedkv_ops.{add_rms_norm,silu_mul,rope,argmax,gelu_tanh_mul,norm_add_rms_norm}.
 
 Attempted once per process; any failure is logged once and `load()` returns False, and the
 callers (quant.py) use the pure-torch fallback. `PAGEDKV_NO_KERNEL=1` in the environment at the
@@ -48,7 +48,7 @@ class _Kernel:
         self.error: str | None = None
         self.qmatmul = None  # the op's overload, once loaded
         self.a8 = None  # (quantize, matmul, linear) overloads of the activation-quantized path
-        self.fused = None  # (rope, silu_mul, add_rms_norm) of fused_ops.cpp
+        self.fused = None  # (rope, silu_mul, add_rms_norm, gelu_tanh_mul, norm_add_rms_norm)
         self.argmax = None  # fused_ops.cpp's argmax
         self.panel = None  # qmatmul_panel.cpp's panel op, where this CPU runs its VNNI code
         self.gemm = None  # qmatmul.cpp's qgemm, where the build has its AVX2 / AVX-512 code
@@ -108,7 +108,8 @@ def load() -> bool:
             a8 = torch.ops.pagedkv_a8
             k.a8 = tuple(_raw(o.default) for o in (a8.quantize, a8.matmul, a8.linear))
             f = torch.ops.pagedkv_ops
-            k.fused = tuple(_raw(o.default) for o in (f.rope, f.silu_mul, f.add_rms_norm))
+            k.fused = tuple(_raw(o.default) for o in (f.rope, f.silu_mul, f.add_rms_norm,
+                                                      f.gelu_tanh_mul, f.norm_add_rms_norm))
             k.argmax = _raw(f.argmax.default)
             if hasattr(a8, "panel") and a8.panel_vnni():
                 k.panel = _raw(a8.panel.default)
@@ -133,7 +134,8 @@ def a8():  # noqa: ANN201
 
 
 def fused():  # noqa: ANN201
-    """(rope, silu_mul, add_rms_norm) ops of fused_ops.cpp, or None without the kernel."""
+    """(rope, silu_mul, add_rms_norm, gelu_tanh_mul, norm_add_rms_norm) ops of fused_ops.cpp,
+    or None without the kernel."""
     return _kernel.fused if (_kernel.ok or load()) else None
 
 
