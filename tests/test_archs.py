@@ -1,4 +1,5 @@
-"""Qwen2, Qwen3 (QK-norm), Mistral, Phi-3 (fused qkv / gate_up) and Llama at real models' shapes.
+"""Qwen2, Qwen3 (QK-norm), Mistral, Phi-3 (fused qkv / gate_up), Gemma 3 (sandwich norms, a
+16-token window on five of six layers) and Llama at real models' shapes.
 
 Each architecture is a tiny random GGUF (tests/tiny_gguf.py: a few layers, the hidden and head
 sizes of a real model, Q8_0/Q4_0/F16 matrices, a byte-level tokenizer) loaded by pagedkv and by
@@ -62,6 +63,7 @@ def test_config_weights_and_tokenizer(tiny: dict[str, Any]) -> None:
         hf_cfg.num_key_value_heads, hf_cfg.intermediate_size)
     assert cfg.head_dim == spec.head_dim
     assert (cfg.qk_norm, cfg.attention_bias, cfg.tie_word_embeddings) == (spec.qk_norm, spec.bias, spec.tied)
+    assert cfg.sliding_window == spec.window == getattr(hf_cfg, "sliding_window", None)
     assert loaded.weights == "quantized"  # every matrix stays in the file's blocks
     assert loaded.weight_bytes <= tiny["path"].stat().st_size
     text = "Hello world, paged attention!"

@@ -44,6 +44,7 @@ class TinySpec:
     bias: bool = False  # q/k/v biases (Qwen2)
     qk_norm: bool = False  # attn_q_norm / attn_k_norm (Qwen3)
     fused: bool = False  # attn_qkv and ffn_up = gate|up (Phi-3)
+    window: int | None = None  # attention.sliding_window (Gemma 3: every 6th layer is global)
     rope_theta: float = 1e6
     seed: int = 0
     qtypes: dict[str, Q] = field(default_factory=dict)
@@ -122,6 +123,9 @@ def _tensors(spec: TinySpec, fast: bool = False) -> dict[str, tuple[np.ndarray, 
             out[p + "attn_q_norm.weight"] = norm(d)
             out[p + "attn_k_norm.weight"] = norm(d)
         out[p + "attn_output.weight"] = mat(h, q, "attn")
+        if spec.arch == "gemma3":  # the norms of the attention and MLP outputs
+            out[p + "post_attention_norm.weight"] = norm(h)
+            out[p + "post_ffw_norm.weight"] = norm(h)
         out[p + "ffn_norm.weight"] = norm(h)
         if spec.fused:
             out[p + "ffn_up.weight"] = mat(2 * n, h, "ffn")
@@ -163,6 +167,8 @@ def write_tiny_gguf(spec: TinySpec, path: str | Path, fast: bool = False) -> Pat
     w.add_rope_freq_base(spec.rope_theta)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_vocab_size(spec.vocab)
+    if spec.window:
+        w.add_sliding_window(spec.window)
     tokens, types, merges = smollm2_vocab(min(spec.vocab, 49152))  # SmolLM2's 49,152 at most
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("smollm")
@@ -199,6 +205,10 @@ SPECS = {
     # Phi-3-mini-like: heads of 96, no GQA, fused qkv and gate|up
     "phi3": TinySpec("phi3", "Phi3 tiny", 1536, 16, 16, 96, 1600, fused=True, tied=False, seed=4,
                      rope_theta=1e4, qtypes={"attn": Q.Q4_0, "ffn": Q.Q8_0, "embd": Q.F16, "output": Q.Q8_0}),
+    # Gemma 3 270M: 4 heads / 1 KV head of 256 wider than hidden / heads, QK-norm, sandwich
+    # norms, six layers (the sixth global) with a window of 16 tokens the prompts cross
+    "gemma3": TinySpec("gemma3", "Gemma 3 tiny", 640, 4, 1, 256, 1184, layers=6, qk_norm=True,
+                       window=16, seed=6, qtypes={"attn": Q.Q8_0, "ffn": Q.Q4_0, "embd": Q.Q8_0}),
     # SmolLM2-360M: 15 heads / 5 KV heads of 64
     "llama": TinySpec("llama", "SmolLM2 tiny", 960, 15, 5, 64, 2560 - 32, seed=5,
                       qtypes={"attn": Q.Q4_0, "ffn": Q.Q4_0, "embd": Q.Q8_0}),
