@@ -225,7 +225,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     t_load = time.monotonic()
     engine = make_engine(config)
     load_s = time.monotonic() - t_load
-    chat = prompt if args.raw else [{"role": "user", "content": prompt}]
+    raw = args.raw or not engine.has_chat_template
+    if raw and not args.raw:
+        say(f"{engine.model_name} has no chat template: the prompt goes in as plain text")
+    chat = prompt if raw else [{"role": "user", "content": prompt}]
     t0 = time.monotonic()
     out, interrupted = stream_generate(engine, chat, params)
     say(summary_line(out, load_s, time.monotonic() - t0, interrupted))

@@ -80,3 +80,14 @@ def test_stops_on_end_of_turn(gemma: LLM) -> None:
     out = gemma.generate([CASES[0]["prompt"]], params)[0]
     assert out.finish_reason == "stop"
     assert list(out.token_ids)[-1:] in ([END_OF_TURN], [])
+
+
+def test_chat_without_a_template_is_refused_clearly(gemma: LLM) -> None:
+    """The base model's file has no chat template: chat messages are a typed error naming it
+    (HTTP 400 through the server), plain text works."""
+    from pagedkv.errors import InvalidParamsError
+
+    with pytest.raises(InvalidParamsError, match="no chat template") as e:
+        gemma.generate([[{"role": "user", "content": "Hi"}]], SamplingParams(max_tokens=2))
+    assert e.value.param == "messages"
+    assert gemma.generate(["Hi"], SamplingParams(max_tokens=2))[0].outputs[0].token_ids

@@ -148,6 +148,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             return list(self.tokenizer(prompt).input_ids)
         if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            self.check_chat_template()
             text = self.tokenizer.apply_chat_template(prompt, tokenize=False,
                                                       add_generation_prompt=True)
             return list(self.tokenizer(text, add_special_tokens=False).input_ids)
@@ -158,6 +159,19 @@ class LLMEngine:
                 raise InvalidParamsError(f"token ids must lie in [0, {vocab})")
             return list(prompt)
         raise InvalidParamsError("a prompt is a string, a list of token ids or chat messages")
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def check_chat_template(self) -> None:
+        """InvalidParamsError unless the tokenizer can render chat messages (a base model's file,
+        e.g. Gemma 3 270M, has no template: its prompts are plain text)."""
+        if not self.has_chat_template:
+            err = InvalidParamsError(
+                f"{self.model_name} has no chat template: send plain text (a completion prompt)")
+            err.param = "messages"  # type: ignore[attr-defined]
+            raise err
 
     def add_request(
         self,

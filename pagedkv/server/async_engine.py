@@ -128,7 +128,11 @@ class AsyncEngine:
         if self.chat_content_as_text and _is_chat(prompt):
             from pagedkv.server.chat_tokens import content_as_text
 
-            return lambda engine: content_as_text(engine.tokenizer, prompt)  # type: ignore[arg-type]
+            def chat_ids(engine: Any) -> list[int]:
+                engine.check_chat_template()
+                return content_as_text(engine.tokenizer, prompt)  # type: ignore[arg-type]
+
+            return chat_ids
         return lambda engine: list(engine.tokenize(prompt))
 
     async def tokenize(self, prompt: Prompt, key: Any = None) -> list[int]:
