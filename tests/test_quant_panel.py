@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from test_quant_a8 import A8, _acts, _weight_ints, _weights, ref_quantize
+from test_quant import _blocks
+from test_quant_a8 import A8, _acts, _weight_ints, _weights, ref_matmul_deq, ref_quantize
 
 from pagedkv.model import qkernel, quant
 from pagedkv.model.quant import QWeight
@@ -69,6 +70,28 @@ def test_vnni_panel_equals_scalar_bit_for_bit(n: int, k: int) -> None:
         assert np.array_equal(fast, scalar), f"T={t}"
 
 
+OTHER = [Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.Q4_K, Q.Q5_K, Q.IQ4_XS]  # the rest of quant.PANEL_TYPES
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", OTHER, ids=lambda q: q.name)
+def test_other_types_on_the_panel(qtype: Q) -> None:
+    """Every other type with one scale per 32 elements (random valid blocks: scales of either
+    sign, subnormal, a zero block): the scalar path against gguf's dequantized weights x int8
+    activations per 32, and the VNNI path equal to it bit for bit (rows ending mid-panel)."""
+    k = 512
+    data = _blocks(qtype, 37, k, 11)
+    for t in (1, 4, 9, 40):
+        x = _acts(t, k, seed=t)
+        scalar = _panel(x, [(qtype, data)], 1)
+        ref, mag = ref_matmul_deq(qtype, data, x, 32)
+        err = np.abs(scalar - ref)
+        assert (err <= 1e-5 * mag + 1e-30).all(), f"T={t}: max err {err.max()} (mag {mag.max()})"
+        if qkernel.panel() is not None:
+            assert np.array_equal(_panel(x, [(qtype, data)], 0), scalar), f"T={t}"
+    assert qtype in quant.PANEL_TYPES
+
+
 @needs_kernel
 def test_panel_is_close_to_exact_product() -> None:
     data = _weights(Q.Q4_1, 64, 576, 1)
@@ -97,8 +120,6 @@ def test_qweight_uses_the_panel_from_panel_rows() -> None:
             row = torch.empty(t, 28)
             torch.ops.pagedkv_a8.linear(torch.from_numpy(x), ws, qt, row, 0)
             assert np.array_equal(got, row.numpy())
-    from test_quant import _blocks
-
     mixed = QWeight(256, [(Q.Q4_1, torch.from_numpy(_weights(Q.Q4_1, 8, 256, 0))),
                           (Q.Q6_K, torch.from_numpy(_blocks(Q.Q6_K, 8, 256, 3)))])
     mixed.set_activations("int8")
@@ -114,7 +135,7 @@ def test_panel_rejects_bad_arguments() -> None:
     with pytest.raises(RuntimeError, match="multiple of 32"):
         op(torch.zeros(2, 48), [w], [int(Q.Q4_1)], torch.zeros(2, 3), 0)
     with pytest.raises(RuntimeError, match="unsupported ggml type"):
-        op(torch.zeros(2, 32), [w], [int(Q.Q4_K)], torch.zeros(2, 3), 0)
+        op(torch.zeros(2, 32), [w], [int(Q.Q6_K)], torch.zeros(2, 3), 0)
     with pytest.raises(RuntimeError, match="weight must be"):
         op(torch.zeros(2, 32), [w], [int(Q.Q8_0)], torch.zeros(2, 3), 0)
     with pytest.raises(RuntimeError, match="out must be"):

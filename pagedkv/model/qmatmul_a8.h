@@ -13,7 +13,8 @@ namespace a8 {
 // Q5_0, Q5_1, IQ4_NL), 0 for any other type
 int64_t block_bytes(int64_t t);
 
-// the panel kernel's types (qmatmul_panel.cpp): Q4_0, Q4_1, Q8_0
+// the panel kernel's types (qmatmul_panel.cpp): the 32-element types and the K-quants with one
+// scale per 32 (Q4_K, Q5_K, IQ4_XS)
 bool panel_type(int64_t t);
 
 // the super-block types of the int8 row kernel (qmatmul_a8x.cpp): Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,

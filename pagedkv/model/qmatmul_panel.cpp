@@ -38,6 +38,7 @@
 
 #include "ggml_blocks.h"
 #include "qmatmul_a8.h"
+#include "vec.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -46,13 +47,73 @@
 
 namespace panel {
 
-using ggml::Q4_0;
-using ggml::Q4_1;
-using ggml::Q8_0;
-constexpr int64_t QK = ggml::QK;
+using namespace ggml;
 constexpr int64_t NR = 16;  // weight rows per panel (a zmm lane each)
 
-int32_t bias(int64_t qt) { return qt == Q4_0 ? 8 : qt == Q8_0 ? 128 : 0; }
+// w = d * (u - bias) + m per 32-element chunk (u unsigned bytes)
+constexpr int32_t bias(int64_t qt) {
+  return qt == Q4_0 ? 8 : qt == Q5_0 ? 16 : qt == Q8_0 || qt == IQ4_NL || qt == IQ4_XS ? 128 : 0;
+}
+constexpr bool has_m(int64_t qt) { return qt == Q4_1 || qt == Q5_1 || qt == Q4_K || qt == Q5_K; }
+// the types whose blocks are transposed straight from the file (the others through a staging row)
+constexpr bool direct(int64_t qt) { return qt == Q4_0 || qt == Q4_1 || qt == Q8_0; }
+
+// chunk c (32 elements; K-quants: sub-block c % 8 of block c / 8) of a row -> u, d, m
+void chunk_scalar(int64_t qt, const uint8_t* row, int64_t c, uint8_t u[QK], float& d, float& m) {
+  m = 0.f;
+  const int j = static_cast<int>(c % 8);
+  switch (qt) {
+    case Q8_0: {
+      const uint8_t* b = row + sizeof(BlockQ8_0) * c;
+      for (int i = 0; i < QK; ++i) u[i] = static_cast<uint8_t>(b[2 + i] ^ 0x80);  // w + 128
+      d = half(b);
+      return;
+    }
+    case Q4_0: case Q4_1: {
+      const uint8_t* b = row + (qt == Q4_0 ? sizeof(BlockQ4_0) : sizeof(BlockQ4_1)) * c;
+      for (int i = 0; i < QK; ++i) u[i] = static_cast<uint8_t>(nibble(b + (qt == Q4_1 ? 4 : 2), i));
+      d = half(b);
+      if (qt == Q4_1) m = half(b + 2);
+      return;
+    }
+    case Q5_0: case Q5_1: {
+      const uint8_t* b = row + (qt == Q5_0 ? sizeof(BlockQ5_0) : sizeof(BlockQ5_1)) * c;
+      const int o = qt == Q5_0 ? 2 : 4;
+      const uint32_t qh = u32(b + o);
+      for (int i = 0; i < QK; ++i) u[i] = static_cast<uint8_t>(nibble(b + o + 4, i) | ((qh >> i) & 1) << 4);
+      d = half(b);
+      if (qt == Q5_1) m = half(b + 2);
+      return;
+    }
+    case IQ4_NL: {
+      const uint8_t* b = row + sizeof(BlockIQ4_NL) * c;
+      for (int i = 0; i < QK; ++i) u[i] = static_cast<uint8_t>(IQ4_LEVELS[nibble(b + 2, i)] ^ 0x80);
+      d = half(b);
+      return;
+    }
+    case Q4_K: case Q5_K: {
+      const uint8_t* b = row + (qt == Q4_K ? sizeof(BlockQ4_K) : sizeof(BlockQ5_K)) * (c / 8);
+      const auto& h = *reinterpret_cast<const BlockQ4_K*>(b);  // d, dmin, scales at the same offsets
+      int sc, mn;
+      scale_min_k4(h.scales, j, sc, mn);
+      const uint8_t* qs = qt == Q4_K ? h.qs : reinterpret_cast<const BlockQ5_K*>(b)->qs;
+      for (int i = 0; i < QK; ++i) {
+        int v = (qs[32 * (j / 2) + i] >> (4 * (j % 2))) & 0x0F;
+        if (qt == Q5_K) v |= ((reinterpret_cast<const BlockQ5_K*>(b)->qh[i] >> j) & 1) << 4;
+        u[i] = static_cast<uint8_t>(v);
+      }
+      d = half(h.d) * static_cast<float>(sc);
+      m = -(half(h.dmin) * static_cast<float>(mn));
+      return;
+    }
+    default: {  // IQ4_XS
+      const auto& b = reinterpret_cast<const BlockIQ4_XS*>(row)[c / 8];
+      for (int i = 0; i < QK; ++i) u[i] = static_cast<uint8_t>(IQ4_LEVELS[nibble(b.qs + 16 * j, i)] ^ 0x80);
+      d = half(b.d) * static_cast<float>(scale_iq4_xs(b, j));
+      return;
+    }
+  }
+}
 
 // One segment's panel of NR weight rows [n0, n0 + NR) (rows past the segment are zeros),
 // unpacked: u [nb][8][NR][4] bytes, d [nb][NR], m [nb][NR] (Q4_1; zeros otherwise).
@@ -67,23 +128,14 @@ struct Buf {
 };
 
 void unpack_scalar(int64_t qt, const uint8_t* w, int64_t rb, int64_t rows, int64_t nb, Buf& p) {
-  const int64_t bb = a8::block_bytes(qt);
   std::fill(p.u.begin(), p.u.end(), 0);
   std::fill(p.d.begin(), p.d.end(), 0.f);
   std::fill(p.m.begin(), p.m.end(), 0.f);
   for (int64_t n = 0; n < rows; ++n)
     for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = w + n * rb + b * bb;
       uint8_t v[QK];
-      if (qt == Q8_0) {
-        for (int i = 0; i < QK; ++i) v[i] = static_cast<uint8_t>(blk[2 + i] ^ 0x80);  // w + 128
-      } else {
-        const uint8_t* qs = blk + (qt == Q4_1 ? 4 : 2);
-        for (int i = 0; i < 16; ++i) v[i] = qs[i] & 0x0F, v[i + 16] = qs[i] >> 4;
-      }
+      chunk_scalar(qt, w + n * rb, b, v, p.d[b * NR + n], p.m[b * NR + n]);
       for (int j = 0; j < 8; ++j) std::memcpy(&p.u[((b * 8 + j) * NR + n) * 4], v + 4 * j, 4);
-      p.d[b * NR + n] = ggml::half(blk);
-      if (qt == Q4_1) p.m[b * NR + n] = ggml::half(blk + 2);
     }
 }
 
@@ -99,7 +151,7 @@ void rows_scalar(int64_t qt, const Buf& p, int64_t nb, int64_t T, const int8_t* 
         for (int j = 0; j < 8; ++j)
           for (int e = 0; e < 4; ++e) i += p.u[((b * 8 + j) * NR + n) * 4 + e] * x[4 * j + e];
         y = std::fmaf(static_cast<float>(i), p.d[b * NR + n] * xd[r * nb + b], y);
-        if (qt == Q4_1) y = std::fmaf(p.m[b * NR + n], xs[r * nb + b], y);
+        if (has_m(qt)) y = std::fmaf(p.m[b * NR + n], xs[r * nb + b], y);
       }
       out[r * ldo + n] = y;
     }
@@ -137,9 +189,68 @@ inline __m512 halves16(const uint8_t* const* p, int64_t off) {
   return _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(h)));
 }
 
+#ifdef PQ_AVX2
+// chunk_scalar's u, d, m of one row, in registers (AVX2 unpacking, vec.h)
+template <int64_t QT>
+inline __m256i chunk_v(const uint8_t* row, int64_t c, float& d, float& m) {
+  const int j = static_cast<int>(c % 8);
+  m = 0.f;
+  if constexpr (QT == Q5_0 || QT == Q5_1) {
+    using B = std::conditional_t<QT == Q5_0, BlockQ5_0, BlockQ5_1>;
+    const auto& b = reinterpret_cast<const B*>(row)[c];
+    const __m256i hi = _mm256_and_si256(vec::bit_bytes(u32(b.qh)), _mm256_set1_epi8(0x10));
+    d = half(b.d);
+    if constexpr (QT == Q5_1) m = half(b.m);
+    return _mm256_or_si256(vec::nibbles(b.qs), hi);
+  } else if constexpr (QT == IQ4_NL) {
+    const auto& b = reinterpret_cast<const BlockIQ4_NL*>(row)[c];
+    d = half(b.d);
+    return _mm256_xor_si256(vec::lookup16(IQ4_LEVELS, vec::nibbles(b.qs)), _mm256_set1_epi8(static_cast<char>(0x80)));
+  } else if constexpr (QT == Q4_K || QT == Q5_K) {
+    using B = std::conditional_t<QT == Q4_K, BlockQ4_K, BlockQ5_K>;
+    const auto& b = reinterpret_cast<const B*>(row)[c / 8];
+    int sc, mn;
+    scale_min_k4(b.scales, j, sc, mn);
+    d = half(b.d) * static_cast<float>(sc);
+    m = -(half(b.dmin) * static_cast<float>(mn));
+    __m256i q = vec::bits(b.qs + 32 * (j / 2), 4 * (j % 2), 0x0F);
+    if constexpr (QT == Q5_K)
+      q = _mm256_or_si256(q, _mm256_and_si256(vec::bit_of_bytes(b.qh, j), _mm256_set1_epi8(0x10)));
+    return q;
+  } else {
+    static_assert(QT == IQ4_XS, "a type without a staged panel decoder");
+    const auto& b = reinterpret_cast<const BlockIQ4_XS*>(row)[c / 8];
+    d = half(b.d) * static_cast<float>(scale_iq4_xs(b, j));
+    return _mm256_xor_si256(vec::lookup16(IQ4_LEVELS, vec::nibbles(b.qs + 16 * j)), _mm256_set1_epi8(static_cast<char>(0x80)));
+  }
+}
+#endif
+
 // the same layout as unpack_scalar; p: the NR row pointers (rows past the end at a zero row)
 template <int64_t QT>
 void unpack_vnni(const uint8_t* const* p, int64_t nb, Buf& buf) {
+  if constexpr (!direct(QT)) {  // decode each row's chunk into a staging row, then transpose
+    alignas(64) uint8_t stage[NR][QK];
+    const uint8_t* srow[NR];
+    for (int n = 0; n < NR; ++n) srow[n] = stage[n];
+    for (int64_t b = 0; b < nb; ++b) {
+      for (int n = 0; n < NR; ++n) {
+#ifdef PQ_AVX2
+        const __m256i u = chunk_v<QT>(p[n], b, buf.d[b * NR + n], buf.m[b * NR + n]);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(stage[n]), u);
+#else  // a build without AVX2 flags: the same bytes by the scalar decoder
+        chunk_scalar(QT, p[n], b, stage[n], buf.d[b * NR + n], buf.m[b * NR + n]);
+#endif
+      }
+      __m512i* u = reinterpret_cast<__m512i*>(buf.u.data() + b * 8 * NR * 4);
+      __m512i q[4];
+      for (int h = 0; h < 2; ++h) {
+        transpose16(srow, 16 * h, q);
+        for (int j = 0; j < 4; ++j) _mm512_storeu_si512(u + 4 * h + j, q[j]);
+      }
+    }
+    return;
+  } else {
   constexpr int64_t bb = QT == Q4_0 ? 18 : QT == Q4_1 ? 20 : 34;
   const __m512i lo = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int64_t b = 0; b < nb; ++b) {
@@ -159,6 +270,7 @@ void unpack_vnni(const uint8_t* const* p, int64_t nb, Buf& buf) {
     }
     _mm512_storeu_ps(buf.d.data() + b * NR, halves16(p, b * bb));
     if (QT == Q4_1) _mm512_storeu_ps(buf.m.data() + b * NR, halves16(p, b * bb + 2));
+  }
   }
 }
 
@@ -189,7 +301,7 @@ void rows_vnni(const Buf& p, int64_t nb, const int8_t* xq, const float* xd, cons
     const __m512 d = _mm512_loadu_ps(p.d.data() + b * NR);
     for (int r = 0; r < R; ++r)
       y[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_mul_ps(d, _mm512_set1_ps(xd[r * nb + b])), y[r]);
-    if (QT == Q4_1) {
+    if (has_m(QT)) {
       const __m512 m = _mm512_loadu_ps(p.m.data() + b * NR);
       for (int r = 0; r < R; ++r) y[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * nb + b]), y[r]);
     }
@@ -224,9 +336,17 @@ void panel_vnni(const uint8_t* const* rows, int64_t nb, int64_t T, const int8_t*
 void panel_vnni(int64_t qt, const uint8_t* const* rows, int64_t nb, int64_t T, const int8_t* xq,
                 const float* xd, const float* xs, const int32_t* xsum, int64_t K, float* out, int64_t ldo,
                 int64_t cols, Buf& buf) {
-  if (qt == Q4_0) panel_vnni<Q4_0>(rows, nb, T, xq, xd, xs, xsum, K, out, ldo, cols, buf);
-  else if (qt == Q4_1) panel_vnni<Q4_1>(rows, nb, T, xq, xd, xs, xsum, K, out, ldo, cols, buf);
-  else panel_vnni<Q8_0>(rows, nb, T, xq, xd, xs, xsum, K, out, ldo, cols, buf);
+  switch (qt) {
+    case Q4_0: panel_vnni<Q4_0>(rows, nb, T, xq, xd, xs, xsum, K, out, ldo, cols, buf); return;
+    case Q4_1: panel_vnni<Q4_1>(rows, nb, T, xq, xd, xs, xsum, K, out, ldo, cols, buf); return;
+    case Q5_0: panel_vnni<Q5_0>(rows, nb, T, xq, xd, xs, xsum, K, out, ldo, cols, buf); return;
+    case Q5_1: panel_vnni<Q5_1>(rows, nb, T, xq, xd, xs, xsum, K, out, ldo, cols, buf); return;
+    case IQ4_NL: panel_vnni<IQ4_NL>(rows, nb, T, xq, xd, xs, xsum, K, out, ldo, cols, buf); return;
+    case Q4_K: panel_vnni<Q4_K>(rows, nb, T, xq, xd, xs, xsum, K, out, ldo, cols, buf); return;
+    case Q5_K: panel_vnni<Q5_K>(rows, nb, T, xq, xd, xs, xsum, K, out, ldo, cols, buf); return;
+    case IQ4_XS: panel_vnni<IQ4_XS>(rows, nb, T, xq, xd, xs, xsum, K, out, ldo, cols, buf); return;
+    default: panel_vnni<Q8_0>(rows, nb, T, xq, xd, xs, xsum, K, out, ldo, cols, buf); return;
+  }
 }
 
 #pragma GCC pop_options
@@ -270,7 +390,9 @@ void panel(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, at::T
   at::parallel_for(0, static_cast<int64_t>(panels.size()), 1, [&](int64_t p0, int64_t p1) {
     Buf buf;
     buf.size(nb);
-    const std::vector<uint8_t> zrow(nb * 34, 0);  // a row past a segment's end: zeros (scale 0)
+    int64_t zbytes = 0;
+    for (const at::Tensor& w : ws) zbytes = std::max<int64_t>(zbytes, w.size(1));
+    const std::vector<uint8_t> zrow(zbytes, 0);  // a row past a segment's end: zeros (scale 0)
     for (int64_t pi = p0; pi < p1; ++pi) {
       const auto [seg, n0] = panels[pi];
       const at::Tensor& w = ws[seg];

@@ -66,11 +66,12 @@ KERNEL_TYPES = frozenset({
 TILE_ELEMS = 1 << 20  # float32 elements per dequantized tile (4 MiB)
 ACTIVATIONS = ("float32", "int8")  # activation modes; "int8" is the approximate, opt-in one
 BATCH_WEIGHTS = ("quantized", "float32")  # what calls above the kernels' rows multiply by
-PANEL_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q8_0})  # the int8 panel kernel's types (many rows)
+# the int8 panel kernel's types (many rows): every type with one scale per 32 elements
+PANEL_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.Q4_K, Q.Q5_K, Q.IQ4_XS})
 # segment types the int8 row kernel multiplies: 32-element blocks (qmatmul_a8.cpp, activations
 # quantized per 32) and super-blocks (qmatmul_a8x.cpp, activations quantized per 256)
 A8_SB_TYPES = frozenset({Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS})
-A8_TYPES = PANEL_TYPES | {Q.Q5_0, Q.Q5_1, Q.IQ4_NL} | A8_SB_TYPES
+A8_TYPES = PANEL_TYPES | A8_SB_TYPES
 
 
 def _crossovers(capability: str, packed: bool = False) -> tuple[int, int]:
@@ -104,6 +105,10 @@ A8_IMPL = 0  # qmatmul_a8.cpp impl: 0 the fastest built, 1 scalar (same results)
 # (bench decode's a8_crossover_ms): panel vs the int8 row kernel 6.5 vs 3.7 at 1 row, 6.7 vs 5.0
 # at 2, 6.2-7.6 vs 7.3 at 4, 7.8 vs 12.7 at 8; at 40 rows 17.9 vs 51 (tiles), at 256 83 vs 198.
 PANEL_ROWS = 4
+# Up to this many rows, weights with a super-block segment that the panel does not take (Q6_K,
+# Q3_K, Q2_K) use the int8 row kernel; above, the exact path is faster: Q6_K, 4096x4096, 2
+# threads, ns per weight, int8 row kernel vs exact: 0.133 vs 0.174 at 8 rows, 0.468 vs 0.387 at 28.
+A8_SB_ROWS = 12
 
 
 def _gemm_rows(capability: str) -> tuple[int, int]:
@@ -169,6 +174,7 @@ class QWeight:
         self.a8 = False  # activations="int8": see set_activations
         self._a8_all = False
         self._panel = False
+        self._sb_cap = False
         self._a8_args = ([d for _, d in self.parts], [int(q) for q, _ in self.parts])
 
     def set_activations(self, mode: str) -> None:
@@ -178,6 +184,7 @@ class QWeight:
         self.a8 = mode == "int8" and any(q in A8_TYPES for q, _ in self.parts) and self.k % 32 == 0
         self._a8_all = all(q in A8_TYPES for q, _ in self.parts)  # one op call per linear
         self._panel = self._a8_all and all(q in PANEL_TYPES for q, _ in self.parts)
+        self._sb_cap = not self._panel and any(q in A8_SB_TYPES for q, _ in self.parts)  # A8_SB_ROWS
 
     def set_batch_weights(self, mode: str) -> None:
         """"quantized" (the default): calls above the kernels' rows multiply dequantized tiles.
@@ -236,7 +243,8 @@ class QWeight:
         if self.a8 and self._panel and t >= PANEL_ROWS and (panel := qkernel.panel()) is not None:
             panel(x, *self._a8_args, out, A8_IMPL)
             return out
-        if self.a8 and 0 < t <= (PACKED_A8_ROWS if packed else A8_ROWS):
+        if self.a8 and 0 < t <= min(PACKED_A8_ROWS if packed else A8_ROWS,
+                                    A8_SB_ROWS if self._sb_cap else t):
             if self._a8_all:  # the common case: one op quantizes x and fills every segment
                 qkernel.a8()[2](x, *self._a8_args, out, A8_IMPL)
             else:
