@@ -114,7 +114,8 @@ TINY = dict(
 def _tiny(kind: str) -> Any:
     import transformers as tf
 
-    torch.manual_seed({"llama": 0, "qwen2": 1, "mistral": 2, "mistral_window": 3, "gemma3": 4}[kind])
+    torch.manual_seed({"llama": 0, "qwen2": 1, "mistral": 2, "mistral_window": 3, "gemma3": 4,
+                       "qwen2_window": 5}[kind])
     if kind == "llama":  # untied, Llama-3 rope scaling over a short original context
         cfg = tf.LlamaConfig(
             **TINY,
@@ -131,6 +132,10 @@ def _tiny(kind: str) -> Any:
         model = tf.LlamaForCausalLM(cfg)
     elif kind == "qwen2":  # q/k/v bias, tied embeddings
         cfg = tf.Qwen2Config(**TINY, tie_word_embeddings=True, rope_theta=1e6)
+        model = tf.Qwen2ForCausalLM(cfg)
+    elif kind == "qwen2_window":  # use_sliding_window: layers from max_window_layers on (1 of 2)
+        cfg = tf.Qwen2Config(**TINY, tie_word_embeddings=True, rope_theta=1e6, use_sliding_window=True,
+                             sliding_window=8, max_window_layers=1)
         model = tf.Qwen2ForCausalLM(cfg)
     elif kind == "gemma3":  # sandwich norms, GeGLU, two RoPE bases, a window of 8 on 2 of 3 layers
         cfg = tf.Gemma3TextConfig(
@@ -154,7 +159,8 @@ def _tiny(kind: str) -> Any:
     return model.eval()
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "mistral", "mistral_window", "gemma3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "mistral", "mistral_window", "gemma3",
+                                                 "qwen2_window"])
 def tiny_pair(request: pytest.FixtureRequest) -> tuple[LlamaModel, Any]:
     hf = _tiny(request.param)
     return load_model(hf).model, hf

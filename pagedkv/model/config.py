@@ -160,9 +160,14 @@ class ModelConfig:
         if float(partial) != 1.0:
             raise UnsupportedModelError(f"{arch}: partial rotary embeddings ({partial}) are not supported")
         scaling = d.get("rope_scaling") or rope or None
-        window = d.get("sliding_window")
+        window, types = d.get("sliding_window"), _hf_layer_types(d)
         if arch in ("qwen2", "qwen3") and not d.get("use_sliding_window", False):
-            window = None
+            window = types = None
+        elif arch in ("qwen2", "qwen3") and window and types is None:  # older configs
+            first = d.get("max_window_layers", 0)
+            types = ["sliding" if i >= first else "full" for i in range(d["num_hidden_layers"])]
+        if types is not None and "sliding" not in types:
+            window = types = None
         return cls(
             architecture=arch,
             vocab_size=d["vocab_size"],
@@ -182,6 +187,7 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=_as_id_list(d.get("eos_token_id")),
             sliding_window=window,
+            layer_types=types if window else None,
         )
 
     @classmethod
@@ -245,6 +251,14 @@ class ModelConfig:
         )
 
 
+def _hf_layer_types(d: Mapping[str, Any]) -> list[str] | None:
+    """transformers' `layer_types` ("sliding_attention" / "full_attention" per layer) as ours."""
+    types = d.get("layer_types")
+    if not types:
+        return None
+    return ["sliding" if t == "sliding_attention" else "full" for t in types]
+
+
 def _gemma3_from_hf(d: Mapping[str, Any]) -> ModelConfig:
     """Gemma 3 text from a transformers config: rope_parameters per layer type (transformers 5)
     or rope_theta / rope_local_base_freq, layer_types or the every-6th pattern."""
@@ -260,10 +274,8 @@ def _gemma3_from_hf(d: Mapping[str, Any]) -> ModelConfig:
         if params.get("rope_type", "default") != "default":
             raise UnsupportedModelError(f"gemma3: rope scaling {params['rope_type']!r} is not supported")
     n = d["num_hidden_layers"]
-    types = d.get("layer_types") or [
-        "sliding_attention" if (i + 1) % d.get("sliding_window_pattern", GEMMA3_PATTERN) else "full_attention"
-        for i in range(n)
-    ]
+    pattern = d.get("sliding_window_pattern", GEMMA3_PATTERN)
+    types = _hf_layer_types(d) or ["sliding" if (i + 1) % pattern else "full" for i in range(n)]
     heads = d["num_attention_heads"]
     return ModelConfig(
         architecture="gemma3",
@@ -283,7 +295,7 @@ def _gemma3_from_hf(d: Mapping[str, Any]) -> ModelConfig:
         bos_token_id=d.get("bos_token_id"),
         eos_token_ids=_as_id_list(d.get("eos_token_id")),
         sliding_window=d.get("sliding_window"),
-        layer_types=["sliding" if t == "sliding_attention" else "full" for t in types],
+        layer_types=types,
         rope_local_theta=float(local.get("rope_theta") or d.get("rope_local_base_freq") or GEMMA3_LOCAL_THETA),
         query_pre_attn_scalar=float(d.get("query_pre_attn_scalar") or 256),
         hidden_act="gelu_tanh",
