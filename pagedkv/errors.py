@@ -83,6 +83,16 @@ class UnknownOptionError(InvalidParamsError, TypeError):
     it and the closest field. A TypeError too, as Python's own unexpected-keyword error is."""
 
 
+class GrammarError(InvalidParamsError):
+    """A structured-output constraint (JSON schema, regex, choice, grammar) that cannot be used:
+    malformed, an unsupported keyword, over the size cap, or matching nothing. `.param` names
+    the request field it came from."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class RequestTooLongError(PagedKVError, ValueError):
     """A request that can never fit: prompt + max_tokens over the context or the whole cache."""
 

@@ -40,6 +40,7 @@ class Seq:
     generator: torch.Generator | None = None
     finished: bool = False
     extra: dict = field(default_factory=dict)
+    grammar: None = None  # structured outputs: none here
 
 
 def seq(params: SamplingParams, prompt: list[int], out: list[int] = (), index: int = 0) -> Seq:

@@ -49,6 +49,7 @@ class _Seq:
     num_prompt: int
     generator: torch.Generator | None
     finished: bool = False
+    grammar: None = None  # structured outputs: none here
 
 
 def add_args(ap) -> None:  # noqa: ANN001

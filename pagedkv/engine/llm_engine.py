@@ -26,6 +26,7 @@ from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.engine.sequence import CompletionOutput, Request, RequestOutput, Sequence, Status
 from pagedkv.engine.step_plan import StepPlan
+from pagedkv.engine.structured import GrammarCompiler
 from pagedkv.engine.tiers import EngineTiers
 from pagedkv.errors import InvalidParamsError, RequestTooLongError
 
@@ -123,7 +124,8 @@ class LLMEngine:
         self.eos_ids = set(cfg.eos_token_ids or [])
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
-        self.sampler = Sampler(self.eos_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, sorted(self.eos_ids))
+        self.sampler = Sampler(self.eos_ids, self.grammars)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._finished = 0
@@ -189,6 +191,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidParamsError(f"request id {request_id!r} is already in use")
         params.check_vocab(self.loaded.config.vocab_size)
+        spec = params.structured_outputs
+        grammar = None if spec is None else self.grammars.compile(spec)  # GrammarError: 400
         ids = self.tokenize(prompt)
         if not ids:
             raise InvalidParamsError("the prompt is empty")
@@ -210,7 +214,7 @@ class LLMEngine:
         if not params.ignore_eos:
             stop_ids |= self.eos_ids
         req = Request(request_id, ids, params, prompt if isinstance(prompt, str) else None,
-                      cache_salt=cache_salt, stop_ids=stop_ids)
+                      cache_salt=cache_salt, stop_ids=stop_ids, grammar=grammar)
         req.seqs.append(self.new_sequence(req, 0, list(ids)))
         if shift is not None:
             shift.cut_prompt(req.seqs[0], self.max_model_len)
@@ -226,6 +230,8 @@ class LLMEngine:
             s.generator = generator_for(req.params.seed, index)
         if req.params.logprobs is not None:
             s.logprobs = []
+        if req.grammar is not None:  # a fresh matcher: s has no output yet
+            s.grammar = req.grammar.matcher()
         return s
 
     def add_sequence(self, s: Sequence) -> None:
@@ -307,7 +313,9 @@ class LLMEngine:
         for row, s in enumerate(done.plan.samplers):
             if s.request.params.n > 1 and not s.request.forked:
                 seqs, tokens, rows = self._fork_samples(s, logits[row], row, seqs, tokens, rows)
+        self._accept_grammar(seqs, tokens)
         self.scheduler.postprocess(seqs, tokens)
+        self._finish_grammar(seqs, tokens)
         touched: dict[str, Request] = {}
         now = time.monotonic()
         for s, row, tok in zip(seqs, rows, tokens, strict=True):
@@ -329,6 +337,22 @@ class LLMEngine:
         outs = [self._output(r) for r in touched.values()]
         self._busy_s += time.perf_counter() - t0
         return outs
+
+    @staticmethod
+    def _accept_grammar(seqs: list[Sequence], tokens: list[int]) -> None:
+        """Each constrained sequence's matcher consumes its token; a token it refuses (only a
+        matcher in its error state lets one through the mask) fails that row alone."""
+        for i, s in enumerate(seqs):
+            g = s.grammar
+            if g is not None and tokens[i] != FAILED and not g.accept(tokens[i]):
+                tokens[i] = FAILED
+
+    def _finish_grammar(self, seqs: list[Sequence], tokens: list[int]) -> None:
+        """A constrained sequence whose grammar is complete (only EOS could follow) stops now,
+        without spending a step on the EOS."""
+        for s, tok in zip(seqs, tokens, strict=True):
+            if s.grammar is not None and tok != FAILED and not s.finished and s.grammar.stopped:
+                self.scheduler.finish(s, "stop")
 
     def _fork_samples(
         self, parent: Sequence, row: torch.Tensor, r: int,

@@ -1,7 +1,7 @@
 """Token sampling for one step, batched: one call per step with the logits and the sequences.
 
 Order (as vLLM): logit_bias and min_tokens masks -> repetition, frequency, presence penalties ->
-greedy rows take the argmax -> the other rows: temperature -> min_p -> top-k -> top-p -> one
+the grammar mask of structured-output rows (only those rows pay for it) -> greedy rows take the argmax -> the other rows: temperature -> min_p -> top-k -> top-p -> one
 float64 CDF per row inverted at one uniform draw (exact up to float64 rounding).
 
 Invariants:
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -24,6 +25,7 @@ from typing import Protocol
 import torch
 
 from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.engine.structured import GrammarCompiler, GrammarMatcher, apply_masks
 from pagedkv.model import qkernel
 
 FAILED = -1  # the token of a row that could not be sampled
@@ -40,6 +42,7 @@ class SampledSeq(Protocol):
     token_ids: list[int]  # prompt + generated so far
     request: _Request
     generator: torch.Generator | None
+    grammar: GrammarMatcher | None
 
     @property
     def num_prompt(self) -> int: ...
@@ -72,9 +75,13 @@ class _History:
 class Sampler:
     """`sampler(logits [R, V], seqs)` -> R token ids (FAILED where a row cannot be sampled)."""
 
-    def __init__(self, eos_ids: Iterable[int] = ()) -> None:
+    def __init__(self, eos_ids: Iterable[int] = (), grammars: GrammarCompiler | None = None
+                 ) -> None:
         self.eos_ids = sorted(set(eos_ids))
+        self.grammars = grammars  # fills the masks of rows whose sequence has a grammar
         self._hist: dict[int, _History] = {}  # by id(seq); the history holds the seq itself
+        self.mask_seconds = 0.0  # computing and applying grammar masks, over the sampler's life
+        self.mask_rows = 0  # rows masked
 
     def __call__(self, logits: torch.Tensor, seqs: Sequence[SampledSeq]) -> list[int]:
         params = [s.request.params for s in seqs]
@@ -100,16 +107,33 @@ class Sampler:
         params = [s.request.params for s in seqs]
         rows = [i for i, (s, p) in enumerate(zip(seqs, params, strict=True))
                 if p.logit_bias or p.has_penalties or _before_min_tokens(s, p)]
-        if not rows:
+        masked = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        if not rows and not masked:
             return x
         x = x.clone()
-        hist = [self._history(seqs[i], x.shape[-1]) for i in rows]
-        self._bias_and_min_tokens(x, rows, hist, seqs, params)
-        pen = [j for j, i in enumerate(rows) if params[i].has_penalties]
-        if pen:
-            _penalize(x, [rows[j] for j in pen], [hist[j] for j in pen],
-                      [params[rows[j]] for j in pen])
+        if rows:
+            hist = [self._history(seqs[i], x.shape[-1]) for i in rows]
+            self._bias_and_min_tokens(x, rows, hist, seqs, params)
+            pen = [j for j, i in enumerate(rows) if params[i].has_penalties]
+            if pen:
+                _penalize(x, [rows[j] for j in pen], [hist[j] for j in pen],
+                          [params[rows[j]] for j in pen])
+        if masked:
+            self._mask(x, masked, seqs)
         return x
+
+    def _mask(self, x: torch.Tensor, rows: list[int], seqs: Sequence[SampledSeq]) -> None:
+        """-inf for every token the row's grammar does not allow now (a matcher in its error
+        state allows none: that row fails alone)."""
+        g = self.grammars
+        if g is None:
+            raise RuntimeError("a sequence has a grammar but the sampler has no GrammarCompiler")
+        t0 = time.perf_counter()
+        masks = torch.zeros((len(rows), g.words), dtype=torch.int32)
+        g.fill_masks([seqs[i].grammar for i in rows], masks)  # type: ignore[misc]
+        apply_masks(x, rows, masks)
+        self.mask_seconds += time.perf_counter() - t0
+        self.mask_rows += len(rows)
 
     def _bias_and_min_tokens(self, x: torch.Tensor, rows: list[int], hist: list[_History],
                              seqs: Sequence[SampledSeq], params: list[SamplingParams]) -> None:

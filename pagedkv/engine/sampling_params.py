@@ -22,6 +22,8 @@ the field and its accepted range, and no object exists. Ranges (and why):
 - seed: None or any int64 (OpenAI's range, -2**63 .. 2**63-1); the generator seed is a hash of it.
 - stop: at most MAX_STOP strings, each 1..MAX_STOP_BYTES bytes of UTF-8.
 - stop_token_ids: at most MAX_STOP_TOKEN_IDS ids, each in [0, 2**31).
+- structured_outputs: None or a StructuredOutputsParams (a dict of its fields is converted);
+  `guided_decoding` is vLLM's older name for the same field (give one of them).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from pagedkv.engine.structured_params import StructuredOutputsParams
 from pagedkv.errors import InvalidParamsError
 
 TEMPERATURE_EPS = 1e-5  # below: greedy
@@ -63,8 +66,11 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     logprobs: int | None = None  # top-k logprobs per generated token (the sampled one included)
+    structured_outputs: StructuredOutputsParams | None = None  # the output's constraint
+    guided_decoding: StructuredOutputsParams | None = None  # vLLM's older name (an alias)
 
     def __post_init__(self) -> None:
+        self._check_structured()
         self._check_lengths()
         self._check_sampling()
         self._check_penalties()
@@ -119,6 +125,20 @@ class SamplingParams:
         _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS and all(
             _is_int(t) and 0 <= t < TOKEN_ID_LIMIT for t in self.stop_token_ids),
             "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ints in [0, 2**31)")
+
+    def _check_structured(self) -> None:
+        so, gd = self.structured_outputs, self.guided_decoding
+        _check(so is None or gd is None or so == gd, "structured_outputs",
+               "given once (structured_outputs or its older name guided_decoding)")
+        spec = so if so is not None else gd
+        if isinstance(spec, dict):
+            try:
+                spec = StructuredOutputsParams(**spec)
+            except TypeError as exc:
+                _check(False, "structured_outputs", f"StructuredOutputsParams fields ({exc})")
+        _check(spec is None or isinstance(spec, StructuredOutputsParams), "structured_outputs",
+               "None or a StructuredOutputsParams")
+        self.structured_outputs = self.guided_decoding = spec
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise unless every logit_bias key is a token id of this vocabulary."""

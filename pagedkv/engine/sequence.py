@@ -5,12 +5,16 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagedkv.cache.hashing import HashChain
 from pagedkv.engine.detokenizer import IncrementalDetokenizer
 from pagedkv.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedkv.engine.structured import CompiledGrammar, GrammarMatcher
 
 
 class Status(enum.Enum):
@@ -44,6 +48,7 @@ class Sequence:
     n_keep: int = 0
     n_dropped: int = 0
     chain: HashChain | None = None  # the context's ids and block hashes (prefix caching)
+    grammar: GrammarMatcher | None = None  # structured outputs: has consumed output_ids
 
     def __post_init__(self) -> None:
         if self.detok is None:
@@ -103,6 +108,7 @@ class Request:
     forked: bool = False  # n > 1: samples forked off the first sequence after its prefill
     cache_salt: str | None = None  # prefix-cache extra key: tenants never share blocks
     stop_ids: frozenset[int] = frozenset()  # token ids that finish a sequence (eos + stop ids)
+    grammar: CompiledGrammar | None = None  # structured outputs: each sample's matcher's source
 
     @property
     def finished(self) -> bool:

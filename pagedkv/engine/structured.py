@@ -1,0 +1,182 @@
+"""Structured outputs: a request's constraint (JSON schema, regex, choice, grammar), compiled once
+by llguidance, and one matcher per sequence that yields the step's token mask.
+
+- `StructuredOutputsParams` (structured_params.py) holds the request's one constraint.
+- `GrammarCompiler` (one per engine, thread-safe: the server compiles on its preprocessing
+  thread, the engine thread then hits the cache) turns a constraint into a `CompiledGrammar`:
+  validated, its first mask computed (a grammar that admits no token is refused here, never
+  in a step), kept in a bounded LRU keyed by the constraint's canonical text.
+- `GrammarMatcher` is a sequence's parser state. Invariant: it has consumed exactly the
+  sequence's output tokens. Preemption recomputes K/V from the same token ids, so the matcher
+  is never rolled back; a fork (n > 1) starts its own matcher before any output exists.
+
+Masks are written as bits (llguidance's layout: token t is bit t % 32 of int32 word t // 32)
+for all of a step's constrained rows in one call that releases the GIL.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagedkv.engine.structured_params import StructuredOutputsParams
+from pagedkv.errors import GrammarError
+
+CACHE_SIZE = 256  # compiled grammars kept (LRU)
+# JSON is emitted in one canonical layout: a small model given free whitespace tends to loop on
+# newlines; these separators are how such models write JSON anyway
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(slots=True, eq=False)
+class CompiledGrammar:
+    """A validated grammar and a matcher in its start state (copied for every sequence)."""
+
+    kind: str
+    template: Any  # llguidance.LLMatcher, never advanced
+
+    def matcher(self) -> GrammarMatcher:
+        return GrammarMatcher(self.template.deep_copy())
+
+
+class GrammarMatcher:
+    """A sequence's parser state: `accept(token)` after each sampled token; the sampler fills
+    its mask each step. Invariant: it has consumed exactly the sequence's output tokens."""
+
+    __slots__ = ("m",)
+
+    def __init__(self, m: Any) -> None:
+        self.m = m
+
+    def accept(self, token: int) -> bool:
+        """Consume a sampled token; False (the matcher is then in its error state) if the
+        grammar does not allow it."""
+        return bool(self.m.consume_token(token))
+
+    @property
+    def stopped(self) -> bool:
+        """Nothing but EOS can follow: the output is complete."""
+        return bool(self.m.is_stopped())
+
+    @property
+    def error(self) -> str:
+        return self.m.get_error() if self.m.is_error() else ""
+
+
+class GrammarCompiler:
+    """Compiles constraints against one tokenizer and vocabulary; a bounded LRU by constraint."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: list[int],
+                 cache_size: int = CACHE_SIZE) -> None:
+        self._hf = tokenizer
+        self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32
+        self._eos = sorted(eos_ids)
+        self._ll: Any = None  # llguidance.LLTokenizer, built on first use (~0.5 s)
+        self._cache: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
+        self._size = cache_size
+        self._lock = threading.Lock()
+        self._executor: Any = None
+        self.compile_seconds = 0.0  # spent compiling (cache misses), over the engine's life
+        self.compiles = 0
+
+    def _tokenizer(self) -> Any:
+        if self._ll is None:
+            import llguidance.hf
+
+            if self._hf is None:
+                raise GrammarError("structured outputs need a tokenizer", "structured_outputs")
+            self._ll = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size,
+                                                    eos_token=self._eos or None)
+        return self._ll
+
+    def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
+        """The compiled grammar of `spec` (cached); GrammarError if it cannot be used."""
+        key = spec.key()
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+            import time
+
+            t0 = time.perf_counter()
+            compiled = self._compile(spec)
+            self.compile_seconds += time.perf_counter() - t0
+            self.compiles += 1
+            self._cache[key] = compiled
+            if len(self._cache) > self._size:
+                self._cache.popitem(last=False)
+            return compiled
+
+    def _compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
+        import llguidance as llg
+
+        kind, text = spec.key()
+        try:
+            grammar = _llg_grammar(llg, kind, text)
+        except GrammarError:
+            raise
+        except Exception as exc:  # the converters raise ValueError / RuntimeError on bad text
+            raise GrammarError(f"invalid {kind}: {exc}", kind) from None
+        m = llg.LLMatcher(self._tokenizer(), grammar, log_level=0, limits=_limits(llg))
+        if m.is_error():
+            raise GrammarError(f"invalid {kind}: {_first_line(m.get_error())}", kind)
+        mask = torch.zeros(self.words, dtype=torch.int32)
+        m.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * 4)
+        if m.is_error() or not bool(mask.any()):
+            raise GrammarError(f"the {kind} constraint matches no output", kind)
+        return CompiledGrammar(kind, m)
+
+    # --- the step's masks ---------------------------------------------------------------------
+
+    def fill_masks(self, matchers: list[GrammarMatcher], out: torch.Tensor) -> None:
+        """Row j of `out` (int32 [len(matchers), words], contiguous) := matcher j's mask, all
+        rows in one call (the GIL released). A matcher in its error state writes zeros."""
+        import llguidance as llg
+
+        if self._executor is None:
+            self._executor = llg.LLExecutor(num_threads=1)
+        self._executor.unsafe_compute_mask_ptr(
+            [(g.m, j) for j, g in enumerate(matchers)], out.data_ptr(), self.words * 4,
+            len(matchers))
+
+
+def apply_masks(x: torch.Tensor, rows: list[int], masks: torch.Tensor) -> None:
+    """x[rows] := -inf wherever the bit mask (int32 [len(rows), words]) is clear."""
+    vocab = x.shape[-1]
+    bits = np.unpackbits(masks.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    banned = torch.from_numpy(bits) == 0
+    if banned.shape[1] < vocab:  # logits wider than the tokenizer: the extra ids never allowed
+        banned = torch.nn.functional.pad(banned, (0, vocab - banned.shape[1]), value=True)
+    idx = torch.tensor(rows)
+    x[idx] = x[idx].masked_fill_(banned, float("-inf"))
+
+
+def _llg_grammar(llg: Any, kind: str, text: str) -> str:
+    if kind == "json":
+        return llg.LLMatcher.grammar_from_json_schema(text, overrides=JSON_OPTIONS)
+    if kind == "json_object":
+        return llg.LLMatcher.grammar_from_json_schema('{"type": "object"}', overrides=JSON_OPTIONS)
+    if kind == "regex":
+        return llg.LLMatcher.grammar_from_regex(text)
+    if kind == "choice":
+        return llg.LLMatcher.grammar_from_lark(
+            "start: " + " | ".join(json.dumps(c) for c in json.loads(text)))
+    return llg.grammar_from("grammar", text)  # GBNF (llama.cpp) or Lark
+
+
+def _limits(llg: Any) -> Any:
+    # below llguidance's defaults: a request's grammar must stay cheap for the shared step
+    return llg.LLParserLimits(max_grammar_size=200_000, max_lexer_states=50_000,
+                              verbose_errors=False)
+
+
+def _first_line(msg: str) -> str:
+    return msg.strip().splitlines()[0] if msg.strip() else "invalid grammar"
