@@ -19,6 +19,7 @@ _LAZY = {
     "LLMEngine": "pagedkv.engine",
     "EngineConfig": "pagedkv.engine",
     "SamplingParams": "pagedkv.engine",
+    "StructuredOutputsParams": "pagedkv.engine",
     "BeamSearchParams": "pagedkv.engine",
     "RequestOutput": "pagedkv.engine",
     "CompletionOutput": "pagedkv.engine",
@@ -36,6 +37,7 @@ __all__ = [
     "PagedKVCache",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "__version__",
 ]
 
@@ -49,6 +51,7 @@ if TYPE_CHECKING:  # pragma: no cover
         LLMEngine,
         RequestOutput,
         SamplingParams,
+        StructuredOutputsParams,
     )
 
 

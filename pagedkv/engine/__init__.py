@@ -19,6 +19,8 @@ _LAZY = {
     "BeamSearchParams": "pagedkv.engine.beam_search",
     "BeamSequence": "pagedkv.engine.beam_search",
     "SamplingParams": "pagedkv.engine.sampling_params",
+    "StructuredOutputsParams": "pagedkv.engine.structured_params",
+    "GuidedDecodingParams": "pagedkv.engine.structured_params",
     "CompletionOutput": "pagedkv.engine.sequence",
     "RequestOutput": "pagedkv.engine.sequence",
     "parse_size": "pagedkv.cache.sizing",  # re-exported: it lives in the cache layer
@@ -35,6 +37,8 @@ __all__ = [
     "LLMEngine",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
+    "GuidedDecodingParams",
     "parse_size",
 ]
 
@@ -45,6 +49,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from pagedkv.engine.llm_engine import LLM, EngineStats, LLMEngine
     from pagedkv.engine.sampling_params import SamplingParams
     from pagedkv.engine.sequence import CompletionOutput, RequestOutput
+    from pagedkv.engine.structured_params import GuidedDecodingParams, StructuredOutputsParams
 
 
 __getattr__, __dir__ = lazy_names(__name__, _LAZY, globals())

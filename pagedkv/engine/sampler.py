@@ -130,8 +130,12 @@ class Sampler:
             raise RuntimeError("a sequence has a grammar but the sampler has no GrammarCompiler")
         t0 = time.perf_counter()
         masks = torch.zeros((len(rows), g.words), dtype=torch.int32)
-        g.fill_masks([seqs[i].grammar for i in rows], masks)  # type: ignore[misc]
+        matchers = [seqs[i].grammar for i in rows]
+        g.fill_masks(matchers, masks)  # type: ignore[arg-type]
         apply_masks(x, rows, masks)
+        for i, m in zip(rows, matchers, strict=True):
+            if m.error:  # type: ignore[union-attr]  # (its mask still allows EOS)
+                x[i] = _NEG_INF
         self.mask_seconds += time.perf_counter() - t0
         self.mask_rows += len(rows)
 

@@ -82,18 +82,14 @@ class GrammarCompiler:
         self._cache: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
         self._size = cache_size
         self._lock = threading.Lock()
-        self._executor: Any = None
         self.compile_seconds = 0.0  # spent compiling (cache misses), over the engine's life
         self.compiles = 0
 
     def _tokenizer(self) -> Any:
         if self._ll is None:
-            import llguidance.hf
-
             if self._hf is None:
                 raise GrammarError("structured outputs need a tokenizer", "structured_outputs")
-            self._ll = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size,
-                                                    eos_token=self._eos or None)
+            self._ll = _ll_tokenizer(self._hf, self.vocab_size, tuple(self._eos))
         return self._ll
 
     def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
@@ -124,10 +120,10 @@ class GrammarCompiler:
         except GrammarError:
             raise
         except Exception as exc:  # the converters raise ValueError / RuntimeError on bad text
-            raise GrammarError(f"invalid {kind}: {exc}", kind) from None
+            raise GrammarError(f"invalid {kind}: {_one_line(str(exc))}", kind) from None
         m = llg.LLMatcher(self._tokenizer(), grammar, log_level=0, limits=_limits(llg))
         if m.is_error():
-            raise GrammarError(f"invalid {kind}: {_first_line(m.get_error())}", kind)
+            raise GrammarError(f"invalid {kind}: {_one_line(m.get_error())}", kind)
         mask = torch.zeros(self.words, dtype=torch.int32)
         m.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * 4)
         if m.is_error() or not bool(mask.any()):
@@ -137,26 +133,44 @@ class GrammarCompiler:
     # --- the step's masks ---------------------------------------------------------------------
 
     def fill_masks(self, matchers: list[GrammarMatcher], out: torch.Tensor) -> None:
-        """Row j of `out` (int32 [len(matchers), words], contiguous) := matcher j's mask, all
-        rows in one call (the GIL released). A matcher in its error state writes zeros."""
-        import llguidance as llg
+        """Row j of `out` (int32 [len(matchers), words], contiguous) := matcher j's mask. A matcher in its error state still allows EOS:
+        the sampler fails such rows itself."""
+        row = self.words * 4
+        ptr = out.data_ptr()
+        for j, g in enumerate(matchers):  # on this thread: a pool thread would queue behind
+            g.m.unsafe_compute_mask_ptr(ptr + j * row, row)  # the OpenMP team's spinning
 
-        if self._executor is None:
-            self._executor = llg.LLExecutor(num_threads=1)
-        self._executor.unsafe_compute_mask_ptr(
-            [(g.m, j) for j, g in enumerate(matchers)], out.data_ptr(), self.words * 4,
-            len(matchers))
+
+_LL_TOKENIZERS: dict[tuple[int, int, tuple[int, ...]], tuple[Any, Any]] = {}
+_LL_LOCK = threading.Lock()
+
+
+def _ll_tokenizer(hf: Any, vocab_size: int, eos: tuple[int, ...]) -> Any:
+    """llguidance's view of a transformers tokenizer (~0.5 s to build), one per tokenizer
+    object: engines over the same loaded model share it (the entry keeps `hf` alive, so its
+    id is not reused)."""
+    import llguidance.hf
+
+    key = (id(hf), vocab_size, eos)
+    with _LL_LOCK:
+        hit = _LL_TOKENIZERS.get(key)
+        if hit is None:
+            ll = llguidance.hf.from_tokenizer(hf, n_vocab=vocab_size, eos_token=list(eos) or None)
+            hit = _LL_TOKENIZERS[key] = (hf, ll)
+        return hit[1]
 
 
 def apply_masks(x: torch.Tensor, rows: list[int], masks: torch.Tensor) -> None:
-    """x[rows] := -inf wherever the bit mask (int32 [len(rows), words]) is clear."""
+    """x[rows] := -inf wherever the bit mask (int32 [len(rows), words]) is clear. In numpy, one
+    row at a time: torch's indexing and masked_fill_ wake the OpenMP team for every call, which
+    cost ~2 ms a row right after a forward pass (numpy: ~50 us)."""
     vocab = x.shape[-1]
-    bits = np.unpackbits(masks.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
-    banned = torch.from_numpy(bits) == 0
-    if banned.shape[1] < vocab:  # logits wider than the tokenizer: the extra ids never allowed
-        banned = torch.nn.functional.pad(banned, (0, vocab - banned.shape[1]), value=True)
-    idx = torch.tensor(rows)
-    x[idx] = x[idx].masked_fill_(banned, float("-inf"))
+    if masks.shape[1] * 32 < vocab:
+        raise ValueError(f"masks cover {masks.shape[1] * 32} tokens, the logits {vocab}")
+    xn = x.numpy()  # a view: x is the sampler's own float32 CPU copy
+    bits = np.unpackbits(masks.numpy().view(np.uint8), axis=1, bitorder="little")
+    for j, i in enumerate(rows):
+        np.copyto(xn[i], -np.inf, where=bits[j, :vocab] == 0)
 
 
 def _llg_grammar(llg: Any, kind: str, text: str) -> str:
@@ -178,5 +192,7 @@ def _limits(llg: Any) -> Any:
                               verbose_errors=False)
 
 
-def _first_line(msg: str) -> str:
-    return msg.strip().splitlines()[0] if msg.strip() else "invalid grammar"
+def _one_line(msg: str, limit: int = 400) -> str:
+    """llguidance's message (multi-line, with a caret diagram) as one capped line."""
+    text = " ".join(part.strip() for part in msg.splitlines() if part.strip().strip("^"))
+    return (text[:limit] + "...") if len(text) > limit else text or "invalid grammar"
