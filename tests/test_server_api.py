@@ -125,16 +125,13 @@ def test_prompt_list_reaches_the_engine_in_one_step(serve_fake: Any) -> None:  #
 UNSUPPORTED = [
     ("/v1/chat/completions", "tools",
      [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
     ("/v1/chat/completions", "tool_choice", "auto"),
-    ("/v1/chat/completions", "guided_json", {"type": "object"}),
     ("/v1/completions", "best_of", 3),
     ("/v1/completions", "suffix", "!"),
     ("/v1/completions", "use_beam_search", True),
     ("/v1/completions", "skip_special_tokens", False),
-    ("/v1/completions", "grammar", "root ::= \"a\""),  # llama-server's fields
-    ("/v1/chat/completions", "json_schema", {"type": "object"}),
-    ("/v1/completions", "n_probs", 3),
+    ("/v1/completions", "n_probs", 3),  # llama-server's
+    ("/v1/chat/completions", "guided_whitespace_pattern", " "),
 ]
 
 
@@ -161,6 +158,35 @@ def test_off_values_of_unsupported_fields_pass(rec: Running) -> None:
     assert r.choices[0].message.content == "hi"
     r = rec.client().completions.create(model="fake", prompt="ab", max_tokens=2, best_of=1)
     assert r.choices[0].text == "ab"
+
+
+SPELLINGS = [  # every way to ask for structured output -> the engine's one constraint
+    ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "n", "schema": {"type": "object"}, "strict": True}}},
+     {"json": {"type": "object"}}),
+    ({"structured_outputs": {"regex": "a+"}}, {"regex": "a+"}),
+    ({"guided_json": '{"type": "array"}'}, {"json": {"type": "array"}}),
+    ({"guided_regex": "b+", "guided_decoding_backend": "guidance"}, {"regex": "b+"}),
+    ({"guided_choice": ["x", "y"]}, {"choice": ["x", "y"]}),
+    ({"guided_grammar": 'root ::= "z"'}, {"grammar": 'root ::= "z"'}),
+    ({"json_schema": {"type": "string"}}, {"json": {"type": "string"}}),  # llama-server
+    ({"grammar": 'root ::= "w"'}, {"grammar": 'root ::= "w"'}),
+    ({"grammar": "", "response_format": {"type": "text"}}, None),  # both off
+]
+
+
+@pytest.mark.parametrize(("body", "want"), SPELLINGS)
+def test_structured_output_spellings_reach_the_engine(rec: Running, body: dict,
+                                                      want: dict | None) -> None:
+    from pagedkv.engine import StructuredOutputsParams
+
+    for path, extra in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                        ("/v1/completions", {"prompt": "hi"})):
+        r = _post(rec, path, {"max_tokens": 2, **extra, **body})
+        assert r.status_code == 200, r.text
+        got = rec.engine.params[-1].structured_outputs
+        assert got == (None if want is None else StructuredOutputsParams(**want))
 
 
 HI = [{"role": "user", "content": "hi"}]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -93,23 +94,24 @@ class GrammarCompiler:
         return self._ll
 
     def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
-        """The compiled grammar of `spec` (cached); GrammarError if it cannot be used."""
+        """The compiled grammar of `spec` (cached); GrammarError if it cannot be used. The
+        compile itself runs outside the lock: a long one never holds up another thread's hit."""
         key = spec.key()
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
-            import time
-
-            t0 = time.perf_counter()
-            compiled = self._compile(spec)
+        t0 = time.perf_counter()
+        compiled = self._compile(spec)
+        with self._lock:
             self.compile_seconds += time.perf_counter() - t0
             self.compiles += 1
             self._cache[key] = compiled
+            self._cache.move_to_end(key)
             if len(self._cache) > self._size:
                 self._cache.popitem(last=False)
-            return compiled
+        return compiled
 
     def _compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
         import llguidance as llg

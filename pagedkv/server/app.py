@@ -32,7 +32,7 @@ from starlette.types import ASGIApp
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from pagedkv.engine import SamplingParams
-from pagedkv.errors import InvalidParamsError, PagedKVError, RequestTooLongError
+from pagedkv.errors import GrammarError, InvalidParamsError, PagedKVError, RequestTooLongError
 from pagedkv.options import from_namespace
 from pagedkv.server.async_engine import (
     AsyncEngine,
@@ -68,6 +68,7 @@ from pagedkv.server.protocol import (
 )
 from pagedkv.server.stats_log import configure_logging, log_stats
 from pagedkv.server.stream import Accumulator
+from pagedkv.server.structured import request_constraint
 from pagedkv.server.unsupported import check_consistent, check_supported
 from pagedkv.server.utility import add_utility_routes
 
@@ -206,9 +207,10 @@ class OpenAIServer:
     ) -> Response:
         req = parse_request(model_cls, await request.body())
         self._check_request(req)
+        constraint = request_constraint(req.model_extra)
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         tracker = _Tracker(self.metrics, GENERATION_PATHS[request.url.path])
-        stream = await self._add(request, request_id, req)
+        stream = await self._add(request, request_id, req, constraint)
         fmt = fmt_cls(request_id, self.served_model_name, req.logprobs_count() or 0)
         if req.stream:
             return StreamingResponse(
@@ -235,7 +237,7 @@ class OpenAIServer:
                 f"{self.max_tokens_limit}", param="max_tokens",
             )
 
-    def _params_factory(self, req: Any) -> Callable[[int], Any]:
+    def _params_factory(self, req: Any, structured: Any = None) -> Callable[[int], Any]:
         def make(prompt_len: int) -> Any:
             max_tokens = req.requested_max_tokens()
             if max_tokens is None and isinstance(req, ChatCompletionRequest):
@@ -247,23 +249,28 @@ class OpenAIServer:
                 max_tokens = max(1, min(self.max_tokens_limit, room))
             elif max_tokens is None:
                 max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
-            return SamplingParams(**req.sampling_kwargs(max_tokens))
+            return SamplingParams(**req.sampling_kwargs(max_tokens),
+                                  structured_outputs=structured)
 
         return make
 
-    async def _add(self, request: Request, request_id: str, req: Any) -> Any:
+    async def _add(self, request: Request, request_id: str, req: Any,
+                   constraint: tuple[Any, str | None] = (None, None)) -> Any:
         """The request's stream; several prompts are one engine request each, added to the
-        engine in one command (they reach the scheduler together), read as one stream."""
+        engine in one command (they reach the scheduler together), read as one stream.
+        `constraint`: (StructuredOutputsParams, the field it came from) or (None, None)."""
         prompts = req.engine_prompts()
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         stops = req.stop_list()
         tenant = request.scope.get(TENANT_KEY)
         try:
             streams = await self.engine.add_all(
-                list(zip(ids, prompts, strict=True)), self._params_factory(req),
+                list(zip(ids, prompts, strict=True)), self._params_factory(req, constraint[0]),
                 cache_salt=cache_salt(tenant, req.cache_salt),
                 holdback=max((len(s) for s in stops), default=1) - 1, tenant=tenant,
             )
+        except GrammarError as exc:  # the constraint does not compile
+            raise ApiError(400, f"'{constraint[1]}': {exc}", param=constraint[1]) from None
         except RequestTooLongError as exc:
             param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
             raise ApiError(400, str(exc), param=param, code="context_length_exceeded") from None

@@ -194,6 +194,7 @@ class AsyncEngine:
         if n >= context and not shift:
             raise RequestTooLongError(f"prompt has {n} tokens; the model's context is {context}")
         params = make_params(n)
+        await self._compile(params, tenant)
         if n + params.max_tokens > context and not shift:
             raise RequestTooLongError(
                 f"this model's context is {context} tokens, but the prompt ({n}) + max_tokens "
@@ -202,6 +203,14 @@ class AsyncEngine:
         stream = RequestStream(request_id, holdback=holdback, limit=self.stream_queue_limit)
         stream.tenant = tenant
         return stream, ids, params
+
+    async def _compile(self, params: Any, tenant: str | None) -> None:
+        """A structured-output constraint is compiled here, on the preprocessing thread (a
+        GrammarError is the client's 400); the engine thread then finds it in the cache."""
+        spec = getattr(params, "structured_outputs", None)
+        grammars = getattr(self.engine, "grammars", None)
+        if spec is not None and grammars is not None:
+            await self.preprocess(lambda engine: grammars.compile(spec), tenant)
 
     def _measure_vocab(self) -> None:
         """The longest token string of the vocabulary (a byte-level BPE token string has one

@@ -1,7 +1,8 @@
 """Request fields pagedkv knows but does not implement: a 400 naming the field, never a 200
 that quietly behaves differently from what the client asked for.
 
-Each entry lists the values that ask for nothing (what a client sends when the feature is
+Structured outputs (response_format, structured_outputs, guided_*, llama-server's json_schema and
+grammar) are implemented: server/structured.py reads them. Each entry lists the values that ask for nothing (what a client sends when the feature is
 off); those pass. Fields in neither this table nor the request models (e.g. `user`,
 `metadata`) are bookkeeping for the client and are accepted and ignored.
 """
@@ -18,7 +19,6 @@ _OFF = (None,)
 BOTH: dict[str, tuple[Any, ...]] = {
     # OpenAI
     "best_of": (None, 1),  # a best_of equal to n is accepted too (see check_supported)
-    "response_format": (None, {"type": "text"}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
@@ -39,18 +39,11 @@ BOTH: dict[str, tuple[Any, ...]] = {
     "prompt_logprobs": _OFF,
     "bad_words": (None, []),
     "allowed_token_ids": _OFF,
-    "guided_json": _OFF,
-    "guided_regex": _OFF,
-    "guided_choice": _OFF,
-    "guided_grammar": _OFF,
-    "guided_decoding_backend": _OFF,
-    "structured_outputs": _OFF,
+    "guided_whitespace_pattern": _OFF,
     "priority": (None, 0),
     "return_tokens_as_token_ids": (None, False),
     "lora_request": _OFF,
     # llama-server extensions
-    "grammar": (None, ""),
-    "json_schema": _OFF,
     "n_probs": (None, 0),
 }
 COMPLETIONS: dict[str, tuple[Any, ...]] = {

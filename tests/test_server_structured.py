@@ -1,0 +1,157 @@
+"""Structured outputs through the real server on the real model, driven by the real `openai`
+client: `chat.completions.parse` with a pydantic model on many concurrent prompts, streaming,
+n > 1, every field spelling (OpenAI, vLLM, llama-server), and bad constraints refused with a 400
+naming the field before any engine work."""
+
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+from typing import Literal
+
+import httpx
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from pagedkv.engine import LLMEngine
+from pagedkv.server import ServerThread, build_app
+
+pytestmark = pytest.mark.slow
+
+
+class Pet(BaseModel):
+    name: str = Field(max_length=20)
+    species: Literal["cat", "dog", "bird", "fish"]
+    age: int = Field(ge=0, le=40)
+    vaccinated: bool
+
+
+SUBJECTS = ["a grumpy old cat", "a puppy that loves balls", "a parrot that talks", "a goldfish",
+            "my neighbour's dog", "a stray kitten", "a canary", "a retired police dog",
+            "a very fat cat", "a koi in a pond", "a sheepdog", "a budgie",
+            "a cat named after a planet", "a three-legged dog", "a singing bird", "a clownfish",
+            "a lazy beagle", "a black cat", "an owl", "a betta fish"]
+HI = [{"role": "user", "content": "Say hi."}]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2):  # noqa: ANN001, ANN201
+    engine = LLMEngine(smollm2, num_blocks=512, max_num_seqs=32)
+    with ServerThread(build_app(engine, served_model_name="smol")) as thread:
+        yield thread.url, engine
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def _post(url: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(url + path, json={"model": "smol", "max_tokens": 16, **body}, timeout=120)
+
+
+def test_parse_with_pydantic_model_on_many_prompts(server) -> None:  # noqa: ANN001
+    url, _ = server
+    client = _client(url)
+
+    def ask(subject: str) -> Pet:
+        r = client.chat.completions.parse(
+            model="smol", response_format=Pet, temperature=0, max_tokens=80,
+            messages=[{"role": "user", "content": f"Describe {subject} as JSON."}])
+        assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+        return r.choices[0].message.parsed
+
+    with ThreadPoolExecutor(len(SUBJECTS)) as pool:  # concurrent: one batch in the engine
+        pets = list(pool.map(ask, SUBJECTS))
+    assert all(isinstance(p, Pet) for p in pets)  # parse() validated each against the model
+
+
+def test_stream_and_n_with_json_schema(server) -> None:  # noqa: ANN001
+    url, _ = server
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}},
+              "required": ["answer"], "additionalProperties": False}
+    texts: dict[int, str] = {}
+    reasons: dict[int, str] = {}
+    for chunk in _client(url).chat.completions.create(
+            model="smol", messages=[{"role": "user", "content": "What is 2 + 2?"}],
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "sum", "schema": schema, "strict": True}},
+            n=2, temperature=1.0, seed=3, max_tokens=30, stream=True):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+            reasons[c.index] = c.finish_reason or reasons.get(c.index)
+    assert sorted(texts) == [0, 1]
+    for i, text in texts.items():
+        assert reasons[i] == "stop" and type(json.loads(text)["answer"]) is int, text
+
+
+@pytest.mark.parametrize("body, check", [
+    ({"structured_outputs": {"choice": ["red", "green", "blue"]}},
+     lambda t: t in ("red", "green", "blue")),
+    ({"guided_regex": r"[A-Z][a-z]{2,8}"}, lambda t: re.fullmatch(r"[A-Z][a-z]{2,8}", t)),
+    ({"guided_choice": ["yes", "no"], "guided_decoding_backend": "auto"},
+     lambda t: t in ("yes", "no")),
+    ({"guided_json": {"type": "array", "items": {"type": "integer"}, "maxItems": 3}},
+     lambda t: all(type(v) is int for v in json.loads(t))),
+    ({"json_schema": {"type": "object", "properties": {"ok": {"type": "boolean"}},
+                      "required": ["ok"], "additionalProperties": False}},  # llama-server
+     lambda t: type(json.loads(t)["ok"]) is bool),
+    ({"grammar": 'root ::= "x" [0-9] [0-9]'}, lambda t: re.fullmatch("x[0-9]{2}", t)),  # GBNF
+    ({"response_format": {"type": "json_object"}}, lambda t: isinstance(json.loads(t), dict)),
+])
+def test_every_spelling_constrains_completions(server, body, check) -> None:  # noqa: ANN001
+    url, _ = server
+    r = _post(url, "/v1/completions", {"prompt": "My favourite colour is", "max_tokens": 40,
+                                       "temperature": 0, **body})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and check(choice["text"]), choice
+
+
+def test_truncated_json_says_length(server) -> None:  # noqa: ANN001
+    url, _ = server
+    r = _post(url, "/v1/chat/completions", {"messages": HI, "max_tokens": 3,
+                                            "response_format": {"type": "json_object"}})
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"].startswith("{")
+
+
+BAD = [  # (body, the field the 400 names, words in the message)
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                  "schema": {"type": "nope"}}}},
+     "response_format", "Invalid type"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format", "schema"),
+    ({"response_format": {"type": "yaml"}}, "response_format", "type"),
+    ({"guided_json": {"type": "object", "dependentSchemas": {}}}, "guided_json",
+     "dependentSchemas"),
+    ({"guided_regex": "[^\\s\\S]"}, "guided_regex", "matches no output"),
+    ({"grammar": "root ::= missing"}, "grammar", "not found"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
+    ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs", "structural_tag"),
+    ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_choice", "only one"),
+    ({"guided_json": {"enum": ["x" * 1000] * 80}}, "guided_json", "bytes"),
+    ({"guided_choice": ["a"], "guided_decoding_backend": "outlines"}, "guided_decoding_backend",
+     "llguidance"),
+]
+
+
+@pytest.mark.parametrize("body, field, words", BAD)
+def test_bad_constraint_is_a_400_before_engine_work(server, body, field, words) -> None:  # noqa: ANN001
+    url, engine = server
+    before = engine.stats().prompt_tokens_total
+    r = _post(url, "/v1/chat/completions", {"messages": HI, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and words in err["message"], err
+    assert engine.stats().prompt_tokens_total == before  # nothing was added
+
+
+def test_one_clients_bad_grammar_never_fails_another(server) -> None:  # noqa: ANN001
+    url, _ = server
+    good = {"messages": HI, "max_tokens": 8, "temperature": 0}
+    bad = {**good, "guided_regex": "("}
+    with ThreadPoolExecutor(6) as pool:
+        rs = list(pool.map(lambda b: _post(url, "/v1/chat/completions", b), [good, bad] * 3))
+    assert [r.status_code for r in rs] == [200, 400] * 3
