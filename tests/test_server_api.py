@@ -123,13 +123,11 @@ def test_prompt_list_reaches_the_engine_in_one_step(serve_fake: Any) -> None:  #
 # --- unsupported fields ------------------------------------------------------------------------
 
 UNSUPPORTED = [
-    ("/v1/chat/completions", "tools",
-     [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("/v1/chat/completions", "tool_choice", "auto"),
     ("/v1/completions", "best_of", 3),
     ("/v1/completions", "suffix", "!"),
     ("/v1/completions", "use_beam_search", True),
     ("/v1/completions", "skip_special_tokens", False),
+    ("/v1/chat/completions", "functions", [{"name": "f"}]),  # the legacy function calling
     ("/v1/completions", "n_probs", 3),  # llama-server's
     ("/v1/chat/completions", "guided_whitespace_pattern", " "),
 ]
@@ -194,12 +192,10 @@ INCONSISTENT = [  # (body, the field the 400 names): never silently ignored
     ({"messages": HI, "top_logprobs": 2}, "top_logprobs"),
     ({"messages": HI, "top_logprobs": 2, "logprobs": False}, "top_logprobs"),
     ({"messages": HI, "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"messages": HI + [{"role": "assistant", "content": "x", "function_call": {"name": "f"}}]},
+     "messages"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}, "stream": False},
      "stream_options"),
-    ({"messages": HI + [{"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
-     "messages"),
-    ({"messages": HI + [{"role": "tool", "content": "42", "tool_call_id": "c1"}]}, "messages"),
 ]
 
 
@@ -216,15 +212,6 @@ def test_fields_that_would_be_ignored_are_a_400(rec: Running, body: dict, field:
         ok["logprobs"] = True
     if field in ("top_logprobs", "stream_options"):
         assert _post(rec, path, ok).status_code == 200
-
-
-def test_openai_client_sees_bad_request_for_tools(rec: Running) -> None:
-    with pytest.raises(openai.BadRequestError) as exc:
-        rec.client().chat.completions.create(
-            model="fake", messages=[{"role": "user", "content": "hi"}],
-            tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
-        )
-    assert "tools" in str(exc.value)
 
 
 # --- sampling extras -----------------------------------------------------------------------------

@@ -134,6 +134,9 @@ BAD = [  # (body, the field the 400 names, words in the message)
     ({"guided_json": {"enum": ["x" * 1000] * 80}}, "guided_json", "bytes"),
     ({"guided_choice": ["a"], "guided_decoding_backend": "outlines"}, "guided_decoding_backend",
      "llguidance"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "nope"}}}}}], "tool_choice": "required"},
+     "tool_choice", "Invalid type"),  # a forced call's schema is compiled like any other
 ]
 
 
@@ -155,3 +158,71 @@ def test_one_clients_bad_grammar_never_fails_another(server) -> None:  # noqa: A
     with ThreadPoolExecutor(6) as pool:
         rs = list(pool.map(lambda b: _post(url, "/v1/chat/completions", b), [good, bad] * 3))
     assert [r.status_code for r in rs] == [200, 400] * 3
+
+
+# --- tool calling on the real model: required / named always parse ----------------------------
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather of a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 30},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "Add two integers",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
+                                                    "b": {"type": "integer"}},
+                   "required": ["a", "b"], "additionalProperties": False}}}
+
+
+def _check_call(call, name: str | None = None) -> None:  # noqa: ANN001
+    args = json.loads(call.function.arguments)
+    assert call.id.startswith("call_") and call.type == "function"
+    if call.function.name == "get_weather":
+        assert set(args) == {"city", "unit"} and args["unit"] in ("celsius", "fahrenheit")
+    else:
+        assert call.function.name == "add" and all(type(args[k]) is int for k in "ab")
+    assert name is None or call.function.name == name
+
+
+def test_tool_choice_required_and_named(server) -> None:  # noqa: ANN001
+    url, _ = server
+    client = _client(url)
+    asks = ["What is the weather in Oslo?", "Add 2 and 40.", "Is it raining in Rome?"]
+    for ask in asks:
+        r = client.chat.completions.create(
+            model="smol", messages=[{"role": "user", "content": ask}], tools=[WEATHER, ADD],
+            tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=60)
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1
+        _check_call(c.message.tool_calls[0])
+    r = client.chat.completions.create(
+        model="smol", messages=[{"role": "user", "content": asks[0]}], tools=[WEATHER, ADD],
+        tool_choice={"type": "function", "function": {"name": "add"}}, temperature=0,
+        max_tokens=60)
+    c = r.choices[0]
+    assert c.finish_reason == "stop" and len(c.message.tool_calls) == 1  # OpenAI's for named
+    _check_call(c.message.tool_calls[0], "add")
+
+
+def test_streamed_tool_calls(server) -> None:  # noqa: ANN001
+    url, _ = server
+    calls: dict[int, dict] = {}
+    reason = None
+    content = ""
+    for chunk in _client(url).chat.completions.create(
+            model="smol", messages=[{"role": "user", "content": "Weather in Paris and Rome?"}],
+            tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=90,
+            stream=True):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for tc in delta.tool_calls or []:
+            slot = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+            slot["id"] = tc.id or slot["id"]
+            slot["name"] += (tc.function.name or "") if tc.function else ""
+            slot["arguments"] += (tc.function.arguments or "") if tc.function else ""
+        reason = chunk.choices[0].finish_reason or reason
+    assert reason in ("tool_calls", "length") and calls and not content.strip()
+    for slot in calls.values():  # every call that was sent is whole and valid
+        assert slot["id"].startswith("call_") and slot["name"] == "get_weather"
+        assert set(json.loads(slot["arguments"])) == {"city", "unit"}

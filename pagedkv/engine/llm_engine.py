@@ -145,14 +145,16 @@ class LLMEngine:
 
     # --- requests -----------------------------------------------------------------------------
 
-    def tokenize(self, prompt: Prompt) -> list[int]:
-        """Raw text, token ids, or chat messages (the model's chat template applied)."""
+    def tokenize(self, prompt: Prompt, *, tools: list[dict] | None = None) -> list[int]:
+        """Raw text, token ids, or chat messages (the model's chat template applied, given
+        `tools` when there are some)."""
         if isinstance(prompt, str):
             return list(self.tokenizer(prompt).input_ids)
         if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
             self.check_chat_template()
+            kwargs = {"tools": tools} if tools else {}
             text = self.tokenizer.apply_chat_template(prompt, tokenize=False,
-                                                      add_generation_prompt=True)
+                                                      add_generation_prompt=True, **kwargs)
             return list(self.tokenizer(text, add_special_tokens=False).input_ids)
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
                                             for t in prompt):

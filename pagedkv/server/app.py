@@ -69,6 +69,7 @@ from pagedkv.server.protocol import (
 from pagedkv.server.stats_log import configure_logging, log_stats
 from pagedkv.server.stream import Accumulator
 from pagedkv.server.structured import request_constraint
+from pagedkv.server.tools import Tools, ToolStream, prompt_messages, template_takes_tools, tools_of
 from pagedkv.server.unsupported import check_consistent, check_supported
 from pagedkv.server.utility import add_utility_routes
 
@@ -127,6 +128,7 @@ class _StreamText:
 
     def __init__(self, fmt: ResponseFormat) -> None:
         self.fmt = fmt
+        self.tool_streams: dict[int, ToolStream] = {}  # chat with tools: calls parsed as they end
         self.started: set[int] = set()
         self.offsets: dict[int, int] = {}  # text_offset of the next logprob entry
         self.pending: dict[int, list[Any]] = {}  # logprobs of tokens whose text is held back
@@ -140,12 +142,33 @@ class _StreamText:
             self.pending.setdefault(i, []).extend(choice.logprobs)
         if not choice.text and choice.finish_reason is None:
             return
+        text, reason, calls = choice.text, choice.finish_reason, []
+        tools = getattr(self.fmt, "tools", None)
+        if tools is not None:
+            ts = self.tool_streams.setdefault(i, ToolStream(tools))
+            text, calls = ts.feed(text, final=reason is not None)
+            reason = _tool_finish(tools, reason, ts.emitted)
+            if not text and not calls and reason is None:
+                return
         logprobs = None
         if choice.logprobs is not None:
             new = self.pending.pop(i, [])
             logprobs = self.fmt.logprobs(new, self.offsets.get(i, 0))
             self.offsets[i] = self.offsets.get(i, 0) + sum(len(e.token) for e in new)
-        yield self.fmt.delta_chunk(i, choice.text, choice.finish_reason, logprobs)
+        if calls:
+            first = self.tool_streams[i].emitted - len(calls)
+            yield from self.fmt.tool_call_chunks(i, calls, first)  # type: ignore[attr-defined]
+            if not text and reason is None and logprobs is None:
+                return
+        yield self.fmt.delta_chunk(i, text, reason, logprobs)
+
+
+def _tool_finish(tools: Tools, reason: str | None, calls: int) -> str | None:
+    """OpenAI's finish_reason once calls were made: "tool_calls" (a named, forced function
+    ends with "stop", as OpenAI's does)."""
+    if reason == "stop" and calls and tools.choice != "named":
+        return "tool_calls"
+    return reason
 
 
 class OpenAIServer:
@@ -208,10 +231,18 @@ class OpenAIServer:
         req = parse_request(model_cls, await request.body())
         self._check_request(req)
         constraint = request_constraint(req.model_extra)
+        tools, prompts = self._tools(req)
+        if tools is not None and tools.forced:
+            if constraint[0] is not None:
+                raise ApiError(400, f"'{constraint[1]}' cannot be combined with tool_choice "
+                               f"'{tools.choice}' (the call is constrained already)",
+                               param=constraint[1])
+            constraint = (tools.constraint(), "tool_choice")
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         tracker = _Tracker(self.metrics, GENERATION_PATHS[request.url.path])
-        stream = await self._add(request, request_id, req, constraint)
+        stream = await self._add(request, request_id, req, constraint, prompts)
         fmt = fmt_cls(request_id, self.served_model_name, req.logprobs_count() or 0)
+        fmt.tools = tools if tools is not None and tools.in_prompt else None
         if req.stream:
             return StreamingResponse(
                 self._sse_events(stream, fmt, req, tracker),
@@ -237,6 +268,19 @@ class OpenAIServer:
                 f"{self.max_tokens_limit}", param="max_tokens",
             )
 
+    def _tools(self, req: Any) -> tuple[Tools | None, list[Any] | None]:
+        """A chat request's tools and, when tools or tool messages shape the prompt, its
+        prompt (else None: the plain messages)."""
+        if not isinstance(req, ChatCompletionRequest):
+            return None, None
+        tools = tools_of(req.model_extra, self.config.tool_call_parser)
+        has_tool_messages = any(m.role == "tool" or (m.model_extra or {}).get("tool_calls")
+                                for m in req.messages)
+        if tools is None and not has_tool_messages:
+            return None, None
+        takes = template_takes_tools(getattr(self.engine.engine, "tokenizer", None))
+        return tools, [prompt_messages(req.messages, tools, takes, self.config.tool_call_parser)]
+
     def _params_factory(self, req: Any, structured: Any = None) -> Callable[[int], Any]:
         def make(prompt_len: int) -> Any:
             max_tokens = req.requested_max_tokens()
@@ -255,11 +299,13 @@ class OpenAIServer:
         return make
 
     async def _add(self, request: Request, request_id: str, req: Any,
-                   constraint: tuple[Any, str | None] = (None, None)) -> Any:
+                   constraint: tuple[Any, str | None] = (None, None),
+                   prompts: list[Any] | None = None) -> Any:
         """The request's stream; several prompts are one engine request each, added to the
         engine in one command (they reach the scheduler together), read as one stream.
-        `constraint`: (StructuredOutputsParams, the field it came from) or (None, None)."""
-        prompts = req.engine_prompts()
+        `constraint`: (StructuredOutputsParams, the field it came from) or (None, None);
+        `prompts`: the engine prompts when tools shaped them (else the request's own)."""
+        prompts = prompts or req.engine_prompts()
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         stops = req.stop_list()
         tenant = request.scope.get(TENANT_KEY)

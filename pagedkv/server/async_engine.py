@@ -44,6 +44,7 @@ from pagedkv.server.stream import (
     TokenLogprob,
     Update,
 )
+from pagedkv.server.tools import ToolChat
 
 __all__ = ["AsyncEngine", "Choice", "ClientTooSlowError", "EngineDeadError", "RequestStream",
            "ShuttingDownError", "TokenLogprob", "Update"]
@@ -125,14 +126,19 @@ class AsyncEngine:
 
     def tokenizer_call(self, prompt: Prompt) -> Callable[[Any], list[int]]:
         """fn(engine) -> the prompt's ids, as every generation request computes them."""
+        tools = None
+        if isinstance(prompt, ToolChat):  # a template that reads the tools
+            prompt, tools = prompt.messages, prompt.tools
         if self.chat_content_as_text and _is_chat(prompt):
             from pagedkv.server.chat_tokens import content_as_text
 
             def chat_ids(engine: Any) -> list[int]:
                 engine.check_chat_template()
-                return content_as_text(engine.tokenizer, prompt)  # type: ignore[arg-type]
+                return content_as_text(engine.tokenizer, prompt, tools)  # type: ignore[arg-type]
 
             return chat_ids
+        if tools:
+            return lambda engine: list(engine.tokenize(prompt, tools=tools))
         return lambda engine: list(engine.tokenize(prompt))
 
     async def tokenize(self, prompt: Prompt, key: Any = None) -> list[int]:
@@ -230,6 +236,8 @@ class AsyncEngine:
         tokens = getattr(self.engine, "max_prompt_len", self.engine.max_model_len - 1)
         if self.max_prompt_tokens is not None:
             tokens = min(tokens, self.max_prompt_tokens)
+        if isinstance(prompt, ToolChat):
+            prompt = prompt.messages
         if isinstance(prompt, str):
             chars = len(prompt)
         elif prompt and isinstance(prompt[0], dict):

@@ -17,13 +17,17 @@ import secrets
 from typing import Any
 
 
-def content_as_text(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
-    """Token ids of the chat prompt, every message's content tokenized as plain text."""
+def content_as_text(tokenizer: Any, messages: list[dict[str, Any]],
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """Token ids of the chat prompt, every message's content tokenized as plain text (`tools`:
+    passed to a template that reads them)."""
     tag = secrets.token_hex(8)
     marks = [f"\u2063{tag}:{i}\u2063" for i in range(len(messages))]
     masked = [{**m, "content": marks[i]} if isinstance(m.get("content"), str) else m
               for i, m in enumerate(messages)]
-    text = tokenizer.apply_chat_template(masked, tokenize=False, add_generation_prompt=True)
+    kwargs = {"tools": tools} if tools else {}
+    text = tokenizer.apply_chat_template(masked, tokenize=False, add_generation_prompt=True,
+                                         **kwargs)
     ids: list[int] = []
     for i, m in enumerate(messages):
         if masked[i] is m:

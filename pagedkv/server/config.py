@@ -55,6 +55,10 @@ class ServerConfig:
         "parse", "parse (vLLM's behaviour): special-token strings in chat message content (e.g. "
                  "<|im_start|>) become special tokens, so a user can write a system turn; text: "
                  "tokenize content as plain text", choices=("parse", "text"))
+    tool_call_parser: str = option(
+        "hermes", "how tool calls are written and parsed: hermes (<tool_call>{json}</tool_call>, "
+                  "Qwen 2.5 / Hermes / SmolLM2) or llama3_json (a bare {\"name\", \"parameters\"} "
+                  "object, Llama 3.x)", choices=("hermes", "llama3_json"))
     log_level: str = option("info")
     log_stats_interval: float = option(
         10.0, "seconds between stats lines while busy (0: none)", parse=float)
@@ -84,6 +88,9 @@ class ServerConfig:
         if self.chat_content_special_tokens not in ("parse", "text"):
             raise invalid(InvalidParamsError, "chat_content_special_tokens is 'parse' or 'text', "
                           f"got {self.chat_content_special_tokens!r}", "chat_content_special_tokens")
+        if self.tool_call_parser not in ("hermes", "llama3_json"):
+            raise invalid(InvalidParamsError, "tool_call_parser is 'hermes' or 'llama3_json', "
+                          f"got {self.tool_call_parser!r}", "tool_call_parser")
 
 
 __all__ = ["DEFAULT_MAX_REQUEST_BYTES", "ServerConfig"]

@@ -331,14 +331,38 @@ class ResponseFormat:
 class ChatResponseFormat(ResponseFormat):
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
+    tools: Any = None  # server/tools.Tools when the request offered tools: calls are parsed
 
     def full_choice(self, choice: Choice) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+        reason = choice.finish_reason
+        if self.tools is not None:
+            content, calls = self.tools.parse(choice.text)
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": calls}
+                if reason == "stop" and self.tools.choice != "named":
+                    reason = "tool_calls"
         return {
             "index": choice.index,
-            "message": {"role": "assistant", "content": choice.text},
+            "message": message,
             "logprobs": self.logprobs(choice.logprobs),
-            "finish_reason": choice.finish_reason,
+            "finish_reason": reason,
         }
+
+    def tool_call_chunks(self, index: int, calls: list[dict[str, Any]], first: int
+                         ) -> list[dict[str, Any]]:
+        """OpenAI's tool-call deltas: per call, its id, type and name (arguments ""), then
+        its arguments; `first` is the first call's index within the choice."""
+        out = []
+        for k, call in enumerate(calls, first):
+            fn = call["function"]
+            head = {"index": k, "id": call["id"], "type": "function",
+                    "function": {"name": fn["name"], "arguments": ""}}
+            for delta in (head, {"index": k, "function": {"arguments": fn["arguments"]}}):
+                choice = {"index": index, "delta": {"tool_calls": [delta]}, "logprobs": None,
+                          "finish_reason": None}
+                out.append(self._envelope(self.object_chunk, [choice]))
+        return out
 
     def logprobs(
         self, entries: Sequence[TokenLogprob] | None, text_offset: int = 0

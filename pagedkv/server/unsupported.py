@@ -1,7 +1,8 @@
 """Request fields pagedkv knows but does not implement: a 400 naming the field, never a 200
 that quietly behaves differently from what the client asked for.
 
-Structured outputs (response_format, structured_outputs, guided_*, llama-server's json_schema and
+Tool calling (tools, tool_choice, parallel_tool_calls: server/tools.py) and structured outputs
+(response_format, structured_outputs, guided_*, llama-server's json_schema and
 grammar) are implemented: server/structured.py reads them. Each entry lists the values that ask for nothing (what a client sends when the feature is
 off); those pass. Fields in neither this table nor the request models (e.g. `user`,
 `metadata`) are bookkeeping for the client and are accepted and ignored.
@@ -19,8 +20,6 @@ _OFF = (None,)
 BOTH: dict[str, tuple[Any, ...]] = {
     # OpenAI
     "best_of": (None, 1),  # a best_of equal to n is accepted too (see check_supported)
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
     "audio": _OFF,
@@ -64,14 +63,14 @@ def _is_off(value: Any, off: tuple[Any, ...]) -> bool:
     return any(value is None if o is None else type(value) is type(o) and value == o for o in off)
 
 
-# message fields of tool calling (assistant tool_calls, tool results): not implemented, and a
-# prompt built without them would silently differ from what the client sent
-MESSAGE_FIELDS = ("tool_calls", "tool_call_id", "function_call")
+# message fields of the legacy function calling (tool_calls and tool_call_id are implemented:
+# server/tools.py): a prompt built without them would silently differ from what was sent
+MESSAGE_FIELDS = ("function_call",)
 
 
 def check_consistent(req: Any) -> None:
     """Raise ApiError(400) for fields that only mean something together with another one
-    (OpenAI and vLLM refuse these too) and for tool-calling message fields."""
+    (OpenAI and vLLM refuse these too) and for legacy function-calling message fields."""
     if getattr(req, "top_logprobs", None) is not None and not getattr(req, "logprobs", False):
         raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     if req.stream_options is not None and not req.stream:
@@ -81,7 +80,7 @@ def check_consistent(req: Any) -> None:
         for name in MESSAGE_FIELDS:
             if (m.model_extra or {}).get(name) is not None:
                 raise ApiError(400, f"'messages[{i}].{name}' is not supported by this server "
-                               "(no tool calling)", param="messages",
+                               "(use tool_calls)", param="messages",
                                code="unsupported_parameter")
 
 
