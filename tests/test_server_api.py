@@ -128,6 +128,7 @@ UNSUPPORTED = [
     ("/v1/completions", "use_beam_search", True),
     ("/v1/completions", "skip_special_tokens", False),
     ("/v1/chat/completions", "functions", [{"name": "f"}]),  # the legacy function calling
+    ("/v1/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
     ("/v1/completions", "n_probs", 3),  # llama-server's
     ("/v1/chat/completions", "guided_whitespace_pattern", " "),
 ]

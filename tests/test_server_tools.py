@@ -110,6 +110,9 @@ BAD = [
     ({"tools": [F], "tool_choice": "sometimes"}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [F], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"enum": ["y" * 1000] * 70}}}}}],
+      "tool_choice": "required"}, "tools"),  # the forced call's grammar is over the cap
     ({"tools": [F], "tool_choice": "required", "response_format": {"type": "json_object"}},
      "response_format"),
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [

@@ -264,3 +264,23 @@ def test_compile_error_adds_nothing(llm) -> None:  # noqa: ANN001
     with pytest.raises(GrammarError):
         eng.add_request("bad", "hi", SamplingParams(structured_outputs=S(regex="(")))
     assert not eng.has_unfinished_requests()
+
+
+def test_a_broken_matcher_ends_its_request_alone(llm) -> None:  # noqa: ANN001
+    """One request's matcher in its error state (whatever the cause) ends that request with
+    finish_reason "error"; the batch's other requests go on and finish as they would alone."""
+    eng = llm.engine
+    plain = SamplingParams(temperature=0, max_tokens=12)
+    alone = llm.generate(PROMPTS[1], plain)[0].token_ids
+    eng.add_request("victim", PROMPTS[0], PERSON_GREEDY)
+    eng.add_request("other", PROMPTS[1], plain)
+    outs = {o.request_id: o for o in eng.step()}  # both prefilled, one token each
+    victim = eng.requests["victim"].seqs[0]
+    victim.grammar.m.consume_token(victim.token_ids[-1])  # "{" again: not JSON, error state
+    assert victim.grammar.error
+    while eng.has_unfinished_requests():
+        outs.update({o.request_id: o for o in eng.step()})
+    assert outs["victim"].finish_reason == "error"
+    assert outs["other"].finish_reason in ("stop", "length")
+    assert outs["other"].token_ids == alone
+    assert eng.stats().blocks_used == 0

@@ -237,7 +237,10 @@ class OpenAIServer:
                 raise ApiError(400, f"'{constraint[1]}' cannot be combined with tool_choice "
                                f"'{tools.choice}' (the call is constrained already)",
                                param=constraint[1])
-            constraint = (tools.constraint(), "tool_choice")
+            try:
+                constraint = (tools.constraint(), "tool_choice")
+            except GrammarError as exc:  # the tools' schemas make too large a grammar
+                raise ApiError(400, f"'tools': {exc}", param="tools") from None
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         tracker = _Tracker(self.metrics, GENERATION_PATHS[request.url.path])
         stream = await self._add(request, request_id, req, constraint, prompts)

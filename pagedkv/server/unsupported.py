@@ -47,6 +47,8 @@ BOTH: dict[str, tuple[Any, ...]] = {
 }
 COMPLETIONS: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
+    "tools": (None, []),  # tool calling is chat's
+    "tool_choice": (None, "none"),
 }
 CHAT: dict[str, tuple[Any, ...]] = {
     "echo": (None, False),
