@@ -111,8 +111,10 @@ def test_every_spelling_constrains_completions(server, body, check) -> None:  # 
 
 def test_truncated_json_says_length(server) -> None:  # noqa: ANN001
     url, _ = server
-    r = _post(url, "/v1/chat/completions", {"messages": HI, "max_tokens": 3,
-                                            "response_format": {"type": "json_object"}})
+    schema = {"type": "object", "properties": {"greeting": {"type": "string"}},
+              "required": ["greeting"]}  # "{}" cannot end it: 3 tokens never finish it
+    r = _post(url, "/v1/chat/completions", {"messages": HI, "max_tokens": 3, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "g", "schema": schema}}})
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "length" and choice["message"]["content"].startswith("{")
 
