@@ -48,6 +48,7 @@ class TinySpec:
     rope_theta: float = 1e6
     seed: int = 0
     qtypes: dict[str, Q] = field(default_factory=dict)
+    chat: bool = False  # write SmolLM2's chat template (the whole-model specs, for `bench serve`)
 
     def qtype(self, kind: str) -> Q:
         """kind: attn, ffn, embd, output, or a tensor's own (attn_v, ffn_down, ffn_down_odd: the
@@ -170,6 +171,10 @@ def write_tiny_gguf(spec: TinySpec, path: str | Path, fast: bool = False) -> Pat
     if spec.window:
         w.add_sliding_window(spec.window)
     tokens, types, merges = smollm2_vocab(min(spec.vocab, 49152))  # SmolLM2's 49,152 at most
+    if spec.vocab > len(tokens):  # padded to the embedding's rows (llama.cpp checks), with plain
+        pad = spec.vocab - len(tokens)  # text tokens: a random model that samples one still streams text
+        tokens = [*tokens, *(f"pad{i}" for i in range(pad))]
+        types = [*types, *([1] * pad)]  # gguf.TokenType.NORMAL
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("smollm")
     w.add_token_list(tokens)
@@ -180,6 +185,8 @@ def write_tiny_gguf(spec: TinySpec, path: str | Path, fast: bool = False) -> Pat
     w.add_pad_token_id(2)
     w.add_unk_token_id(0)
     w.add_add_bos_token(False)
+    if spec.chat:  # SmolLM2's template (its vocabulary holds the <|im_start|> / <|im_end|> tokens)
+        w.add_chat_template(GGUFFile(default_model_path()).metadata["tokenizer.chat_template"])
     for name, (values, qtype) in _tensors(spec, fast).items():
         data = _encode(values, qtype)
         w.add_tensor(name, data, raw_dtype=qtype if qtype not in (Q.F32, Q.F16) else None)
@@ -228,7 +235,7 @@ FULL_SPECS = {
     # llama.cpp's quantizer falls back: Q4_K -> Q5_0, Q6_K -> Q8_0): Q5_0 x133, Q8_0 x13,
     # Q4_K x12, Q6_K x12 (ffn_down, 4864 wide, alternating): 0.40 GB
     "qwen2.5-0.5b-q4_k_m": TinySpec("qwen2", "Qwen2.5 0.5B synthetic", 896, 14, 2, 64, 4864, layers=24,
-                                    vocab=151936, bias=True, seed=12,
+                                    vocab=151936, bias=True, seed=12, chat=True,
                                     qtypes={"attn": Q.Q5_0, "attn_v": Q.Q8_0, "ffn": Q.Q5_0,
                                             "ffn_down": Q.Q4_K, "ffn_down_odd": Q.Q6_K, "embd": Q.Q8_0}),
 }
