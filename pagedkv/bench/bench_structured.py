@@ -1,6 +1,7 @@
 """`pagedkv bench structured`: decode throughput with a JSON schema vs unconstrained.
 
-The 40 held-out chats of `data/chat_prompts.json` (the first one for 1 client), SmolLM2,
+The held-out chats of `data/chat_prompts.json` (the first 40 for 40 clients, the first one for
+1 client), SmolLM2,
 greedy, in the engine (no HTTP: the figure is the grammar's cost, not the server's). Every
 request generates exactly `--max-tokens` tokens either way: unconstrained ones with
 `ignore_eos`, constrained ones under a schema whose answer is longer than that (eight notes
@@ -9,8 +10,9 @@ timed from the first step to the last, the model loaded once, the modes alternat
 over `--repeats`. Also reported: the grammar masks' time per constrained token (computing
 them with llguidance plus applying them to the logits, from the sampler's own counters), the
 schema's compile time (a fresh compiler, cold; then a cache hit), and the one-off build of
-llguidance's tokenizer view. Target (issue 26): constrained tok/s >= 0.9x unconstrained at 1
-and at 40 clients.
+llguidance's tokenizer view, and `validity`: all 64 chats answered under a pydantic model's
+schema (bounded fields, up to 128 tokens), each answer validated by that model. Target (issue
+26): constrained tok/s >= 0.9x unconstrained at 1 and at 40 clients.
 """
 
 from __future__ import annotations
@@ -91,6 +93,36 @@ def _compile_times(loaded: Any) -> dict[str, float]:
             "cache_hit_us": statistics.median(hit) * 1e6}
 
 
+def _validity(loaded: Any, chats: list, max_tokens: int) -> dict[str, Any]:
+    """Every chat answered under a pydantic model's schema; how many answers the model accepts."""
+    from typing import Literal
+
+    from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+    from pagedkv.engine import LLM, SamplingParams, StructuredOutputsParams
+
+    class Answer(BaseModel):
+        model_config = ConfigDict(extra="forbid")  # additionalProperties: false, as strict mode
+        topic: str = Field(max_length=60)
+        kind: Literal["question", "request", "chat", "other"]
+        words: int = Field(ge=0, le=1000)
+        polite: bool
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens,
+                            structured_outputs=StructuredOutputsParams(json=Answer.model_json_schema()))
+    outs = LLM(loaded, num_blocks=1024, max_num_seqs=64).generate(chats, params)
+    valid = 0
+    for o in outs:
+        try:
+            Answer.model_validate_json(o.text)
+            valid += 1
+        except ValidationError:
+            pass
+    return {"prompts": len(outs), "valid": valid,
+            "finished_stop": sum(o.finish_reason == "stop" for o in outs),
+            "median_tokens": statistics.median(len(o.token_ids) for o in outs)}
+
+
 def run(args) -> dict:  # noqa: ANN001
     import torch
 
@@ -124,6 +156,7 @@ def run(args) -> dict:  # noqa: ANN001
                                   "ratios": [j["tok_s"] / u["tok_s"] for j, u in
                                              zip(runs["json_schema"], runs["unconstrained"],
                                                  strict=True)]}
+    res["validity"] = _validity(loaded, chats[:8] if args.quick else chats, 128)
     ratios = [v["ratio"] for v in res["clients"].values()]
     res["target"] = {"min_ratio": TARGET, "met": all(r >= TARGET for r in ratios)}
     return res
