@@ -107,7 +107,7 @@ class FakeEngine:
         return list(prompt)
 
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams, *,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, tenant: str | None = None) -> None:
         self._touch()
         self.salts[request_id] = cache_salt
         ids = self.tokenize(prompt)

@@ -95,7 +95,7 @@ class StepCountingEngine(FakeEngine):
         return super().step()
 
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams, *,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, tenant: str | None = None) -> None:
         if list(prompt) == [7]:
             raise InvalidParamsError("refused by the engine")
         super().add_request(request_id, prompt, params, cache_salt=cache_salt)

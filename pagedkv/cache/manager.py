@@ -316,9 +316,12 @@ class PagedKVCache:
         extra_key: object = None,
         computed: bool = True,
         reserve: int = 0,
+        tier_read: object = None,
     ) -> int | OutOfBlocksError:
         """`create`, except that not fitting is an expected outcome: it returns the
-        OutOfBlocksError (nothing changed) instead of raising it. Bad arguments still raise."""
+        OutOfBlocksError (nothing changed) instead of raising it. Bad arguments still raise.
+        `tier_read` (from `read_ahead`): the tier blocks are taken from what it has fetched
+        (none of the I/O happens here)."""
         self.check_new_id(seq_id)
         chain, n = self._chain_of(token_ids, extra_key)
         hits, limit = self._find_cached(chain, n)
@@ -328,7 +331,7 @@ class PagedKVCache:
         if needed > available:
             return OutOfBlocksError(needed, available, f"sequence {seq_id!r}")
         ask = chain.hashes[len(hits) : limit] if chain is not None and self.tier else []
-        loaded = self.tier.fetch(ask, chain.extra_key) if ask else []  # type: ignore[union-attr]
+        loaded = self.tier.fetch(ask, chain.extra_key, tier_read) if ask else []  # type: ignore[union-attr]
         s = SeqState(seq_id, self.table.open(hits, needed), chain, n)
         self._load(s.blocks[len(hits) : len(hits) + len(loaded)], ask, loaded)
         s.num_hashed = len(hits) + len(loaded)
@@ -653,6 +656,23 @@ class PagedKVCache:
             if not isinstance(t, torch.Tensor) or t.dtype != dt or tuple(t.shape) != shape:
                 raise StorageMismatchError(f"part {name!r}: {getattr(t, 'dtype', t)!r:.40} "
                                            f"{tuple(getattr(t, 'shape', ()))}, want {dt} {shape}")
+
+    def read_ahead(self, chain: HashChain, deadline: float) -> object | None:
+        """Start fetching, off this thread, the tier blocks that would follow chain's device
+        hits (a TierRead to pass to `try_create`); None without a read-ahead tier or when
+        there is nothing to ask. No state change here."""
+        if self.tier is None or not self.enable_prefix_caching:
+            return None
+        limit = min((len(chain) - 1) // self.block_size, len(chain.hashes))
+        i = self.cached_prefix_len(chain.hashes, limit)
+        if i >= limit:
+            return None
+        return self.tier.read_ahead(chain.hashes[i:limit], chain.extra_key, deadline)
+
+    def wait_reads(self, reads: Sequence[object], timeout: float) -> None:
+        """Block until one of the read-aheads is done or `timeout` passes."""
+        if self.tier is not None:
+            self.tier.wait(reads, timeout)
 
     def attach_tier(self, connector: object | None) -> None:
         """The KV tier under the pool (a TierConnector), or None to detach it."""

@@ -167,7 +167,7 @@ class BeamSearch:
 
     def _start(self, i: int, ids: list[int]) -> _Group:
         sp = SamplingParams(max_tokens=self.params.max_tokens, ignore_eos=True)
-        req = Request(f"beam-{i}", ids, sp)
+        req = Request(f"beam-{i}", ids, sp, fair_share=False)
         s = self._seq(req, list(ids))
         self.engine.add_sequence(s)
         return _Group(req, len(ids), [(s, 0.0)])

@@ -94,6 +94,10 @@ class EngineConfig:
     kv_tier_key_file: str | None = option(
         None, "read --kv-tier-key from a file (keeps it out of the process list)",
         metavar="PATH")
+    kv_tier_read_timeout: float = option(
+        0.1, "seconds a request waits for its --kv-tier read (done off the engine thread, so a "
+             "slow store never stalls other streams) before it is admitted and computes the "
+             "blocks that have not arrived", parse=float, metavar="SECONDS")
     kv_snapshot: str | None = option(
         None, "write every cached KV block here on shutdown, reload it at start", metavar="DIR")
     kv_snapshot_interval: float | None = option(
@@ -198,6 +202,10 @@ class EngineConfig:
                                             f"{d!r}", "n_discard")
 
     def _check_tiers(self) -> None:
+        t = self.kv_tier_read_timeout
+        if not (isinstance(t, int | float) and not isinstance(t, bool) and 0 < t <= 60):
+            raise invalid(TierConfigError, f"kv_tier_read_timeout must be in (0, 60] seconds, "
+                                           f"got {t!r}", "kv_tier_read_timeout")
         iv = self.kv_snapshot_interval
         if iv is not None and not (isinstance(iv, int | float) and 0 < iv < float("inf")
                                    and self.kv_snapshot):

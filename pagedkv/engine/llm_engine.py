@@ -69,6 +69,7 @@ class EngineStats:
     dedup_requests_held: int = 0  # requests held for a prefix another prefill was computing
     dedup_tokens_saved: int = 0  # prompt tokens those requests got as hits instead of computing
     context_shifts: int = 0  # times a full context was shifted instead of finishing
+    fair_preemptions: int = 0  # of num_preemptions, made for another request's fair share
 
 
 class LLMEngine:
@@ -116,7 +117,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.cache, c.max_num_seqs, c.max_num_batched_tokens,
                                    max_model_len=self.max_model_len,
                                    dedup_inflight_prefixes=c.dedup_inflight_prefixes,
-                                   context_shift=self.context_shift)
+                                   context_shift=self.context_shift,
+                                   tier_read_timeout=c.kv_tier_read_timeout)
         self.runner = ModelRunner(self.loaded.model, self.storage)
         self.tiers = EngineTiers(self.loaded, self.cache, kv_tier=c.kv_tier, queue=c.kv_tier_queue,
                                  snapshot=c.kv_snapshot, snapshot_interval=c.kv_snapshot_interval,
@@ -184,9 +186,11 @@ class LLMEngine:
         params: SamplingParams | None = None,
         *,
         cache_salt: str | None = None,
+        tenant: str | None = None,
     ) -> None:
         """Queue a request. Raises (and adds nothing) on bad input or a request that can never
-        fit: prompt + max_tokens over the context or the whole cache."""
+        fit: prompt + max_tokens over the context or the whole cache. `tenant` (the server's
+        API key identity) is who the scheduler's fair shares count it for."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidParamsError("params must be a SamplingParams")
@@ -216,7 +220,8 @@ class LLMEngine:
         if not params.ignore_eos:
             stop_ids |= self.eos_ids
         req = Request(request_id, ids, params, prompt if isinstance(prompt, str) else None,
-                      cache_salt=cache_salt, stop_ids=stop_ids, grammar=grammar)
+                      cache_salt=cache_salt, stop_ids=stop_ids, grammar=grammar,
+                      tenant=tenant)
         req.seqs.append(self.new_sequence(req, 0, list(ids)))
         if shift is not None:
             shift.cut_prompt(req.seqs[0], self.max_model_len)
@@ -287,6 +292,9 @@ class LLMEngine:
         t0 = time.perf_counter()
         sched = self.scheduler
         plan = sched.schedule()
+        if plan.empty and sched.tier_reads.pending():
+            sched.tier_reads.wait()  # nothing runs: wait for a tier read (up to its deadline)
+            plan = sched.schedule()
         if plan.empty:
             return None
         tf = time.perf_counter()
@@ -402,7 +410,10 @@ class LLMEngine:
 
     def tier_stats(self) -> dict[str, float] | None:
         """The KV tier's counters (None without a tier)."""
-        return self.tiers.stats()
+        out = self.tiers.stats()
+        if out is not None:
+            out["read_timeouts"] = self.scheduler.tier_reads.timeouts
+        return out
 
     def reset_prefix_cache(self, tier: bool = False) -> dict[str, int]:
         """Empty the device prefix cache (blocks in use keep serving), and the tier if asked."""
@@ -449,6 +460,7 @@ class LLMEngine:
             dedup_requests_held=inflight.requests_held if inflight else 0,
             dedup_tokens_saved=inflight.tokens_saved if inflight else 0,
             context_shifts=self.scheduler.num_context_shifts,
+            fair_preemptions=self.scheduler.num_fair_preemptions,
         )
 
 

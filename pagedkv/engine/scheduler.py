@@ -22,11 +22,13 @@ from collections import deque
 
 from pagedkv.cache import PagedKVCache
 from pagedkv.cache.hashing import HashChain
+from pagedkv.engine import fair_share
 from pagedkv.engine.context_shift import ContextShift
 from pagedkv.engine.inflight import InflightPrefixes
 from pagedkv.engine.sampler import FAILED
 from pagedkv.engine.sequence import Sequence, Status
 from pagedkv.engine.step_plan import ScheduledPrefill, StepPlan, build_plan
+from pagedkv.engine.tier_reads import TierReads
 
 
 class Scheduler:
@@ -49,6 +51,7 @@ class Scheduler:
         max_model_len: int | None = None,
         dedup_inflight_prefixes: bool = True,
         context_shift: ContextShift | None = None,
+        tier_read_timeout: float = 0.1,
     ) -> None:
         self.cache = cache
         self.max_num_seqs = max_num_seqs
@@ -57,10 +60,13 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last is the newest
         self.num_preemptions = 0
+        self.num_fair_preemptions = 0  # of those, for another request's fair share
+        self._under: set[int] | None = None  # this step's under-quota waiting seq ids
         self.context_shift = context_shift  # None: a full context finishes with "length"
         self.num_context_shifts = 0
         dedup = dedup_inflight_prefixes and cache.enable_prefix_caching
         self.inflight = InflightPrefixes(cache) if dedup else None
+        self.tier_reads = TierReads(cache, tier_read_timeout)
 
     # --- queue --------------------------------------------------------------------------------
 
@@ -86,6 +92,7 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         budget = self.max_num_batched_tokens
+        order = self._rebalance()
         decodes = self._reserve_decodes()
         if decodes:
             self.cache.append_one_each([s.seq_id for s in decodes], computed=False)
@@ -98,19 +105,55 @@ class Scheduler:
                 break
             if s.is_prefill:
                 budget -= self._schedule_chunk(s, budget, prefills)
+        if order:
+            budget = self._admit_waiting(order, budget, prefills)
+        return build_plan(self.cache, prefills, decodes)
+
+    def _rebalance(self) -> list[Sequence]:
+        """Fair shares (fair_share.py), only while something waits or forks pushed the
+        running set over max_num_seqs: preempt the newest sequences of requests over their
+        quota for the waiting ones under theirs; returns the admission order."""
+        if not self.waiting and len(self.running) <= self.max_num_seqs:
+            self._under = None
+            return []
+        fair = fair_share.plan(self.running, self.waiting, self.max_num_seqs)
+        for s in fair.victims:
+            self.preempt(s)
+            self.num_fair_preemptions += 1
+        self._under = fair.under
+        return fair.order
+
+    def _admit_waiting(self, order: list[Sequence], budget: int,
+                       prefills: list[ScheduledPrefill]) -> int:
+        """Admit waiting sequences in `order` while slots, budget and blocks last. A held one
+        (in-flight prefix) keeps its place; an over-quota one is admitted only when no
+        under-quota one was left waiting. Returns the budget left."""
+        under = self._under or set()
         if self.inflight is not None:
             self.inflight.begin_step()
-        i = 0
-        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
-            s = self.waiting[i]
+        skipped_under = admitted = False
+        reading = 0  # held for their tier reads: each counts as a slot about to be taken
+        for s in order:
+            if budget <= 0 or len(self.running) + reading >= self.max_num_seqs:
+                break
+            if s.status is not Status.WAITING:
+                continue
+            if s.seq_id not in under and skipped_under:
+                break  # borrowed slots only when nobody under quota waits
             if self.inflight is not None and self.inflight.hold(s):
-                i += 1  # keeps its place in line; later prompts that share nothing go ahead
+                skipped_under |= s.seq_id in under
+                continue  # keeps its place in line; later prompts that share nothing go ahead
+            if self.tier_reads.hold(s):
+                skipped_under |= s.seq_id in under
+                reading += 1
                 continue
             if not self._admit(s):
                 break
-            del self.waiting[i]
+            admitted = True
             budget -= self._schedule_chunk(s, budget, prefills)
-        return build_plan(self.cache, prefills, decodes)
+        if admitted:
+            self.waiting = deque(s for s in self.waiting if s.status is Status.WAITING)
+        return budget
 
     def _reserve_decodes(self) -> list[Sequence]:
         """Decoding sequences, after preempting the newest until their new blocks fit."""
@@ -131,9 +174,11 @@ class Scheduler:
     def _admit(self, s: Sequence) -> bool:
         """Allocate the blocks of a waiting sequence's tokens; False (nothing changed) if short."""
         tokens = s.chain if s.chain is not None else s.num_ctx  # no caching: a bare count
-        cached = self.cache.try_create(s.seq_id, tokens, computed=False, reserve=self._headroom())
+        cached = self.cache.try_create(s.seq_id, tokens, computed=False, reserve=self._headroom(),
+                                       tier_read=self.tier_reads.read_of(s))
         if not isinstance(cached, int):
             return False
+        self.tier_reads.forget(s)
         if self.inflight is not None:
             self.inflight.admitted(s, cached)
             self.inflight.add_leader(s)
@@ -224,6 +269,7 @@ class Scheduler:
             self.cache.free(s.seq_id)
         elif s.status is Status.WAITING:
             self.waiting.remove(s)
+            self.tier_reads.forget(s)
             if self.inflight is not None:
                 self.inflight.forget(s)
         s.status = Status.FINISHED

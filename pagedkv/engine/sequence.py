@@ -109,6 +109,8 @@ class Request:
     cache_salt: str | None = None  # prefix-cache extra key: tenants never share blocks
     stop_ids: frozenset[int] = frozenset()  # token ids that finish a sequence (eos + stop ids)
     grammar: CompiledGrammar | None = None  # structured outputs: each sample's matcher's source
+    tenant: str | None = None  # who submitted it (the server's API key identity): fair shares
+    fair_share: bool = True  # False: never preempted for another request's share (beam search)
 
     @property
     def finished(self) -> bool:

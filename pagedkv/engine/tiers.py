@@ -47,7 +47,7 @@ class EngineTiers:
         if kv_tier:
             tier = open_tier(kv_tier, self.fp, key=key)
             if tier is not None:
-                self.connector = TierConnector(tier, storage, max_queue=queue)
+                self.connector = TierConnector(tier, storage, max_queue=queue, read_ahead=True)
                 cache.attach_tier(self.connector)
         if snapshot:
             self._open_snapshot(snapshot)

@@ -185,6 +185,7 @@ class OpenAIServer:
         self.api_keys = None if keys is None else ApiKeys(keys)
         self.max_concurrent = config.max_concurrent
         self.max_tokens_limit = config.max_tokens_limit or self.max_model_len
+        self.max_request_tokens = config.max_request_tokens
         self.max_request_bytes = config.max_request_bytes
         self.body_timeout = config.body_timeout
         self.metrics = ServerMetrics(self.served_model_name)
@@ -270,6 +271,26 @@ class OpenAIServer:
                 400, f"max_tokens={requested} is over this server's limit of "
                 f"{self.max_tokens_limit}", param="max_tokens",
             )
+        self._check_request_tokens(req, requested)
+
+    def _check_request_tokens(self, req: Any, requested: int | None) -> None:
+        """n x max_tokens (x prompts) within --max-request-tokens: one request cannot ask
+        for an unbounded amount of decoding (without max_tokens, `_params_factory` gives each
+        sample at most the cap / choices)."""
+        prompts = len(req.engine_prompts())
+        choices = prompts * req.n
+        cap = self.max_request_tokens
+        per = "" if prompts == 1 else f" x {prompts} prompts"
+        field = ("max_completion_tokens" if getattr(req, "max_completion_tokens", None)
+                 else "max_tokens")
+        if choices > cap:
+            raise ApiError(400, f"n ({req.n}){per} is over this server's limit of {cap} "
+                           "generated tokens per request (--max-request-tokens)", param="n")
+        if requested is not None and choices * requested > cap:
+            raise ApiError(
+                400, f"n ({req.n}) x {field} ({requested}){per} = {choices * requested} "
+                f"tokens is over this server's limit of {cap} generated tokens per request "
+                f"(--max-request-tokens): lower n or {field}", param=field)
 
     def _tools(self, req: Any) -> tuple[Tools | None, list[Any] | None]:
         """A chat request's tools and, when tools or tool messages shape the prompt, its
@@ -285,6 +306,8 @@ class OpenAIServer:
         return tools, [prompt_messages(req.messages, tools, takes, self.config.tool_call_parser)]
 
     def _params_factory(self, req: Any, structured: Any = None) -> Callable[[int], Any]:
+        share = max(1, self.max_request_tokens // (len(req.engine_prompts()) * req.n))
+
         def make(prompt_len: int) -> Any:
             max_tokens = req.requested_max_tokens()
             if max_tokens is None and isinstance(req, ChatCompletionRequest):
@@ -293,9 +316,9 @@ class OpenAIServer:
                 room = min(self.max_model_len, self.cache_tokens or self.max_model_len)
                 if not getattr(self.engine.engine, "context_shift", False):  # the context slides
                     room -= prompt_len
-                max_tokens = max(1, min(self.max_tokens_limit, room))
+                max_tokens = max(1, min(self.max_tokens_limit, room, share))
             elif max_tokens is None:
-                max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+                max_tokens = min(COMPLETIONS_DEFAULT_MAX_TOKENS, share)
             return SamplingParams(**req.sampling_kwargs(max_tokens),
                                   structured_outputs=structured)
 

@@ -280,10 +280,9 @@ class AsyncEngine:
                        cache_salt: str | None) -> None:
         if self._draining is not None:
             raise self._draining
-        if cache_salt is None:
-            engine.add_request(stream.request_id, ids, params)
-        else:
-            engine.add_request(stream.request_id, ids, params, cache_salt=cache_salt)
+        extra = {k: v for k, v in (("cache_salt", cache_salt), ("tenant", stream.tenant))
+                 if v is not None}
+        engine.add_request(stream.request_id, ids, params, **extra)
         stream.prompt_tokens = len(ids)
         self._streams[stream.request_id] = stream
 

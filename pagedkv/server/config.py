@@ -38,6 +38,9 @@ class ServerConfig:
         None, "longest accepted prompt (default: the model's context)", parse=int)
     max_tokens_limit: int | None = option(
         None, "largest accepted max_tokens (default: the model's context)", parse=int)
+    max_request_tokens: int = option(
+        16384, "largest n x max_tokens (x prompts) one request may ask for (else 400); a request "
+               "without max_tokens gets at most this / (n x prompts) tokens per sample", parse=int)
     max_request_bytes: int = option(
         DEFAULT_MAX_REQUEST_BYTES, "largest accepted request body; larger ones get a 413 unread",
         parse=int)
@@ -79,7 +82,7 @@ class ServerConfig:
             raise invalid(InvalidParamsError, f"port {self.port!r} is not a TCP port (0..65535)",
                           "port")
         check_positive(self, InvalidParamsError, "max_concurrent", "max_request_bytes",
-                       "stream_queue_limit")
+                       "stream_queue_limit", "max_request_tokens")
         check_positive(self, InvalidParamsError, "max_prompt_tokens", "max_tokens_limit",
                        optional=True)
         check_seconds(self, InvalidParamsError, "body_timeout", "header_timeout")

@@ -41,6 +41,8 @@ TIER_COUNTERS = (  # (stats key, metric name without prefix and _total, help)
      "Tier entries ignored and dropped: bad checksum or tag (forged, altered, another key or "
      "tenant), undecodable, truncated, oversized, not a regular file, or another layout's."),
     ("errors", "kv_tier_errors", "KV tier I/O or connection errors (served by recompute)."),
+    ("read_timeouts", "kv_tier_read_timeouts",
+     "Requests admitted at their --kv-tier-read-timeout with the tier read unfinished."),
 )
 
 

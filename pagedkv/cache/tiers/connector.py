@@ -1,9 +1,13 @@
 """TierConnector: the bridge between the device pool (KVStorage) and a BlockTier.
 
-Reads (engine thread, at admission): `fetch(hashes)` returns the parts of the longest run of
-consecutive hashes the tier holds, asked in pipelined batches and stopping at the first miss;
-`PagedKVCache.create` copies them into freshly allocated device blocks and registers their
-hashes (the cache's one loading path, shared with `import_cached`).
+Reads: `fetch(hashes)` returns the parts of the longest run of consecutive hashes the tier
+holds; `PagedKVCache.create` copies them into freshly allocated device blocks and registers
+their hashes (the cache's one loading path, shared with `import_cached`). With
+`read_ahead=True` (the engine's mode) the I/O happens off the engine thread: the scheduler
+starts a waiting sequence's read with `read_ahead(hashes, tenant, deadline)` (reader.py), and
+at admission `fetch(hashes, tenant, read)` only takes what has arrived, never waiting; without
+a read it returns nothing. Without read-ahead (direct users, tests) `fetch` asks the tier on
+the caller's thread, in pipelined batches, stopping at the first miss.
 
 Writes (policy: a block is written once, when it becomes full and computed): the cache calls
 `offer(hash, block_id)` when it registers a full block's hash; after the step's forward pass
@@ -21,27 +25,51 @@ from collections.abc import Sequence
 from pagedkv.cache.block_pool import Block
 from pagedkv.cache.storage import KVStorage
 from pagedkv.cache.tiers.base import BlockTier
+from pagedkv.cache.tiers.reader import TierRead, TierReader
 from pagedkv.cache.tiers.record import Parts
 from pagedkv.cache.tiers.writer import BackgroundWriter
 
 
 class TierConnector:
     def __init__(self, tier: BlockTier, storage: KVStorage, *, max_queue: int = 256,
-                 read_batch: int = 16, write: bool = True) -> None:
+                 read_batch: int = 16, write: bool = True, read_ahead: bool = False) -> None:
         self.tier = tier
         self.storage = storage
         self.layout = storage.block_layout()
         self.read_batch = read_batch
         self.writer = BackgroundWriter(tier, max_queue=max_queue) if write else None
+        self.reader = TierReader(tier, self.layout, batch=read_batch) if read_ahead else None
         self._pending: list[tuple[bytes, Block, object]] = []
         self.hit_tokens = 0
         self.miss_tokens = 0
 
     # --- reads --------------------------------------------------------------------------------
 
-    def fetch(self, hashes: Sequence[bytes], tenant: object = None) -> list[Parts]:
-        """Parts of hashes[0..k) for the largest k the tier holds without a gap."""
-        out: list[Parts] = []
+    def read_ahead(self, hashes: Sequence[bytes], tenant: object,
+                   deadline: float) -> TierRead | None:
+        """Start reading `hashes` on the reader thread (None without read-ahead)."""
+        return None if self.reader is None else self.reader.submit(hashes, tenant, deadline)
+
+    def wait(self, reads: Sequence[TierRead], timeout: float) -> None:
+        """Block until one of `reads` is done or `timeout` passes (nothing else to do)."""
+        if self.reader is not None and reads:
+            self.reader.wait(reads, timeout)
+
+    def fetch(self, hashes: Sequence[bytes], tenant: object = None,
+              read: TierRead | None = None) -> list[Parts]:
+        """Parts of hashes[0..k) for the largest k the tier holds without a gap. With a
+        read-ahead `read`: the largest k whose parts have arrived (no I/O, no wait)."""
+        if read is not None:
+            got = read.arrived()
+            out = []
+            for h in hashes:
+                if h not in got:
+                    break
+                out.append(got[h])
+            return self._count(out, len(hashes))
+        if self.reader is not None:
+            return []  # read-ahead mode: the caller's thread never waits on the tier
+        out = []
         for i in range(0, len(hashes), self.read_batch):
             got = self.tier.get_many(hashes[i : i + self.read_batch], self.layout, tenant)
             for parts in got:
@@ -86,6 +114,8 @@ class TierConnector:
         self._pending.clear()
 
     def close(self, timeout: float = 30.0) -> None:
+        if self.reader is not None:
+            self.reader.close()
         if self.writer is not None:
             self.writer.close(timeout)
         self.tier.close()
