@@ -216,3 +216,55 @@ def test_periodic_snapshot_writes_in_the_background(smollm2, tmp_path: Path) -> 
     assert files >= 10
     assert llm.engine.snapshot() <= 1  # SIGTERM-time snapshot: almost nothing left to write
     llm.engine.close()
+
+
+def test_stalled_redis_never_stalls_another_stream(smollm2, cold, own_redis_server) -> None:  # noqa: ANN001
+    """Issue 24 item 7: tier reads run off the engine thread. Redis is stalled for 1.5 s
+    (`DEBUG SLEEP` on a second connection) just as a request whose prefix is in the tier
+    arrives: the neighbour stream's tokens keep coming during the stall (a read on the engine
+    thread would give none: the first step after the arrival would block until Redis wakes),
+    the request is admitted at its read deadline, its read still blocked, and computes its
+    prompt, with the cold output; with Redis responsive again, the prefix comes from the tier.
+    (No wall-clock bound: the shared test machine's steps vary by 100x.)"""
+    import threading
+
+    engine = LLMEngine(smollm2, kv_tier=own_redis_server.url, kv_tier_read_timeout=0.1, **ENGINE)
+
+    def run_alone(rid: str, q: str) -> list[int]:
+        engine.add_request(rid, prompt(q), GREEDY)
+        out = None
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                out = o
+        return out.token_ids
+
+    assert run_alone("warm", QUESTIONS[0]) == cold[0]
+    engine.tiers.connector.writer.flush()
+    engine.reset_prefix_cache()
+    engine.add_request("neighbour", "Count slowly from one to fifty: one, two,",
+                       SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    stall = threading.Thread(target=lambda: own_redis_server.client().execute_command(
+        "DEBUG", "SLEEP", "1.5"))
+    stall.start()
+    time.sleep(0.1)  # Redis is asleep now
+    engine.add_request("stalled", prompt(QUESTIONS[0]), GREEDY)
+    during, result = 0, None  # the neighbour's tokens from steps that ended with Redis asleep
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        asleep = stall.is_alive()
+        for o in outs:
+            if o.request_id == "neighbour":
+                during += asleep
+            elif o.finished:
+                result = o
+    stall.join()
+    assert during >= 1
+    # admitted while its read was still blocked in Redis: it computed the whole prompt
+    assert engine.tier_stats()["read_timeouts"] == 1
+    assert result.token_ids == cold[0] and result.num_tier_cached_tokens == 0
+    engine.reset_prefix_cache()
+    assert run_alone("again", QUESTIONS[0]) == cold[0]
+    assert engine.tier_stats()["hit_tokens"] >= 160
+    engine.close()

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from pagedkv.cache.tiers.base import BlockTier, log
+from pagedkv.cache.tiers.base import BlockTier, background_priority, log
 from pagedkv.cache.tiers.record import Layout, Parts
 
 _STOP = object()
@@ -87,6 +87,7 @@ class TierReader:
             self._thread.join(timeout)
 
     def _run(self) -> None:
+        background_priority()
         while True:
             read = self._q.get()
             if read is _STOP:

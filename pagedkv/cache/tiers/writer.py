@@ -13,7 +13,7 @@ import threading
 import weakref
 from collections.abc import Sequence
 
-from pagedkv.cache.tiers.base import BlockTier, log
+from pagedkv.cache.tiers.base import BlockTier, background_priority, log
 from pagedkv.cache.tiers.record import Parts
 
 _STOP = object()
@@ -58,6 +58,7 @@ class BackgroundWriter:
         self._thread.join(timeout)
 
     def _run(self) -> None:
+        background_priority()
         while True:
             item = self._q.get()
             items = [item]
