@@ -31,7 +31,7 @@ DOC = ("The ferry left the harbour at seven with forty passengers, three cars an
        "oranges for the island school, and the captain logged the wind as a steady north-east. ") * 5
 PROMPT = f"{DOC}\nQuestion: what did the crate hold?\nAnswer:"
 OTHER = "Write one sentence about the sea."
-ENGINE = dict(num_blocks=128, max_num_batched_tokens=512)
+ENGINE = dict(num_blocks=128, max_num_batched_tokens=512, kv_tier_read_timeout=10.0)  # reads untimed here
 SECRET = "5f" * 32
 
 

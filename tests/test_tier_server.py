@@ -37,7 +37,7 @@ def cached(body: dict) -> int:
 
 
 def test_reset_endpoint_metrics_and_tier_hits(smollm2, tmp_path: Path) -> None:  # noqa: ANN001
-    engine = LLMEngine(smollm2, kv_tier=f"disk:{tmp_path}", num_blocks=128)
+    engine = LLMEngine(smollm2, kv_tier=f"disk:{tmp_path}", num_blocks=128, kv_tier_read_timeout=10.0)
     with ServerThread(build_app(engine, api_key=["k", "tenant2"])) as srv:
         url = srv.url
         assert httpx.post(url + "/v1/cache/reset").status_code == 401

@@ -657,7 +657,7 @@ class PagedKVCache:
                 raise StorageMismatchError(f"part {name!r}: {getattr(t, 'dtype', t)!r:.40} "
                                            f"{tuple(getattr(t, 'shape', ()))}, want {dt} {shape}")
 
-    def read_ahead(self, chain: HashChain, deadline: float) -> object | None:
+    def read_ahead(self, chain: HashChain, timeout: float) -> object | None:
         """Start fetching, off this thread, the tier blocks that would follow chain's device
         hits (a TierRead to pass to `try_create`); None without a read-ahead tier or when
         there is nothing to ask. No state change here."""
@@ -667,7 +667,7 @@ class PagedKVCache:
         i = self.cached_prefix_len(chain.hashes, limit)
         if i >= limit:
             return None
-        return self.tier.read_ahead(chain.hashes[i:limit], chain.extra_key, deadline)
+        return self.tier.read_ahead(chain.hashes[i:limit], chain.extra_key, timeout)
 
     def wait_reads(self, reads: Sequence[object], timeout: float) -> None:
         """Block until one of the read-aheads is done or `timeout` passes."""

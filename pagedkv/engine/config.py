@@ -95,9 +95,10 @@ class EngineConfig:
         None, "read --kv-tier-key from a file (keeps it out of the process list)",
         metavar="PATH")
     kv_tier_read_timeout: float = option(
-        0.1, "seconds a request waits for its --kv-tier read (done off the engine thread, so a "
-             "slow store never stalls other streams) before it is admitted and computes the "
-             "blocks that have not arrived", parse=float, metavar="SECONDS")
+        0.1, "seconds a request waits on a --kv-tier read that makes no progress (reads run "
+             "off the engine thread, so a slow store never stalls other streams) before it is "
+             "admitted and computes the blocks that have not arrived", parse=float,
+        metavar="SECONDS")
     kv_snapshot: str | None = option(
         None, "write every cached KV block here on shutdown, reload it at start", metavar="DIR")
     kv_snapshot_interval: float | None = option(

@@ -5,7 +5,8 @@ Rules:
 - the first time admission considers a waiting sequence, the tier blocks that would follow
   its device hits are asked for (`PagedKVCache.read_ahead`: the reader thread fetches and
   verifies them); the sequence is held, keeping its place in line (later prompts go ahead),
-  while the read runs and its deadline (`timeout` seconds after the ask) is ahead;
+  while the read runs and its deadline is ahead (`timeout` seconds after the ask, moved on by
+  each batch of blocks that arrives: a store that answers is waited for);
 - then it is admitted with what has arrived (`try_create(tier_read=...)` copies those blocks
   into the pool on the engine thread) and computes the rest: a stalled store costs the
   request at most `timeout` seconds of TTFT and never another stream's next token;
@@ -39,7 +40,7 @@ class TierReads:
             return False
         read = self._reads.get(s.seq_id)
         if read is None:
-            read = self.cache.read_ahead(s.chain, time.monotonic() + self.timeout)
+            read = self.cache.read_ahead(s.chain, self.timeout)
             if read is None:
                 return False
             self._reads[s.seq_id] = read

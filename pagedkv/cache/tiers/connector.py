@@ -4,7 +4,7 @@ Reads: `fetch(hashes)` returns the parts of the longest run of consecutive hashe
 holds; `PagedKVCache.create` copies them into freshly allocated device blocks and registers
 their hashes (the cache's one loading path, shared with `import_cached`). With
 `read_ahead=True` (the engine's mode) the I/O happens off the engine thread: the scheduler
-starts a waiting sequence's read with `read_ahead(hashes, tenant, deadline)` (reader.py), and
+starts a waiting sequence's read with `read_ahead(hashes, tenant, timeout)` (reader.py), and
 at admission `fetch(hashes, tenant, read)` only takes what has arrived, never waiting; without
 a read it returns nothing. Without read-ahead (direct users, tests) `fetch` asks the tier on
 the caller's thread, in pipelined batches, stopping at the first miss.
@@ -38,7 +38,7 @@ class TierConnector:
         self.layout = storage.block_layout()
         self.read_batch = read_batch
         self.writer = BackgroundWriter(tier, max_queue=max_queue) if write else None
-        self.reader = TierReader(tier, self.layout, batch=read_batch) if read_ahead else None
+        self.reader = TierReader(tier, self.layout) if read_ahead else None
         self._pending: list[tuple[bytes, Block, object]] = []
         self.hit_tokens = 0
         self.miss_tokens = 0
@@ -46,9 +46,10 @@ class TierConnector:
     # --- reads --------------------------------------------------------------------------------
 
     def read_ahead(self, hashes: Sequence[bytes], tenant: object,
-                   deadline: float) -> TierRead | None:
-        """Start reading `hashes` on the reader thread (None without read-ahead)."""
-        return None if self.reader is None else self.reader.submit(hashes, tenant, deadline)
+                   timeout: float) -> TierRead | None:
+        """Start reading `hashes` on the reader thread (None without read-ahead); its deadline
+        is `timeout` seconds after the last progress."""
+        return None if self.reader is None else self.reader.submit(hashes, tenant, timeout)
 
     def wait(self, reads: Sequence[TierRead], timeout: float) -> None:
         """Block until one of `reads` is done or `timeout` passes (nothing else to do)."""
