@@ -587,7 +587,7 @@ def test_d7_second_sigterm_exits_at_once() -> None:
 
 def test_d8_client_that_stops_reading_is_aborted_and_its_blocks_freed(serve_fake: Any) -> None:
     engine = FakeEngine(step_delay=0.001, max_model_len=100_000, num_blocks=8192)
-    server = serve_fake(engine, stream_queue_limit=32)
+    server = serve_fake(engine, stream_queue_limit=32, max_request_tokens=16 * 20_000)
     host, port = server.url.removeprefix("http://").split(":")
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
