@@ -247,6 +247,8 @@ class BeamSearch:
     def _forward(self) -> tuple[list[Sequence], torch.Tensor]:
         """One engine step's forward pass: the sequences that sample now and their logits."""
         done = self.engine.forward()
+        while done is None and self.engine.tier_reads_pending():
+            done = self.engine.forward()  # its prompts wait on KV tier reads, up to a deadline
         if done is None:
             raise RuntimeError("beam search: nothing could be scheduled")
         return done.plan.samplers, done.logits

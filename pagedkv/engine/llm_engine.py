@@ -260,6 +260,11 @@ class LLMEngine:
         """The KV blocks s holds, or None while it is not admitted."""
         return self.cache.block_ids(s.seq_id) if s.seq_id in self.cache else None
 
+    def tier_reads_pending(self) -> bool:
+        """Some waiting prompt is held for a KV tier read still in progress (forward() may
+        then schedule nothing; calling it again waits on the read, up to its deadline)."""
+        return bool(self.scheduler.tier_reads.pending())
+
     def is_idle(self) -> bool:
         """No request, and nothing queued or running in the scheduler."""
         return not self.requests and not self.scheduler.running and not self.scheduler.waiting
@@ -293,7 +298,9 @@ class LLMEngine:
         sched = self.scheduler
         plan = sched.schedule()
         if plan.empty and sched.tier_reads.pending():
-            sched.tier_reads.wait()  # nothing runs: wait for a tier read (up to its deadline)
+            # nothing runs: wait on the tier reads (once, up to the earliest deadline, so the
+            # caller's loop still sees new requests) instead of spinning
+            sched.tier_reads.wait()
             plan = sched.schedule()
         if plan.empty:
             return None
