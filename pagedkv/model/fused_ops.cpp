@@ -26,6 +26,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <utility>
 #include <cstdint>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -127,13 +128,19 @@ void norm_add_rms_norm(at::Tensor& x, const at::Tensor& delta, const at::Tensor&
   });
 }
 
-void gelu_tanh_mul(const at::Tensor& gu, at::Tensor& out) {
+// the arguments of a gated activation: gu [T, 2I] (gate, then up), out [T, I]; returns (T, I)
+std::pair<int64_t, int64_t> check_gated(const at::Tensor& gu, const at::Tensor& out) {
   TORCH_CHECK(gu.dim() == 2 && gu.scalar_type() == at::kFloat && gu.is_contiguous() && gu.size(1) % 2 == 0,
               "gu must be a contiguous float32 [T, 2I] tensor");
   const int64_t T = gu.size(0), I = gu.size(1) / 2;
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 &&
                   out.size(0) == T && out.size(1) == I,
               "out must be a contiguous float32 [T, I] tensor");
+  return {T, I};
+}
+
+void gelu_tanh_mul(const at::Tensor& gu, at::Tensor& out) {
+  const auto [T, I] = check_gated(gu, out);
   const float* g = gu.data_ptr<float>();
   float* o = out.data_ptr<float>();
   constexpr float kC = 0.7978845608028654f;  // sqrt(2 / pi)
@@ -163,12 +170,7 @@ void gelu_tanh_mul(const at::Tensor& gu, at::Tensor& out) {
 }
 
 void silu_mul(const at::Tensor& gu, at::Tensor& out) {
-  TORCH_CHECK(gu.dim() == 2 && gu.scalar_type() == at::kFloat && gu.is_contiguous() && gu.size(1) % 2 == 0,
-              "gu must be a contiguous float32 [T, 2I] tensor");
-  const int64_t T = gu.size(0), I = gu.size(1) / 2;
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 &&
-                  out.size(0) == T && out.size(1) == I,
-              "out must be a contiguous float32 [T, I] tensor");
+  const auto [T, I] = check_gated(gu, out);
   const float* g = gu.data_ptr<float>();
   float* o = out.data_ptr<float>();
   at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
