@@ -14,6 +14,7 @@ do not wait on page faults of a cold file.
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import os
 import struct
@@ -109,10 +110,14 @@ class GGUFFile:
         if version not in (2, 3):  # a byte-swapped (big-endian) file also lands here
             raise ModelLoadError(f"{self.path}: unsupported GGUF version {version}")
         pos = 24
+        self._tokenizer_spans: list[tuple[int, int]] = []  # the items the tokenizer is built from
         for _ in range(n_kv):
+            start = pos
             key, pos = self._str(pos)
             (vtype,), pos = struct.unpack_from("<I", buf, pos), pos + 4
             self.metadata[key], pos = self._value(GGUFValueType(vtype), pos)
+            if key.startswith("tokenizer.") or key == "general.architecture":
+                self._tokenizer_spans.append((start, pos))
         infos = []
         for _ in range(n_tensors):
             name, pos = self._str(pos)
@@ -156,6 +161,15 @@ class GGUFFile:
         return out, pos
 
     # --- tensors --------------------------------------------------------------------------------
+
+    def tokenizer_digest(self) -> str:
+        """sha256 of the metadata items a tokenizer is built from (every `tokenizer.*` item, with
+        the architecture), as stored: files with equal vocabularies, merges, special tokens and
+        chat templates have equal digests, whatever their weights."""
+        h = hashlib.sha256()
+        for start, end in self._tokenizer_spans:
+            h.update(self._buf[start:end])
+        return h.hexdigest()
 
     def raw(self, name: str) -> np.ndarray:
         """Undecoded bytes of a tensor, shaped as `gguf.quants.dequantize` expects (no copy)."""

@@ -37,6 +37,7 @@ import torch
 
 from pagedkv.cache.storage import DTYPES as _DTYPES  # one table of dtype names
 from pagedkv.errors import ModelLoadError
+from pagedkv.model import tokenizer_cache
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.gguf_file import GGUFFile
 from pagedkv.model.llama import LlamaModel
@@ -225,7 +226,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, tokenizer: Any | None, keep: bool
     arch = g.metadata.get("general.architecture")
     model.load_weights(_gguf_weights(g, cfg, arch == "llama", keep, _GGUF_LAYER_MAPS.get(arch, _GGUF_LAYER)))
     if tokenizer is None and "tokenizer.ggml.model" in g.metadata:
-        tokenizer = _gguf_tokenizer(path)
+        tokenizer = tokenizer_cache.load_or_build(g.tokenizer_digest(), lambda: _gguf_tokenizer(path))
     return LoadedModel(model, cfg, tokenizer, path.stem, weights="quantized" if keep else "float32")
 
 
