@@ -228,3 +228,44 @@ def test_streamed_tool_calls(server) -> None:  # noqa: ANN001
     for slot in calls.values():  # every call that was sent is whole and valid
         assert slot["id"].startswith("call_") and slot["name"] == "get_weather"
         assert set(json.loads(slot["arguments"])) == {"city", "unit"}
+
+
+# --- tool_choice="auto" on the real model: the model decides ---------------------------------
+
+CITY = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def _few_shot(city: str) -> list[dict]:
+    """Three earlier turns answered by a call: SmolLM2-135M follows the pattern on its own."""
+    msgs: list[dict] = []
+    for i, prev in enumerate(["London", "Rome", "Berlin"]):
+        call = {"id": f"c{i}", "type": "function",
+                "function": {"name": "get_weather", "arguments": json.dumps({"city": prev})}}
+        msgs += [{"role": "user", "content": f"What is the weather in {prev}?"},
+                 {"role": "assistant", "content": None, "tool_calls": [call]}]
+    return [*msgs, {"role": "user", "content": f"What is the weather in {city}?"}]
+
+
+def test_tool_choice_auto_the_model_calls_or_answers(server) -> None:  # noqa: ANN001
+    url, _ = server
+    client = _client(url)
+    c = client.chat.completions.create(model="smol", messages=_few_shot("Paris"), tools=[CITY],
+                                       tool_choice="auto", temperature=0, max_tokens=60).choices[0]
+    assert c.finish_reason == "tool_calls" and not c.message.content
+    (call,) = c.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    args, reason, content = "", None, ""
+    for chunk in client.chat.completions.create(model="smol", messages=_few_shot("Lima"), tools=[CITY],
+                                                tool_choice="auto", temperature=0, max_tokens=60,
+                                                stream=True):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        args += "".join(tc.function.arguments or "" for tc in delta.tool_calls or [] if tc.function)
+        reason = chunk.choices[0].finish_reason or reason
+    assert reason == "tool_calls" and not content.strip() and json.loads(args) == {"city": "Lima"}
+    # no pattern to follow: the same model, tools offered, answers in words
+    c = client.chat.completions.create(model="smol", messages=HI, tools=[CITY], tool_choice="auto",
+                                       temperature=0, max_tokens=20).choices[0]
+    assert c.finish_reason in ("stop", "length") and not c.message.tool_calls and c.message.content.strip()
