@@ -284,3 +284,43 @@ def test_a_broken_matcher_ends_its_request_alone(llm) -> None:  # noqa: ANN001
     assert outs["other"].finish_reason in ("stop", "length")
     assert outs["other"].token_ids == alone
     assert eng.stats().blocks_used == 0
+
+
+# --- masks computed while the forward pass runs (grammar_mask_overlap) ------------------------
+
+
+def test_masks_computed_during_the_forward_change_nothing(smollm2, batch) -> None:  # noqa: ANN001
+    """The whole batch (n > 1 with a seed, every constraint kind, stop, length) and a preempted
+    run give the same tokens with the masks computed on the worker during each forward pass."""
+    over = LLM(smollm2, num_blocks=256, grammar_mask_overlap="on")
+    outs = over.generate([p for p, _ in CASES.values()], [q for _, q in CASES.values()])
+    for name, o in zip(CASES, outs, strict=True):
+        assert [c.token_ids for c in o.outputs] == [c.token_ids for c in batch[name].outputs], name
+    s = over.engine.sampler
+    assert s.mask_early > 0.8 * s.mask_rows  # all but rows whose matcher changed (forks)
+    tight = LLM(smollm2, num_blocks=8, max_num_seqs=3, grammar_mask_overlap="on")
+    want = [batch[f"person{i}"].token_ids for i in range(3)]
+    assert [o.token_ids for o in tight.generate(PROMPTS[:3], PERSON_GREEDY)] == want
+    assert tight.engine.stats().num_preemptions > 0
+    over.engine.close()
+    tight.engine.close()
+    assert over.engine.sampler._pool is None
+
+
+def test_a_stale_early_mask_is_never_used(llm, compiler) -> None:  # noqa: ANN001
+    """Masks computed for a matcher before it consumed another token are dropped."""
+    tok, vocab = llm.tokenizer, llm.engine.loaded.config.vocab_size
+    x = torch.randn(1, vocab, generator=torch.Generator().manual_seed(1))
+    g = compiler.compile(S(regex="1[a-c]")).matcher()
+    seq = _Seq(SamplingParams(temperature=0), g)
+    sampler = Sampler([2], compiler)
+    sampler.prefetch([seq])  # the mask for the start state ("1" only) ...
+    assert g.accept(tok("1", add_special_tokens=False).input_ids[0])  # ... then the state moves on
+    allowed = torch.isfinite(sampler.adjust(x, [seq])[0]).nonzero()[:, 0].tolist()
+    assert sorted(tok.decode([t]) for t in allowed) == ["a", "b", "c"]
+    assert sampler.mask_early == 0 and sampler.mask_rows == 1
+    sampler.prefetch([seq])  # a fresh one is used
+    again = torch.isfinite(sampler.adjust(x, [seq])[0]).nonzero()[:, 0].tolist()
+    assert again == allowed and sampler.mask_early == 1
+    sampler.close()
+    sampler.close()

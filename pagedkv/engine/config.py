@@ -112,6 +112,11 @@ class EngineConfig:
         None, "torch threads (default: one per physical core other programs leave free, "
               "re-checked while serving; more threads than free cores slow every step down)",
         parse=positive_int)  # process-wide; None: leave as is
+    grammar_mask_overlap: str = option(
+        "auto", "compute structured-output token masks on a worker thread while the forward "
+                "pass runs: on, off, or auto (only while a CPU is left beside the torch threads: "
+                "on a machine whose cores all run the forward pass the worker slows it down)",
+        choices=("auto", "on", "off"))
     kv_tier_queue: int = option(256, "blocks waiting for the KV tier's writer", flag=None)
 
     def __post_init__(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -128,6 +129,7 @@ class LLMEngine:
             self.eos_ids.add(self.tokenizer.eos_token_id)
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, sorted(self.eos_ids))
         self.sampler = Sampler(self.eos_ids, self.grammars)
+        self._cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._finished = 0
@@ -284,10 +286,11 @@ class LLMEngine:
 
     # --- one step -----------------------------------------------------------------------------
 
-    def forward(self) -> Forward | None:
+    def forward(self, masks: bool = False) -> Forward | None:
         """The one step primitive, shared by step() and beam search: schedule -> run the plan ->
         commit (or undo and re-raise) -> tier writes -> timing. None when nothing could be
-        scheduled.
+        scheduled. `masks` (step()'s): the sampler's grammar masks for the plan are computed
+        on its worker while the forward pass runs, where `grammar_mask_overlap` says so.
 
         On return the step's K/V are written and its newly full blocks hashed and offered to the
         KV tier; row i of the logits samples for `plan.samplers[i]`. If the forward pass raises,
@@ -305,6 +308,8 @@ class LLMEngine:
         if plan.empty:
             return None
         tf = time.perf_counter()
+        if masks and self._overlap_masks():
+            self.sampler.prefetch(plan.samplers)
         try:
             logits = self.runner.run(plan)
         except BaseException:
@@ -319,7 +324,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One forward pass (`forward`), then sample, append, finish and detokenize; return the
         requests that progressed."""
-        done = self.forward()
+        done = self.forward(masks=True)
         if done is None:
             return []
         t0 = time.perf_counter()
@@ -433,8 +438,15 @@ class LLMEngine:
         return self.tiers.snapshot_now()
 
     def close(self) -> None:
-        """Finish queued tier writes and release the tier (idempotent)."""
+        """Finish queued tier writes and release the tier, stop the mask worker (idempotent)."""
         self.tiers.close()
+        self.sampler.close()
+
+    def _overlap_masks(self) -> bool:
+        """grammar_mask_overlap: on; auto: only while a CPU is left beside the torch threads
+        (on 2 cores the worker slows the forward pass more than it saves: measured)."""
+        mode = self.config.grammar_mask_overlap
+        return mode == "on" or (mode == "auto" and self._cpus > torch.get_num_threads())
 
     # --- stats --------------------------------------------------------------------------------
 

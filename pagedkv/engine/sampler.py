@@ -20,7 +20,7 @@ import math
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -82,6 +82,38 @@ class Sampler:
         self._hist: dict[int, _History] = {}  # by id(seq); the history holds the seq itself
         self.mask_seconds = 0.0  # computing and applying grammar masks, over the sampler's life
         self.mask_rows = 0  # rows masked
+        self.mask_early = 0  # of which masks computed by the worker during the forward pass
+        self._pool: Any = None  # the mask worker (one thread), made on first use
+        self._early: tuple[list[tuple[Any, int]], Any] | None = None  # (matcher, consumed) -> masks
+
+    def prefetch(self, seqs: Sequence[SampledSeq]) -> None:
+        """Start computing the masks of these rows' grammars on the mask worker (the engine
+        calls this before the forward pass, so they are computed while it runs). The sampler
+        uses them only if its constrained rows hold the same matchers in the same states
+        (same objects, same number of tokens consumed); otherwise it computes its own."""
+        g = self.grammars
+        matchers = [s.grammar for s in seqs if s.grammar is not None]
+        if g is None or not matchers:
+            self._early = None
+            return
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-masks")
+
+        def fill() -> torch.Tensor:
+            out = torch.zeros((len(matchers), g.words), dtype=torch.int32)
+            g.fill_masks(matchers, out)  # type: ignore[arg-type]
+            return out
+
+        self._early = ([(m, m.consumed) for m in matchers], self._pool.submit(fill))
+
+    def close(self) -> None:
+        """Stop the mask worker (idempotent)."""
+        self._early = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     def __call__(self, logits: torch.Tensor, seqs: Sequence[SampledSeq]) -> list[int]:
         params = [s.request.params for s in seqs]
@@ -129,9 +161,15 @@ class Sampler:
         if g is None:
             raise RuntimeError("a sequence has a grammar but the sampler has no GrammarCompiler")
         t0 = time.perf_counter()
-        masks = torch.zeros((len(rows), g.words), dtype=torch.int32)
         matchers = [seqs[i].grammar for i in rows]
-        g.fill_masks(matchers, masks)  # type: ignore[arg-type]
+        early, self._early = self._early, None
+        if early is not None and len(early[0]) == len(matchers) and all(
+                a is b and n == b.consumed for (a, n), b in zip(early[0], matchers, strict=True)):
+            masks = early[1].result()
+            self.mask_early += len(rows)
+        else:
+            masks = torch.zeros((len(rows), g.words), dtype=torch.int32)
+            g.fill_masks(matchers, masks)  # type: ignore[arg-type]
         apply_masks(x, rows, masks)
         for i, m in zip(rows, matchers, strict=True):
             if m.error:  # type: ignore[union-attr]  # (its mask still allows EOS)

@@ -50,14 +50,16 @@ class GrammarMatcher:
     """A sequence's parser state: `accept(token)` after each sampled token; the sampler fills
     its mask each step. Invariant: it has consumed exactly the sequence's output tokens."""
 
-    __slots__ = ("m",)
+    __slots__ = ("m", "consumed")
 
     def __init__(self, m: Any) -> None:
         self.m = m
+        self.consumed = 0  # tokens accepted: a mask computed at this count is the mask now
 
     def accept(self, token: int) -> bool:
         """Consume a sampled token; False (the matcher is then in its error state) if the
         grammar does not allow it."""
+        self.consumed += 1
         return bool(self.m.consume_token(token))
 
     @property
@@ -139,8 +141,8 @@ class GrammarCompiler:
         the sampler fails such rows itself."""
         row = self.words * 4
         ptr = out.data_ptr()
-        for j, g in enumerate(matchers):  # on this thread: a pool thread would queue behind
-            g.m.unsafe_compute_mask_ptr(ptr + j * row, row)  # the OpenMP team's spinning
+        for j, g in enumerate(matchers):
+            g.m.unsafe_compute_mask_ptr(ptr + j * row, row)
 
 
 _LL_TOKENIZERS: dict[tuple[int, int, tuple[int, ...]], tuple[Any, Any]] = {}
