@@ -46,6 +46,11 @@ class PositionError(PagedKVError, IndexError):
     """A token position outside a sequence's length."""
 
 
+class SlidingWindowError(PositionError):
+    """An operation needs K/V a sliding-window group no longer holds: its blocks before the
+    window went back to the pool (llama.cpp's `seq_pos_min`). Nothing changed."""
+
+
 class StorageMismatchError(PagedKVError, ValueError):
     """A tensor whose shape, dtype or device does not fit the KV storage."""
 

@@ -11,7 +11,8 @@ def snapshot(cache: PagedKVCache) -> tuple:
     """Everything an operation could change: pool, free queue, hash index, tables, storage."""
     pool = cache._pool
     seqs = {
-        sid: (s.table.index, [b.block_id for b in s.blocks], s.token_ids, s.num_tokens,
+        sid: ([(r.index, r.start, [b.block_id for b in r.blocks]) for r in s.tables],
+              s.token_ids, s.num_tokens,
               s.num_written, s.block_hashes, s.extra_key, s.hash_limit,
               None if s.chain is None else (list(s.chain.ids), list(s.chain.hashes)))
         for sid, s in cache.seqs.items()
@@ -22,8 +23,8 @@ def snapshot(cache: PagedKVCache) -> tuple:
         {h: b.block_id for h, b in pool.hash_to_block.items()},
         (pool.num_cached_free, pool.allocations, pool.frees, pool.evictions),
         seqs,
-        cache.table.buf.tolist(),
-        list(cache.table._free_rows),
+        [t.buf.tolist() for t in cache.tables],
+        [list(t._free_rows) for t in cache.tables],
         (cache.cow_copies, cache.prefix_queries, cache.prefix_hits),
         None if cache.storage is None else _storage_bytes(cache.storage),
     )

@@ -103,15 +103,17 @@ def block_map(
     fill = np.zeros(n, np.int16)
     owners: list[Hashable] = []
     for i, (sid, s) in enumerate(cache.seqs.items()):
-        ids = np.fromiter((b.block_id for b in s.blocks), np.int64, len(s.blocks))
         owners.append(sid if label is None else label(sid))
-        if ids.size == 0:
-            continue
-        tokens = np.full(ids.size, bs, np.int16)
-        tokens[-1] = s.num_tokens - (ids.size - 1) * bs
-        np.maximum.at(fill, ids, tokens)
-        mine = ids[refs[ids] == 1]
-        owner[mine] = i
+        for r in s.tables:  # every KV group's table (a window group's from its first held)
+            ids = np.fromiter((b.block_id for b in r.blocks[r.start :]), np.int64,
+                              len(r.blocks) - r.start)
+            if ids.size == 0:
+                continue
+            tokens = np.full(ids.size, bs, np.int16)
+            tokens[-1] = s.num_tokens - (len(r.blocks) - 1) * bs
+            np.maximum.at(fill, ids, tokens)
+            mine = ids[refs[ids] == 1]
+            owner[mine] = i
     summary = _summary(cache, refs, fill)
     return BlockMap(n, bs, state, refs, owner, fill, owners, summary)
 

@@ -30,6 +30,11 @@ class Block:
     in_free_queue: bool = False
 
 
+#: A window group's table entry for a block it gave back (wholly before the window): never in
+#: the pool, never referenced, never read (attention starts at the window's first block).
+NULL_BLOCK = Block(-1)
+
+
 class FreeQueue:
     """Doubly linked list of free blocks: O(1) push at either end, pop front, remove anywhere."""
 
@@ -209,6 +214,12 @@ class BlockPool:
         for b in plain + cached:
             self.free_queue.push_back(b)
         return moves
+
+    def check_refs(self, refs: list[int]) -> None:
+        """Assert every block's ref_cnt equals its table references `refs` (by block id)."""
+        for b in self.blocks:
+            assert b.ref_cnt == refs[b.block_id], (
+                f"block {b.block_id}: ref_cnt {b.ref_cnt} != {refs[b.block_id]} table references")
 
     def check_invariants(self) -> None:
         seen = set()

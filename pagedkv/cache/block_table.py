@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pagedkv.cache.block_pool import Block, BlockPool
+from pagedkv.cache.block_pool import NULL_BLOCK, Block, BlockPool
 
 CopyBlocks = Callable[[list[int], list[int]], None]  # (src ids, dst ids): copy block data
 
@@ -39,6 +39,7 @@ class TableRow:
 
     index: int  # row of the buffer
     blocks: list[Block] = field(default_factory=list)  # edited in place, never rebound
+    start: int = 0  # blocks before it are NULL_BLOCK (a window group's, back in the pool)
 
 
 class BlockTable:
@@ -58,14 +59,17 @@ class BlockTable:
         """A new table listing `shared` (prefix hits: one more reference each, revived if free)
         then `fresh` newly allocated blocks. The caller checked that they fit."""
         r = TableRow(self._take_row())
+        while r.start < len(shared) and shared[r.start] is NULL_BLOCK:
+            r.start += 1
         self.share(r, shared)
         self.grow(r, fresh)
         return r
 
     def close(self, r: TableRow) -> None:
         """Release every block (tail first: evicted first) and the row."""
-        self.pool.free(reversed(r.blocks))
+        self.pool.free(reversed(r.blocks[r.start :]))
         r.blocks.clear()
+        r.start = 0
         self.buf[r.index].zero_()
         self._free_rows.append(r.index)
 
@@ -82,15 +86,17 @@ class BlockTable:
         """Append blocks other tables (or cached free blocks) hold: one more reference each."""
         if blocks:
             for b in blocks:
-                self.pool.touch(b)
+                if b is not NULL_BLOCK:
+                    self.pool.touch(b)
             first = len(r.blocks)
             r.blocks.extend(blocks)
             self._write(r, first)
 
     def cut(self, r: TableRow, keep: int) -> None:
         """Keep the first `keep` blocks; the others lose this table's reference, tail first."""
-        self.pool.free(reversed(r.blocks[keep:]))
+        self.pool.free(reversed(r.blocks[max(keep, r.start) :]))
         del r.blocks[keep:]
+        r.start = min(r.start, keep)
         self.buf[r.index, keep:].zero_()
 
     def splice(self, r: TableRow, first: int, plan: Sequence[Block | None]) -> list[Block]:
@@ -111,6 +117,19 @@ class BlockTable:
         self.buf[r.index, first:].zero_()
         self._write(r, first)
         return new
+
+    def release_before(self, r: TableRow, first: int) -> None:
+        """A window group no longer needs r's blocks before `first`: they lose this table's
+        reference (most recent first, so the oldest is evicted first; hashed ones stay cached
+        and can still be hit) and their entries become NULL_BLOCK (buffer entries 0)."""
+        first = min(first, len(r.blocks))
+        if first <= r.start:
+            return
+        self.pool.free(reversed(r.blocks[r.start : first]))
+        for i in range(r.start, first):
+            r.blocks[i] = NULL_BLOCK
+        self.np[r.index, r.start : first] = 0
+        r.start = first
 
     # --- writes into listed blocks ------------------------------------------------------------
 
@@ -158,23 +177,29 @@ class BlockTable:
         """int32 [len(rows), width] view of the buffer rows (padded with 0)."""
         return torch.from_numpy(self.np[rows, :width])
 
-    def check(self, rows: Sequence[TableRow]) -> None:
-        """Assert the invariants over the live tables `rows` (ref counts included)."""
-        refs = [0] * self.pool.num_blocks
+    def check(self, rows: Sequence[TableRow], refs: list[int] | None = None) -> None:
+        """Assert the invariants over the live tables `rows` (ref counts included). `refs`
+        given (several groups over one pool): add this table's references to it and leave the
+        ref-count comparison to the caller."""
+        alone = refs is None
+        refs = [0] * self.pool.num_blocks if refs is None else refs
         seen = set()
         for r in rows:
             assert r.index not in seen, f"row {r.index} shared"
             seen.add(r.index)
-            assert self.buf[r.index, : len(r.blocks)].tolist() == [b.block_id for b in r.blocks], (
+            assert 0 <= r.start <= len(r.blocks), f"row {r.index}: start"
+            assert all(b is NULL_BLOCK for b in r.blocks[: r.start]), f"row {r.index}: head"
+            want = [max(b.block_id, 0) for b in r.blocks]
+            assert self.buf[r.index, : len(r.blocks)].tolist() == want, (
                 f"row {r.index}: stale table row")
             assert not self.buf[r.index, len(r.blocks):].any(), f"row {r.index}: stale tail"
-            for b in r.blocks:
+            for b in r.blocks[r.start :]:
+                assert b is not NULL_BLOCK, f"row {r.index}: a NULL block after start"
                 assert self.pool.blocks[b.block_id] is b
                 refs[b.block_id] += 1
-        for b in self.pool.blocks:
-            assert b.ref_cnt == refs[b.block_id], (
-                f"block {b.block_id}: ref_cnt {b.ref_cnt} != {refs[b.block_id]} table references")
         assert not set(self._free_rows) & seen, "a live row is on the free list"
+        if alone:
+            self.pool.check_refs(refs)
 
     def _take_row(self) -> int:
         if not self._free_rows:
@@ -190,7 +215,7 @@ class BlockTable:
             self._resize(self.buf.shape[0], max(n, 2 * self.buf.shape[1]))
         row = self.np[r.index]
         for i in range(first, n):
-            row[i] = r.blocks[i].block_id
+            row[i] = max(r.blocks[i].block_id, 0)  # NULL_BLOCK (-1): 0, never read
 
     def _resize(self, rows: int, cols: int) -> None:
         grown = torch.zeros((rows, cols), dtype=torch.int32)

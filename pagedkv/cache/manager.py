@@ -35,8 +35,9 @@ import numpy as np
 import torch
 
 from pagedkv.cache import seq_ops
-from pagedkv.cache.block_pool import Block, BlockPool
+from pagedkv.cache.block_pool import NULL_BLOCK, Block, BlockPool
 from pagedkv.cache.block_table import BlockTable, TableRow
+from pagedkv.cache.groups import KVGroups, single_group
 from pagedkv.cache.hashing import HashChain, chain_hashes
 from pagedkv.cache.storage import KVStorage
 from pagedkv.errors import (
@@ -45,6 +46,7 @@ from pagedkv.errors import (
     InvalidArgumentError,
     OutOfBlocksError,
     PositionError,
+    SlidingWindowError,
     StorageMismatchError,
     UnknownSequenceError,
 )
@@ -55,10 +57,12 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 @dataclass(slots=True, eq=False)
 class SeqState:
-    """One sequence in the cache. Invariants: `table` lists ceil(num_tokens / block_size)
-    blocks; `chain` (None: ids unknown, a bare count, never hashed) holds at least num_tokens
-    ids; num_hashed <= num_written // block_size, and its first num_hashed blocks were
-    registered under chain.hashes (a block keeps that hash until the pool drops it)."""
+    """One sequence in the cache. Invariants: each of `tables` (one TableRow per KV group,
+    all at the same buffer row; `table` is group 0's) lists ceil(num_tokens / block_size)
+    entries, a window group's leading ones NULL_BLOCK (given back); `chain` (None: ids
+    unknown, a bare count, never hashed) holds at least num_tokens ids;
+    num_hashed <= num_written // block_size, and its first num_hashed blocks were registered
+    under chain.hashes, keyed by group (a block keeps that hash until the pool drops it)."""
 
     seq_id: SeqId
     table: TableRow
@@ -68,10 +72,13 @@ class SeqState:
     num_hashed: int = 0  # leading blocks registered under their chain hash
     hash_limit: int | None = None  # blocks from here on were edited (seq_ops): never hashed
     tier_tokens: int = 0  # prompt tokens whose K/V were loaded from the KV tier at creation
+    tables: list[TableRow] = None  # type: ignore[assignment]  # per group; None: [table]
     blocks: list[Block] = field(init=False)  # table.blocks itself (the table edits it in place)
     row: int = field(init=False)  # table.index (fixed for the sequence's life)
 
     def __post_init__(self) -> None:
+        if self.tables is None:
+            self.tables = [self.table]
         self.blocks = self.table.blocks
         self.row = self.table.index
 
@@ -164,6 +171,7 @@ class PagedKVCache:
         enable_prefix_caching: bool = True,
         max_seq_len: int | None = None,
         bytes_per_block: int | None = None,
+        groups: KVGroups | None = None,
     ) -> None:
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise CacheConfigError(f"num_blocks must be a positive int, got {num_blocks!r}")
@@ -176,15 +184,30 @@ class PagedKVCache:
                 f"storage has {storage.num_blocks} blocks of {storage.block_size}, cache wants "
                 f"{num_blocks} of {block_size}"
             )
+        if groups is None:
+            groups = single_group(storage.num_layers if storage is not None else 1)
+        if not isinstance(groups, KVGroups):
+            raise CacheConfigError(f"groups must be KVGroups, got {groups!r:.80}")
+        if storage is not None and storage.num_layers != groups.layers_per_group:
+            raise StorageMismatchError(f"storage has {storage.num_layers} layers per block, the "
+                                       f"groups {groups.layers_per_group}")
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.storage = storage
         self.enable_prefix_caching = enable_prefix_caching
         self.bytes_per_block = bytes_per_block or (storage.bytes_per_block if storage else 0)
+        self.groups = groups
+        self.num_groups = groups.num_groups
+        # (group, window) of each sliding-window group; a plain cache (one full group) takes
+        # the single-group fast paths, exactly the cache before groups existed
+        self._windows = [(g, w) for g, w in enumerate(groups.windows) if w is not None]
+        self._full = [g for g, w in enumerate(groups.windows) if w is None]
+        self._plain = groups.num_groups == 1 and not self._windows
         self._pool = BlockPool(num_blocks)
         cols = _cdiv(max_seq_len, block_size) if max_seq_len else min(num_blocks, 64)
-        self.table = BlockTable(self._pool, block_size, cols,
-                                None if storage is None else storage.copy_blocks)
+        copy = None if storage is None else storage.copy_blocks
+        self.tables = [BlockTable(self._pool, block_size, cols, copy) for _ in groups.windows]
+        self.table = self.tables[0]
         self.seqs: dict[SeqId, SeqState] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -199,7 +222,16 @@ class PagedKVCache:
 
     @property
     def cow_copies(self) -> int:
-        return self.table.cow_copies
+        return sum(t.cow_copies for t in self.tables)
+
+    @property
+    def token_capacity(self) -> int:
+        """The most tokens one sequence can hold (all its groups' blocks allocated)."""
+        return self.num_blocks // self.num_groups * self.block_size
+
+    def group_key(self, h: bytes, group: int) -> bytes:
+        """The pool's key of group `group`'s block under chain hash h (group 0: h itself)."""
+        return h if group == 0 else h + group.to_bytes(2, "big")
 
     @property
     def num_evictions(self) -> int:
@@ -237,8 +269,26 @@ class PagedKVCache:
     def num_tokens(self, seq_id: SeqId) -> int:
         return self.seq(seq_id).num_tokens
 
-    def block_ids(self, seq_id: SeqId) -> list[int]:
-        return [b.block_id for b in self.seq(seq_id).blocks]
+    def block_ids(self, seq_id: SeqId, group: int = 0) -> list[int]:
+        """Group `group`'s block ids of the sequence (-1: a window group gave it back)."""
+        return [b.block_id for b in self._row(self.seq(seq_id), group).blocks]
+
+    def held_blocks(self, seq_id: SeqId) -> int:
+        """Blocks the sequence's tables hold, every group (given-back entries not counted)."""
+        return sum(len(r.blocks) - r.start for r in self.seq(seq_id).tables)
+
+    def seq_pos_min(self, seq_id: SeqId) -> int:
+        """The first position whose K/V every group still holds (llama.cpp's seq_pos_min):
+        0 unless a window group gave blocks back. Truncating below what the window needs from
+        here, or a range operation, is a SlidingWindowError."""
+        s = self.seq(seq_id)
+        return max((s.tables[g].start for g, _ in self._windows), default=0) * self.block_size
+
+    def _row(self, s: SeqState, group: int) -> TableRow:
+        if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < self.num_groups:
+            raise InvalidArgumentError(f"group must be an int in [0, {self.num_groups}), got "
+                                       f"{group!r:.40}")
+        return s.tables[group]
 
     def block_token_counts(self, seq_id: SeqId) -> list[int]:
         """Tokens this sequence holds in each of its blocks (all full but maybe the last)."""
@@ -254,27 +304,34 @@ class PagedKVCache:
         hashed = np.fromiter((b.hash is not None for b in blocks), np.bool_, n)
         return refs, hashed
 
-    def slot(self, seq_id: SeqId, pos: int) -> int:
-        """Cache slot of token `pos`: block_id * block_size + offset."""
+    def slot(self, seq_id: SeqId, pos: int, group: int = 0) -> int:
+        """Cache slot of token `pos` in group `group`: block_id * block_size + offset."""
         s = self.seq(seq_id)
+        r = self._row(s, group)
         pos = _as_int(pos)
         if not 0 <= pos < s.num_tokens:
             raise PositionError(f"position {pos} outside sequence {seq_id!r} of {s.num_tokens}")
         b, o = divmod(pos, self.block_size)
-        return s.blocks[b].block_id * self.block_size + o
+        if b < r.start:
+            raise SlidingWindowError(f"position {pos} of {seq_id!r}: group {group} gave its "
+                                     f"block back (before the window)")
+        return r.blocks[b].block_id * self.block_size + o
 
     def blocks_needed(self, num_tokens: int, seq_id: SeqId | None = None) -> int:
         """New blocks to hold `num_tokens` more tokens (for `seq_id`, or a new sequence)."""
         num_tokens = _as_int(num_tokens)
         if seq_id is None:
-            return _cdiv(num_tokens, self.block_size)
+            return _cdiv(num_tokens, self.block_size) * self.num_groups
         s = self.seq(seq_id)
         grow = _cdiv(s.num_tokens + num_tokens, self.block_size) - len(s.blocks)
-        return grow + int(num_tokens > 0 and self.needs_cow(s))
+        return grow * self.num_groups + (self.needs_cow(s) if num_tokens > 0 else 0)
 
-    def needs_cow(self, s: SeqState) -> bool:
-        """Would writing s's next token copy its last block first (partial and shared)?"""
-        return s.num_tokens % self.block_size != 0 and s.blocks[-1].ref_cnt > 1
+    def needs_cow(self, s: SeqState) -> int:
+        """Copies writing s's next token takes first: one per group whose last block is partial
+        and shared (a plain cache: 0 or 1)."""
+        if s.num_tokens % self.block_size == 0:
+            return 0
+        return sum(1 for r in s.tables if r.blocks[-1].ref_cnt > 1)
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -324,6 +381,8 @@ class PagedKVCache:
         (none of the I/O happens here)."""
         self.check_new_id(seq_id)
         chain, n = self._chain_of(token_ids, extra_key)
+        if not self._plain:
+            return self._try_create_groups(seq_id, chain, n, computed, reserve, tier_read)
         hits, limit = self._find_cached(chain, n)
         needed = _cdiv(n, self.block_size) - len(hits)
         revived = sum(1 for b in hits if b.ref_cnt == 0)  # touching them takes them off the queue
@@ -343,6 +402,44 @@ class PagedKVCache:
             self.prefix_hits += len(hits) * self.block_size
         if computed:
             self.mark_computed(seq_id, n)
+        return cached
+
+    def _try_create_groups(self, seq_id: SeqId, chain: HashChain | None, n: int, computed: bool,
+                           reserve: int, tier_read: object) -> int | OutOfBlocksError:
+        """try_create over several groups (or a window group): the hit is the longest prefix
+        every group can serve (`_prefix_len`); each group's table lists its hits (a window
+        group: NULL_BLOCK before the window, never allocated) then fresh blocks; tier blocks
+        are asked block-major over the groups and taken for whole blocks of every group."""
+        bs, ng = self.block_size, self.num_groups
+        m, limit = 0, 0
+        if chain is not None and self.enable_prefix_caching and n >= 2:
+            limit = min((n - 1) // bs, len(chain.hashes))
+            m = self._prefix_len(chain.hashes, limit)
+        hits = self._hits(chain.hashes, m) if m else [[] for _ in range(ng)]  # type: ignore[union-attr]
+        fresh = _cdiv(n, bs) - m
+        needed = fresh * ng
+        revived = sum(1 for h in hits for b in h if b is not NULL_BLOCK and b.ref_cnt == 0)
+        available = self._pool.num_free - revived - reserve
+        if needed > available:
+            return OutOfBlocksError(needed, available, f"sequence {seq_id!r}")
+        ask = self._tier_ask(chain.hashes, m, limit) if chain is not None and self.tier else []
+        loaded = self.tier.fetch(ask, chain.extra_key, tier_read) if ask else []  # type: ignore[union-attr]
+        t = len(loaded) // ng  # whole blocks: every group's part arrived
+        rows = [table.open(h, fresh) for table, h in zip(self.tables, hits, strict=True)]
+        assert len({r.index for r in rows}) == 1, "group tables out of step"
+        s = SeqState(seq_id, rows[0], chain, n, tables=rows)
+        self._load([rows[g].blocks[m + j] for j in range(t) for g in range(ng)], ask, loaded[: t * ng])
+        s.num_hashed = m + t
+        s.num_written = cached = s.num_hashed * bs
+        s.tier_tokens = t * bs
+        self.seqs[seq_id] = s
+        if chain is not None and self.enable_prefix_caching:
+            self.prefix_queries += n
+            self.prefix_hits += m * bs
+        if computed:
+            self.mark_computed(seq_id, n)
+        else:
+            self._release_window(s)
         return cached
 
     def _chain_of(self, token_ids: object, extra_key: object) -> tuple[HashChain | None, int]:
@@ -383,12 +480,13 @@ class PagedKVCache:
             return
         self._check_growth(s, ids, k)
         grow = _cdiv(s.num_tokens + k, self.block_size) - len(s.blocks)
-        cow = self.needs_cow(s)
-        if grow + cow > self._pool.num_free:
-            raise OutOfBlocksError(grow + cow, self._pool.num_free, f"append to {seq_id!r}")
-        if s.num_tokens % self.block_size:
-            self.table.before_write(s.table, len(s.blocks) - 1)
-        self.table.grow(s.table, grow)
+        need = grow * self.num_groups + self.needs_cow(s)
+        if need > self._pool.num_free:
+            raise OutOfBlocksError(need, self._pool.num_free, f"append to {seq_id!r}")
+        for table, r in zip(self.tables, s.tables, strict=True):
+            if s.num_tokens % self.block_size:
+                table.before_write(r, len(r.blocks) - 1)
+            table.grow(r, grow)
         if ids is not None and s.chain is not None:
             s.chain.extend(ids)
         s.num_tokens += k
@@ -444,11 +542,13 @@ class PagedKVCache:
         need = self._one_each_need(seqs)
         if need > self._pool.num_free:
             raise OutOfBlocksError(need, self._pool.num_free, "decode step")
-        table = self.table
+        table, plain = self.table, self._plain
         for i, s in enumerate(seqs):
             n = s.num_tokens
             blocks = s.blocks
-            if n % bs == 0:
+            if not plain:
+                self._grow_one_groups(s)
+            elif n % bs == 0:
                 table.grow(s.table, 1)
             elif blocks[-1].ref_cnt > 1 or blocks[-1].hash is not None:
                 table.before_write(s.table, len(blocks) - 1)
@@ -463,6 +563,18 @@ class PagedKVCache:
                 s.num_written = n
                 if n % bs == 0:
                     self._register(s)
+                if not plain:
+                    self._release_window(s)
+
+    def _grow_one_groups(self, s: SeqState) -> None:
+        """append_one_each's growth of one sequence in every group."""
+        at_boundary = s.num_tokens % self.block_size == 0
+        for table, r in zip(self.tables, s.tables, strict=True):
+            last = r.blocks[-1] if r.blocks else None
+            if at_boundary:
+                table.grow(r, 1)
+            elif last.ref_cnt > 1 or last.hash is not None:  # type: ignore[union-attr]
+                table.before_write(r, len(r.blocks) - 1)
 
     def blocks_needed_one_each(self, seq_ids: Sequence[SeqId]) -> int:
         """Free blocks `append_one_each(seq_ids)` takes: a new block for each sequence at a block
@@ -471,16 +583,18 @@ class PagedKVCache:
         return self._one_each_need(self._seqs_of(seq_ids))
 
     def _one_each_need(self, seqs: list[SeqState]) -> int:
-        bs = self.block_size
+        bs, ng = self.block_size, self.num_groups
         need = 0
         sharers: dict[int, list] = {}  # shared partial block id -> [block, holders in batch]
         for s in seqs:
             if s.num_tokens % bs == 0:
-                need += 1
-            elif s.blocks[-1].ref_cnt > 1:
-                b = s.blocks[-1]
-                got = sharers.setdefault(b.block_id, [b, 0])
-                got[1] += 1
+                need += ng
+                continue
+            for r in s.tables:
+                b = r.blocks[-1]
+                if b.ref_cnt > 1:
+                    got = sharers.setdefault(b.block_id, [b, 0])
+                    got[1] += 1
         for b, k in sharers.values():
             need += k - (k == b.ref_cnt)
         return need
@@ -495,21 +609,50 @@ class PagedKVCache:
         if num_tokens > s.num_written:
             s.num_written = num_tokens
         self._register(s)
+        if self._windows:
+            self._release_window(s)
 
     def _register(self, s: SeqState) -> None:
-        """Register s's full written blocks not registered yet under their chain hashes."""
+        """Register s's full written blocks not registered yet under their chain hashes (each
+        group's under its group key)."""
         if not self.enable_prefix_caching or s.chain is None:
             return
         hashes = s.chain.hashes
         stop = min(s.num_written // self.block_size, len(hashes))
         if s.hash_limit is not None:
             stop = min(stop, s.hash_limit)
+        if not self._plain:
+            self._register_groups(s, stop)
+            return
         blocks = s.blocks
         for i in range(s.num_hashed, stop):
             self._pool.set_hash(blocks[i], hashes[i])
             if self.tier is not None:
                 self.tier.offer(hashes[i], blocks[i], s.chain.extra_key)
         s.num_hashed = max(s.num_hashed, stop)
+
+    def _register_groups(self, s: SeqState, stop: int) -> None:
+        hashes, key, tier = s.chain.hashes, self.group_key, self.tier  # type: ignore[union-attr]
+        for i in range(s.num_hashed, stop):
+            for g, r in enumerate(s.tables):
+                b = r.blocks[i]
+                if b is NULL_BLOCK:
+                    continue
+                k = key(hashes[i], g)
+                self._pool.set_hash(b, k)
+                if tier is not None:
+                    tier.offer(k, b, s.chain.extra_key)  # type: ignore[union-attr]
+        s.num_hashed = max(s.num_hashed, stop)
+
+    def _release_window(self, s: SeqState) -> None:
+        """Window groups give back the blocks wholly before what the next computed position
+        (num_written) attends to: p - window < j. Hashed ones stay cached (still hits)."""
+        bs = self.block_size
+        for g, w in self._windows:
+            first = max(0, s.num_written - w + 1) // bs
+            r = s.tables[g]
+            if first > r.start:
+                self.tables[g].release_before(r, first)
 
     def fork(self, src: SeqId, dst: SeqId, chain: HashChain | None = None) -> None:
         """`dst` shares every block of `src` (ref counts + 1); writes copy on demand.
@@ -524,14 +667,16 @@ class PagedKVCache:
             raise CacheConfigError(f"fork {dst!r}: the owner's chain must hold src's tokens")
         if chain is None and s.chain is not None:
             chain = s.chain.prefix(s.num_tokens)
-        t = SeqState(dst, self.table.open(s.blocks), chain, s.num_tokens, s.num_written,
-                     s.num_hashed, s.hash_limit)
+        rows = [table.open(r.blocks) for table, r in zip(self.tables, s.tables, strict=True)]
+        t = SeqState(dst, rows[0], chain, s.num_tokens, s.num_written, s.num_hashed,
+                     s.hash_limit, tables=rows)
         self.seqs[dst] = t
 
     def free(self, seq_id: SeqId) -> None:
         """Release a sequence: its blocks lose one reference, tail first (evicted first)."""
         s = self.seq(seq_id)
-        self.table.close(s.table)
+        for table, r in zip(self.tables, s.tables, strict=True):
+            table.close(r)
         del self.seqs[seq_id]
 
     def truncate(self, seq_id: SeqId, num_tokens: int) -> None:
@@ -542,14 +687,22 @@ class PagedKVCache:
         if not 0 <= num_tokens <= s.num_tokens:
             raise PositionError(f"cannot truncate {seq_id!r} of {s.num_tokens} to {num_tokens}")
         bs = self.block_size
-        self.table.cut(s.table, _cdiv(num_tokens, bs))
+        for g, w in self._windows:  # the next position (num_tokens) attends p - window < j
+            if s.tables[g].start > max(0, num_tokens - w + 1) // bs:
+                raise SlidingWindowError(
+                    f"cannot truncate {seq_id!r} to {num_tokens}: its window of {w} tokens "
+                    f"reaches back before position {self.seq_pos_min(seq_id)}, given back")
+        for table, r in zip(self.tables, s.tables, strict=True):
+            table.cut(r, _cdiv(num_tokens, bs))
         if s.chain is not None:
             s.chain.delete(num_tokens, s.num_tokens)
         s.num_tokens = num_tokens
         s.num_written = min(s.num_written, num_tokens)
         s.num_hashed = min(s.num_hashed, num_tokens // bs)
-        if num_tokens % bs and s.blocks[-1].ref_cnt == 1:
-            self.table.forget_hash(s.blocks[-1])  # partial again: it will be overwritten
+        if num_tokens % bs:
+            for table, r in zip(self.tables, s.tables, strict=True):
+                if r.blocks[-1].ref_cnt == 1:
+                    table.forget_hash(r.blocks[-1])  # partial again: it will be overwritten
 
     def reset_prefix_cache(self) -> None:
         """Empty the prefix index; blocks in use keep serving their sequences."""
@@ -568,16 +721,35 @@ class PagedKVCache:
         self.rotate_k = fn
 
     def remove(self, seq_id: SeqId, start: int, end: int) -> None:
-        """Drop positions [start, end); later positions move down (see `seq_ops.remove`)."""
+        """Drop positions [start, end); later positions move down (see `seq_ops.remove`).
+        With groups, only a removal of the tail (a truncate) is possible."""
+        s = self.seq(seq_id)
+        if not self._plain and not (isinstance(end, int) and end == s.num_tokens):
+            self._refuse_range_op("remove", seq_id)
         seq_ops.remove(self, seq_id, start, end)
 
     def copy(self, src: SeqId, dst: SeqId, start: int, end: int) -> None:
         """Append src's positions [start, end) to `dst` (see `seq_ops.copy`)."""
+        if not self._plain:
+            self._refuse_range_op("copy", src)
         seq_ops.copy(self, src, dst, start, end)
 
     def shift(self, seq_id: SeqId, start: int, end: int, delta: int) -> None:
         """Re-rotate K of positions [start, end) by `delta` (see `seq_ops.shift`)."""
+        if not self._plain:
+            self._refuse_range_op("shift", seq_id)
         seq_ops.shift(self, seq_id, start, end, delta)
+
+    def _refuse_range_op(self, op: str, seq_id: SeqId) -> None:
+        """Range operations rewrite positions in place; a window group has given blocks back
+        (or will), and the storage layers of a block belong to a different layer per group, so
+        with groups they are refused, before anything changes (llama.cpp refuses seq_rm in
+        an SWA cache below seq_pos_min the same way)."""
+        self.seq(seq_id)
+        raise SlidingWindowError(
+            f"{op} on {seq_id!r}: range operations need one full-attention KV group; this cache "
+            f"has {self.groups.describe()} (--disable-hybrid-kv-cache-manager keeps every layer "
+            f"whole)")
 
     # --- prefix lookup, cached blocks, tiers --------------------------------------------------
 
@@ -591,14 +763,60 @@ class PagedKVCache:
         return self.cached_prefix_len(hashes) * self.block_size
 
     def cached_prefix_len(self, hashes: Sequence[bytes], limit: int | None = None) -> int:
-        """How many leading hashes of a chain (at most `limit`) name blocks the device holds
-        (in use or cached free); no state change."""
-        lookup = self._pool.hash_to_block.get
+        """How many leading blocks of a chain (at most `limit`) a new sequence would get from
+        the device (in use or cached free); no state change. With groups: the longest prefix
+        every full group holds whole and every window group holds the window of."""
         n = len(hashes) if limit is None else min(limit, len(hashes))
+        if not self._plain:
+            return self._prefix_len(hashes, n)
+        lookup = self._pool.hash_to_block.get
         i = 0
         while i < n and lookup(hashes[i]) is not None:
             i += 1
         return i
+
+    def _prefix_len(self, hashes: Sequence[bytes], limit: int) -> int:
+        """The hit in blocks over groups: full groups left to right (each must hold every
+        block), then window groups right to left (vLLM's rule): a candidate m needs, in each
+        window group, the blocks from the window's first one, max(0, m*bs - w + 1) // bs, to
+        m - 1; a miss at block i moves the candidate down to i."""
+        lookup, key, bs = self._pool.hash_to_block.get, self.group_key, self.block_size
+        m = limit
+        for g in self._full:
+            i = 0
+            while i < m and lookup(key(hashes[i], g)) is not None:
+                i += 1
+            m = i
+        while m > 0:
+            miss = None
+            for g, w in self._windows:
+                for i in range(m - 1, max(0, m * bs - w + 1) // bs - 1, -1):
+                    if lookup(key(hashes[i], g)) is None:
+                        miss = i
+                        break
+                if miss is not None:
+                    break
+            if miss is None:
+                return m
+            m = miss
+        return 0
+
+    def _hits(self, hashes: Sequence[bytes], m: int) -> list[list[Block]]:
+        """Per group, the table entries of an m-block hit (`_prefix_len` found them all)."""
+        lookup, key, bs = self._pool.hash_to_block.__getitem__, self.group_key, self.block_size
+        out = []
+        for g, w in enumerate(self.groups.windows):
+            lo = 0 if w is None else max(0, m * bs - w + 1) // bs
+            out.append([NULL_BLOCK] * lo + [lookup(key(hashes[i], g)) for i in range(lo, m)])
+        return out
+
+    def _tier_ask(self, hashes: Sequence[bytes], first: int, limit: int) -> list[bytes]:
+        """Tier keys of blocks [first, limit): block-major over the groups (a plain cache:
+        the chain hashes themselves), so a run of k arrived parts is k // groups whole blocks."""
+        if self._plain:
+            return list(hashes[first:limit])
+        key, ng = self.group_key, self.num_groups
+        return [key(h, g) for h in hashes[first:limit] for g in range(ng)]
 
     def _find_cached(self, chain: HashChain | None, n: int) -> tuple[list[Block], int]:
         """(the blocks of the longest cached prefix of chain's first n ids, capped at n - 1
@@ -667,7 +885,7 @@ class PagedKVCache:
         i = self.cached_prefix_len(chain.hashes, limit)
         if i >= limit:
             return None
-        return self.tier.read_ahead(chain.hashes[i:limit], chain.extra_key, timeout)
+        return self.tier.read_ahead(self._tier_ask(chain.hashes, i, limit), chain.extra_key, timeout)
 
     def wait_reads(self, reads: Sequence[object], timeout: float) -> None:
         """Block until one of the read-aheads is done or `timeout` passes."""
@@ -681,10 +899,11 @@ class PagedKVCache:
     # --- batched tensors for a step -----------------------------------------------------------
 
     def slot_mapping(
-        self, seq_ids: Sequence[SeqId], num_new: Sequence[int] | int = 1
+        self, seq_ids: Sequence[SeqId], num_new: Sequence[int] | int = 1, group: int = 0
     ) -> torch.Tensor:
-        """int64 [sum(num_new)]: slots of each sequence's last num_new tokens, in order."""
+        """int64 [sum(num_new)]: group `group`'s slots of each sequence's last num_new tokens."""
         seqs = self._seqs_of(seq_ids)
+        table = self._table_of(group)
         if isinstance(num_new, int) and not isinstance(num_new, bool):
             num_new = [num_new] * len(seqs)
         num_new = _check_ids(_as_list(num_new))
@@ -693,20 +912,37 @@ class PagedKVCache:
         for s, k in zip(seqs, num_new, strict=True):
             if not 0 <= k <= s.num_tokens:
                 raise PositionError(f"{k} new tokens outside sequence {s.seq_id!r} of {s.num_tokens}")
+        for s, k in zip(seqs, num_new, strict=True):
+            if k and s.num_tokens - k < self._first_held(s, group):
+                raise SlidingWindowError(f"{s.seq_id!r}: group {group} gave those blocks back")
         rows = np.fromiter((s.row for s in seqs), np.int64, len(seqs))
         ends = np.fromiter((s.num_tokens for s in seqs), np.int64, len(seqs))
-        return torch.from_numpy(self._slots(rows, ends, np.asarray(num_new, dtype=np.int64)))
+        return torch.from_numpy(self._slots(rows, ends, np.asarray(num_new, dtype=np.int64), table))
 
-    def slots(self, seq_id: SeqId, start: int, end: int) -> torch.Tensor:
-        """int64 [end - start]: slots of positions start..end-1 of one sequence (prefill chunks)."""
+    def slots(self, seq_id: SeqId, start: int, end: int, group: int = 0) -> torch.Tensor:
+        """int64 [end - start]: group `group`'s slots of positions start..end-1 of one sequence
+        (prefill chunks)."""
         s = self.seq(seq_id)
+        table = self._table_of(group)
         start, end = _as_int(start), _as_int(end)
         if not 0 <= start <= end <= s.num_tokens:
             raise PositionError(f"range {start}..{end} outside sequence {seq_id!r} of {s.num_tokens}")
+        if start < end and start < self._first_held(s, group):
+            raise SlidingWindowError(f"{seq_id!r}: group {group} gave position {start}'s block back")
         pos = np.arange(start, end, dtype=np.int64)
-        return torch.from_numpy(self.table.slots(s.row, pos))
+        return torch.from_numpy(table.slots(s.row, pos))
 
-    def _slots(self, rows: np.ndarray, ends: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    def _table_of(self, group: int) -> BlockTable:
+        if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < self.num_groups:
+            raise InvalidArgumentError(f"group must be an int in [0, {self.num_groups}), got "
+                                       f"{group!r:.40}")
+        return self.tables[group]
+
+    def _first_held(self, s: SeqState, group: int) -> int:
+        return s.tables[group].start * self.block_size
+
+    def _slots(self, rows: np.ndarray, ends: np.ndarray, counts: np.ndarray,
+               table: BlockTable | None = None) -> np.ndarray:
         if counts.size and (counts == 1).all():  # decode: one token each
             pos = ends - 1
         else:
@@ -714,32 +950,38 @@ class PagedKVCache:
             starts = np.cumsum(counts) - counts
             pos = (ends - counts)[seq_idx] + np.arange(len(seq_idx)) - starts[seq_idx]
             rows = rows[seq_idx]
-        return self.table.slots(rows, pos)
+        return (table or self.table).slots(rows, pos)
 
-    def block_tables(self, seq_ids: Sequence[SeqId]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(int32 [B, max_blocks] block tables padded with 0, int32 [B] context lengths)."""
+    def block_tables(self, seq_ids: Sequence[SeqId], group: int = 0
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int32 [B, max_blocks] group `group`'s block tables padded with 0 (a window group's
+        given-back entries are 0 too, never read), int32 [B] context lengths)."""
         seqs = self._seqs_of(seq_ids)
+        table = self._table_of(group)
         rows = np.fromiter((s.row for s in seqs), np.int64, len(seqs))
         lens = np.fromiter((s.num_tokens for s in seqs), np.int32, len(seqs))
-        return self._tables_of(rows, lens), torch.from_numpy(lens)
+        return self._tables_of(rows, lens, table), torch.from_numpy(lens)
 
-    def _tables_of(self, rows: np.ndarray, lens: np.ndarray) -> torch.Tensor:
+    def _tables_of(self, rows: np.ndarray, lens: np.ndarray,
+                   table: BlockTable | None = None) -> torch.Tensor:
         width = max(1, -(-int(lens.max()) // self.block_size)) if lens.size else 1
-        return self.table.tables(rows, width)
+        return (table or self.table).tables(rows, width)
 
     def decode_tensors(
-        self, seq_ids: Sequence[SeqId]
+        self, seq_ids: Sequence[SeqId], group: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One decode step's (slot_mapping int64 [B], block_tables int32 [B, W], seq_lens int32 [B])
-        for sequences whose newest token is the one being computed; built in one pass."""
+        in group `group`, for sequences whose newest token is the one being computed; built in
+        one pass."""
         seqs = self._seqs_of(seq_ids)
+        table = self._table_of(group)
         rows = np.fromiter((s.row for s in seqs), np.int64, len(seqs))
         lens = np.fromiter((s.num_tokens for s in seqs), np.int64, len(seqs))
         if lens.size and lens.min() < 1:
             raise PositionError("decode_tensors needs sequences holding at least one token")
-        slots = self.table.slots(rows, lens - 1)
+        slots = table.slots(rows, lens - 1)
         lens32 = lens.astype(np.int32)
-        return torch.from_numpy(slots), self._tables_of(rows, lens32), torch.from_numpy(lens32)
+        return torch.from_numpy(slots), self._tables_of(rows, lens32, table), torch.from_numpy(lens32)
 
     def check_new_id(self, seq_id: SeqId) -> None:
         try:
@@ -764,10 +1006,11 @@ class PagedKVCache:
         bs = self.block_size
         fill: dict[int, int] = {}
         for s in self.seqs.values():
-            for i, b in enumerate(s.blocks):
-                n = min(bs, s.num_tokens - i * bs)
-                if n > fill.get(b.block_id, 0):
-                    fill[b.block_id] = n
+            for r in s.tables:
+                for i in range(r.start, len(r.blocks)):
+                    b, n = r.blocks[i], min(bs, s.num_tokens - i * bs)
+                    if n > fill.get(b.block_id, 0):
+                        fill[b.block_id] = n
         used = self.num_blocks - self._pool.num_free
         live = sum(fill.values())
         free_flags = [b.ref_cnt == 0 for b in self._pool.blocks]
@@ -794,7 +1037,7 @@ class PagedKVCache:
             external_fragmentation=1.0 - best / free if free else 0.0,
             allocations=self._pool.allocations,
             frees=self._pool.frees,
-            cow_copies=self.table.cow_copies,
+            cow_copies=self.cow_copies,
             evictions=self._pool.evictions,
             prefix_queries=self.prefix_queries,
             prefix_hits=self.prefix_hits,
@@ -826,7 +1069,8 @@ class PagedKVCache:
             src, dst = zip(*moves, strict=True)
             self.storage.copy_blocks(list(src), list(dst))
         for s in self.seqs.values():
-            self.table.refresh(s.table)
+            for table, r in zip(self.tables, s.tables, strict=True):
+                table.refresh(r)
         return len(moves)
 
     # --- invariants ---------------------------------------------------------------------------
@@ -835,10 +1079,21 @@ class PagedKVCache:
         """Assert the whole state is consistent (tests call this after every operation)."""
         pool = self._pool
         pool.check_invariants()
-        self.table.check([s.table for s in self.seqs.values()])
+        refs = [0] * self.num_blocks
+        for g, table in enumerate(self.tables):
+            table.check([s.tables[g] for s in self.seqs.values()], refs)
+        pool.check_refs(refs)
         bs = self.block_size
         for s in self.seqs.values():
-            assert len(s.blocks) == _cdiv(s.num_tokens, bs), f"{s.seq_id!r}: block count"
+            assert len(s.tables) == self.num_groups and s.table is s.tables[0]
+            assert len({r.index for r in s.tables}) == 1, f"{s.seq_id!r}: rows out of step"
+            for g, r in enumerate(s.tables):
+                assert len(r.blocks) == _cdiv(s.num_tokens, bs), f"{s.seq_id!r}: block count"
+                w = self.groups.windows[g]
+                if w is None:
+                    assert r.start == 0, f"{s.seq_id!r}: a full group gave a block back"
+                else:  # never a block the next computed position still reads
+                    assert r.start <= max(0, s.num_written - w + 1) // bs, f"{s.seq_id!r}: window"
             assert 0 <= s.num_written <= s.num_tokens
             assert 0 <= s.num_hashed <= s.num_written // bs
             if s.chain is None:
@@ -847,7 +1102,9 @@ class PagedKVCache:
             c = s.chain
             assert len(c) >= s.num_tokens, f"{s.seq_id!r}: chain shorter than the sequence"
             assert len(c.hashes) == (len(c) // bs if c.hashed else 0), f"{s.seq_id!r}: chain"
-            for i, b in enumerate(s.blocks[: s.num_hashed]):
-                assert b.hash is None or b.hash == c.hashes[i], f"{s.seq_id!r}: block {i} hash"
+            for g, r in enumerate(s.tables):
+                for i, b in enumerate(r.blocks[: s.num_hashed]):
+                    assert b.hash is None or b.hash == self.group_key(c.hashes[i], g), (
+                        f"{s.seq_id!r}: group {g} block {i} hash")
         used = self.num_blocks - pool.num_free
         assert sum(1 for b in pool.blocks if b.ref_cnt) == used, "free + used != total"

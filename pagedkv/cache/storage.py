@@ -134,6 +134,21 @@ class KVStorage:
         )
         # per-layer views, built once (the model reads one per layer per step)
         self.layers = [self._layer_view(i) for i in range(num_layers)]
+        # the model's layers: each one's view and KV group (`bind_groups`; unbound: model
+        # layer i is storage layer i, all in group 0)
+        self.model_layers = self.layers
+        self.layer_group: tuple[int, ...] = (0,) * num_layers
+        self.groups_desc = ""
+
+    def bind_groups(self, groups) -> None:  # noqa: ANN001 (a cache.groups.KVGroups)
+        """Map the model's layers onto the storage's by KV group: model layer i reads storage
+        layer `groups.layer_slot[i]` through group `groups.layer_group[i]`'s block table."""
+        if groups.layers_per_group != self.num_layers:
+            raise StorageMismatchError(f"groups of {groups.layers_per_group} layers for a "
+                                       f"storage of {self.num_layers}")
+        self.model_layers = [self.layers[k] for k in groups.layer_slot]
+        self.layer_group = groups.layer_group
+        self.groups_desc = groups.describe() if groups.num_groups > 1 or groups.has_windows else ""
 
     @classmethod
     def from_budget(
@@ -203,10 +218,11 @@ class KVStorage:
     def layout(self) -> str:
         """Identifies the byte format of a block (see block_bytes): two storages can exchange
         blocks exactly when their layouts are equal."""
-        return (
+        out = (
             f"pagedkv-kv1:{self.dtype_name}:L{self.num_layers}:bs{self.block_size}"
             f":H{self.num_kv_heads}:D{self.head_dim}"
         )
+        return out + (f":groups[{self.groups_desc}]" if self.groups_desc else "")
 
     # --- writes and reads ---------------------------------------------------------------------
 

@@ -133,11 +133,13 @@ class BeamSearch:
 
     def _worst_blocks(self, prompts: list[list[int]]) -> int:
         """Blocks the beams of `prompts` could hold if nothing were shared."""
-        bs, k = self.engine.cache.block_size, self.params.beam_width
-        return sum(k * (-(-(len(ids) + self.params.max_tokens) // bs) + 1) for ids in prompts)
+        cache, k = self.engine.cache, self.params.beam_width
+        bs, groups = cache.block_size, cache.num_groups
+        return sum(k * groups * (-(-(len(ids) + self.params.max_tokens) // bs) + 1)
+                   for ids in prompts)
 
     def _check(self, ids: list[int]) -> None:
-        cap = min(self.engine.max_model_len, self.engine.cache.num_blocks * self.engine.cache.block_size)
+        cap = min(self.engine.max_model_len, self.engine.cache.token_capacity)
         if len(ids) >= self.engine.max_model_len:
             raise RequestTooLongError(f"prompt of {len(ids)} tokens leaves no room in a context "
                                       f"of {self.engine.max_model_len}")

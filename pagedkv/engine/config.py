@@ -74,6 +74,10 @@ class EngineConfig:
                                        parse=positive_int)
     enable_prefix_caching: bool = option(True, "turn prefix caching off",
                                          flag="--no-prefix-caching")
+    disable_hybrid_kv_cache_manager: bool = option(
+        False, "a model with sliding-window layers keeps every layer's whole context in one KV "
+               "group (by default window layers form their own groups and give back the blocks "
+               "before their window: less memory, no range operations or context shift)")
     context_shift: bool = option(
         False, "a sequence that fills the context keeps its first --n-keep tokens, drops the "
                "next --n-discard and goes on (llama.cpp's context shift) instead of finishing "

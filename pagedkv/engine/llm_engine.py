@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from pagedkv.cache import KVStorage, PagedKVCache
+from pagedkv.cache.groups import kv_groups
 from pagedkv.cache.quant import resolve_kv_cache_dtype
 from pagedkv.cache.sizing import parse_size
 from pagedkv.cache.storage import num_blocks_for_budget
@@ -29,7 +30,7 @@ from pagedkv.engine.sequence import CompletionOutput, Request, RequestOutput, Se
 from pagedkv.engine.step_plan import StepPlan
 from pagedkv.engine.structured import GrammarCompiler
 from pagedkv.engine.tiers import EngineTiers
-from pagedkv.errors import InvalidParamsError, RequestTooLongError
+from pagedkv.errors import CacheConfigError, InvalidParamsError, RequestTooLongError
 
 Prompt = str | list[int] | list[dict]
 
@@ -103,17 +104,25 @@ class LLMEngine:
         kv_dtype = kv_dtype or wdtype  # "auto": the model's dtype
         # not capped by the cache: a request that could never fit it is rejected instead
         self.max_model_len = c.context_len(cfg.max_position_embeddings)
+        # KV cache groups: window layers apart unless the hybrid manager is off (groups.py)
+        groups = kv_groups([cfg.layer_window(i) for i in range(cfg.num_layers)],
+                           hybrid=not c.disable_hybrid_kv_cache_manager)
         num_blocks = c.num_blocks or num_blocks_for_budget(
-            c.kv_cache_bytes, cfg.num_layers, c.block_size, cfg.num_kv_heads, cfg.head_dim,
-            kv_dtype)
-        self.storage = KVStorage(cfg.num_layers, num_blocks, c.block_size, cfg.num_kv_heads,
-                                 cfg.head_dim, kv_dtype)
+            c.kv_cache_bytes, groups.layers_per_group, c.block_size, cfg.num_kv_heads,
+            cfg.head_dim, kv_dtype)
+        self.storage = KVStorage(groups.layers_per_group, num_blocks, c.block_size,
+                                 cfg.num_kv_heads, cfg.head_dim, kv_dtype)
+        self.storage.bind_groups(groups)
         self.cache = PagedKVCache(num_blocks, c.block_size, storage=self.storage,
                                   enable_prefix_caching=c.enable_prefix_caching,
-                                  max_seq_len=self.max_model_len)
+                                  max_seq_len=self.max_model_len, groups=groups)
         self.context_shift = ContextShift(c.n_keep, c.n_discard) if c.context_shift else None
         if self.context_shift is not None:
-            self.context_shift.check(self.max_model_len, num_blocks * c.block_size)
+            if groups.has_windows:
+                raise CacheConfigError(
+                    "context_shift moves K/V that sliding-window KV groups give back "
+                    f"({groups.describe()}); use it with --disable-hybrid-kv-cache-manager")
+            self.context_shift.check(self.max_model_len, self.cache.token_capacity)
             self.cache.register_rotation(self.loaded.model.shift_keys)
         self.scheduler = Scheduler(self.cache, c.max_num_seqs, c.max_num_batched_tokens,
                                    max_model_len=self.max_model_len,
@@ -212,7 +221,7 @@ class LLMEngine:
                 f"prompt of {len(ids)} tokens is over the context-shift limit of "
                 f"{self.max_prompt_len}"
             )
-        capacity = self.cache.num_blocks * self.cache.block_size
+        capacity = self.cache.token_capacity
         if shift is None and min(len(ids) + params.max_tokens, self.max_model_len) > capacity:
             raise RequestTooLongError(
                 f"prompt ({len(ids)}) + max_tokens ({params.max_tokens}) exceeds the KV cache "

@@ -17,6 +17,6 @@ class ModelRunner:
     def run(self, plan: StepPlan) -> torch.Tensor:
         """Logits [R, V] for the plan's R samplers (row i for `plan.samplers[i]`)."""
         with torch.inference_mode():
-            logits = self.model(plan.input_ids, plan.positions, self.storage, plan.meta,
+            logits = self.model(plan.input_ids, plan.positions, self.storage, plan.metas or plan.meta,
                                 plan.logits_indices)
         return logits[: len(plan.samplers)]

@@ -86,7 +86,7 @@ class Scheduler:
         child.num_scheduled = parent.num_scheduled
         child.status = Status.RUNNING
         self.running.append(child)
-        return len(self.cache.block_ids(child.seq_id))
+        return self.cache.held_blocks(child.seq_id)
 
     # --- one step -----------------------------------------------------------------------------
 

@@ -38,7 +38,8 @@ class StepPlan:
     decodes: list[Sequence] = field(default_factory=list)
     input_ids: torch.Tensor = _EMPTY_I64  # [T] int64
     positions: torch.Tensor = _EMPTY_I64  # [T] int64
-    meta: AttentionMetadata | None = None
+    meta: AttentionMetadata | None = None  # KV group 0's (the only one of a plain cache)
+    metas: tuple[AttentionMetadata, ...] = ()  # every group's, group 0's first (meta itself)
     logits_indices: torch.Tensor = _EMPTY_I64  # [max(R, 1)] int64
     samplers: list[Sequence] = field(default_factory=list)  # R sequences that sample this step
 
@@ -64,29 +65,43 @@ def build_plan(
         return plan
     ids: list[int] = []
     pos: list[torch.Tensor] = []
-    slots: list[torch.Tensor] = []
     rows: list[int] = []
     for p in prefills:
         s = p.seq
         ids.extend(s.ctx_ids(p.start, p.end))
         pos.append(torch.arange(p.start, p.end, dtype=torch.int64))
-        slots.append(cache.slots(s.seq_id, p.start, p.end))
         if p.end == s.num_ctx:  # prompt done: its last token's logits sample
             rows.append(len(ids) - 1)
             plan.samplers.append(s)
-    prefill_tables = _EMPTY_TABLE
-    if any(p.start > 0 for p in prefills):
-        prefill_tables = cache.block_tables([p.seq.seq_id for p in prefills])[0]
-    dec_tables, dec_lens = _EMPTY_TABLE, _EMPTY_I32
     if decodes:
-        dec_slots, dec_tables, dec_lens = cache.decode_tensors([s.seq_id for s in decodes])
         first = len(ids)
         ids.extend([s.token_ids[-1] for s in decodes])
-        pos.append(dec_lens.to(torch.int64) - 1)
-        slots.append(dec_slots)
         rows.extend(range(first, first + len(decodes)))
         plan.samplers.extend(decodes)
-    plan.meta = AttentionMetadata(
+    plan.metas = tuple(_group_meta(cache, g, prefills, decodes, pos)
+                       for g in range(cache.num_groups))
+    plan.meta = plan.metas[0]
+    plan.input_ids = torch.tensor(ids, dtype=torch.int64)
+    plan.positions = _cat(pos)
+    plan.logits_indices = torch.tensor(rows or [len(ids) - 1], dtype=torch.int64)
+    return plan
+
+
+def _group_meta(cache: PagedKVCache, group: int, prefills: list[ScheduledPrefill],
+                decodes: list[Sequence], pos: list[torch.Tensor]) -> AttentionMetadata:
+    """One KV group's metadata (its slots and block tables); group 0 also appends the decode
+    positions to `pos` (every group has the same lengths)."""
+    slots = [cache.slots(p.seq.seq_id, p.start, p.end, group) for p in prefills]
+    prefill_tables = _EMPTY_TABLE
+    if any(p.start > 0 for p in prefills):
+        prefill_tables = cache.block_tables([p.seq.seq_id for p in prefills], group)[0]
+    dec_tables, dec_lens = _EMPTY_TABLE, _EMPTY_I32
+    if decodes:
+        dec_slots, dec_tables, dec_lens = cache.decode_tensors([s.seq_id for s in decodes], group)
+        if group == 0:
+            pos.append(dec_lens.to(torch.int64) - 1)
+        slots.append(dec_slots)
+    return AttentionMetadata(
         slot_mapping=_cat(slots),
         prefill_query_lens=[p.end - p.start for p in prefills],
         prefill_context_lens=[p.start for p in prefills],
@@ -95,10 +110,6 @@ def build_plan(
         decode_seq_lens=dec_lens,
         max_decode_seq_len=int(dec_lens.numpy().max()) if decodes else 0,
     )
-    plan.input_ids = torch.tensor(ids, dtype=torch.int64)
-    plan.positions = _cat(pos)
-    plan.logits_indices = torch.tensor(rows or [len(ids) - 1], dtype=torch.int64)
-    return plan
 
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -31,7 +31,7 @@ from torch import nn
 from pagedkv.attention.metadata import AttentionMetadata
 from pagedkv.attention.paged import paged_attention
 from pagedkv.cache.storage import KVStorage, LayerKV
-from pagedkv.errors import ModelLoadError
+from pagedkv.errors import ModelLoadError, StorageMismatchError
 from pagedkv.model import qkernel
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.packed import linear as packed_linear
@@ -386,11 +386,18 @@ class LlamaModel(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv: KVStorage,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | tuple[AttentionMetadata, ...],
         logits_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids/positions [T] int64 -> logits [B, vocab] float32 for rows `logits_indices`
-        ([B] int64; None: all T rows)."""
+        ([B] int64; None: all T rows). `meta`: one AttentionMetadata per KV group of `kv`
+        (a single one for a storage of one group); layer i attends through group
+        `kv.layer_group[i]`'s and reads `kv.model_layers[i]`."""
+        metas = (meta,) if isinstance(meta, AttentionMetadata) else tuple(meta)
+        groups = kv.layer_group
+        if len(metas) <= max(groups, default=0):
+            raise StorageMismatchError(f"{len(metas)} attention metadata for a KV storage of "
+                                       f"{max(groups) + 1} groups")
         if self.embed_q is not None:
             x = self.embed_q.rows(input_ids)  # [T, H]: only the looked-up rows are dequantized
         else:
@@ -407,9 +414,9 @@ class LlamaModel(nn.Module):
         last = len(layers) - 1
         bufs = None if fused is None else self._step_buffers(x)
         hb = None if bufs is None else bufs[3]
-        for i, (layer, cache) in enumerate(zip(layers, kv.layers, strict=False)):
+        for i, (layer, cache) in enumerate(zip(layers, kv.model_layers, strict=False)):
             cos, sin = tables[layer.local_rope]
-            a = layer.attention(h, cos, sin, cache, meta, fused, bufs)
+            a = layer.attention(h, cos, sin, cache, metas[groups[i]], fused, bufs)
             # Gemma: each output normed before its residual add (attn_out_norm, mlp_out_norm)
             h = _add_rms_norm(x, a, layer.norms[1], eps, fused, hb, layer.attn_out_norm)
             m = layer.mlp(h, fused, bufs)
