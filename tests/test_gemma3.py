@@ -31,7 +31,7 @@ def gemma_path() -> Path:
 
 @pytest.fixture(scope="module")
 def gemma(gemma_path: Path) -> LLM:
-    return LLM(str(gemma_path), num_blocks=512)
+    return LLM(str(gemma_path), num_blocks=6 * 512)  # hybrid: 6 KV groups of 3 layers
 
 
 def greedy(llm: LLM, prompts: list[list[int]], n: int = NEW) -> list[list[int]]:
@@ -60,13 +60,18 @@ def test_greedy_matches_transformers_batched(gemma: LLM) -> None:
     assert ours == [c["greedy"] for c in CASES]
 
 
-def test_long_prompt_chunked_and_prefix_hit(gemma_path: Path) -> None:
+@pytest.mark.parametrize("hybrid", [True, False])
+def test_long_prompt_chunked_and_prefix_hit(gemma_path: Path, hybrid: bool) -> None:
     """The 700-token prompt in chunks of 300 (the third chunk's band starts inside the cached
     blocks: at position 600 it reaches back to 89), then again as a prefix hit of 688 cached
-    tokens (block size 16); the first 8 tokens of the reference each time."""
+    tokens (block size 16); the first 8 tokens of the reference each time. Hybrid: six KV
+    groups of 3 layers (blocks 1/6 the size), the window groups' blocks before the band given
+    back as the chunks are computed and still hit as cached blocks."""
     case, n = CASES[-1], 8
     assert len(case["prompt"]) > 600
-    llm = LLM(str(gemma_path), num_blocks=128, max_num_batched_tokens=300, max_num_seqs=4)
+    llm = LLM(str(gemma_path), num_blocks=128 * (6 if hybrid else 1), max_num_batched_tokens=300,
+              max_num_seqs=4, disable_hybrid_kv_cache_manager=not hybrid)
+    assert llm.engine.cache.num_groups == (6 if hybrid else 1)
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     first = llm.generate([case["prompt"]], params)[0]
     assert (list(first.token_ids), first.num_cached_tokens) == (case["greedy"][:n], 0)

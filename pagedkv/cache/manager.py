@@ -893,8 +893,11 @@ class PagedKVCache:
             self.tier.wait(reads, timeout)
 
     def attach_tier(self, connector: object | None) -> None:
-        """The KV tier under the pool (a TierConnector), or None to detach it."""
+        """The KV tier under the pool (a TierConnector), or None to detach it. With groups,
+        each token block is one record per group (keyed by `group_key`)."""
         self.tier = connector
+        if connector is not None and hasattr(connector, "parts_per_block"):
+            connector.parts_per_block = self.num_groups
 
     # --- batched tensors for a step -----------------------------------------------------------
 

@@ -42,6 +42,7 @@ class TierConnector:
         self._pending: list[tuple[bytes, Block, object]] = []
         self.hit_tokens = 0
         self.miss_tokens = 0
+        self.parts_per_block = 1  # records per token block: the cache's KV groups (attach_tier)
 
     # --- reads --------------------------------------------------------------------------------
 
@@ -80,9 +81,9 @@ class TierConnector:
         return self._count(out, len(hashes))
 
     def _count(self, out: list[Parts], asked: int) -> list[Parts]:
-        bs = self.storage.block_size
-        self.hit_tokens += len(out) * bs
-        self.miss_tokens += (asked - len(out)) * bs
+        bs, parts = self.storage.block_size, self.parts_per_block
+        self.hit_tokens += len(out) // parts * bs
+        self.miss_tokens += (asked // parts - len(out) // parts) * bs
         self.tier.count("hit_blocks", len(out))
         self.tier.count("miss_blocks", asked - len(out))
         return out
