@@ -86,7 +86,10 @@ def engine_lines(engine: Any, source: Any, dtype: str) -> list[str]:
     if getattr(loaded, "batch_weights", "quantized") != "quantized":
         weights += f"; + float32 copy for batches, {human_bytes(loaded.model.batch_weight_bytes())}"
     storage, cache = engine.storage, engine.cache
-    tokens = cache.num_blocks * cache.block_size
+    tokens = getattr(cache, "token_capacity", cache.num_blocks * cache.block_size)
+    groups = getattr(cache, "groups", None)
+    grouped = (f" in {groups.summary()}" if groups is not None and groups.num_groups > 1
+               else "")
     full = tokens // engine.max_model_len
     room = (f"room for {full} full-context sequences of {engine.max_model_len} tokens "
             f"(more when shorter)" if full else
@@ -94,7 +97,7 @@ def engine_lines(engine: Any, source: Any, dtype: str) -> list[str]:
             f"+ max_tokens must fit in {tokens}")
     return [
         f"model: {loaded.name} ({fmt}; weights {weights}), loaded in {loaded.load_seconds:.1f} s",
-        f"KV cache: {cache.num_blocks} blocks x {cache.block_size} tokens = {tokens} tokens, "
-        f"{human_bytes(storage.memory_bytes)} {str(storage.dtype).removeprefix('torch.')}; "
+        f"KV cache: {cache.num_blocks} blocks x {cache.block_size} tokens{grouped} = {tokens} "
+        f"tokens, {human_bytes(storage.memory_bytes)} {str(storage.dtype).removeprefix('torch.')}; "
         f"{room}",
     ]

@@ -153,3 +153,25 @@ def test_what_window_groups_cannot_do_is_refused(files: dict[str, Path]) -> None
         cache.truncate("s", 20)
     cache.truncate("s", len(LONG) - 3)  # within what the window still holds
     cache.check_invariants()
+
+
+def test_server_reports_cached_tokens_truthfully(files: dict[str, Path]) -> None:
+    """Through the real server and the openai client: each turn of a conversation past the
+    window reports as cached exactly the tokens no group computed (the engine's count)."""
+    import openai
+
+    from pagedkv.engine import LLMEngine
+    from pagedkv.server import ServerThread, build_app
+
+    engine = LLMEngine(str(files["gemma3"]), num_blocks=600)
+    with ServerThread(build_app(engine, served_model_name="g")) as thread:
+        client = openai.OpenAI(base_url=thread.url + "/v1", api_key="none", max_retries=0)
+        context: list[int] = []
+        for turn in range(4):
+            prompt = context + [200 + 11 * turn + i for i in range(23)]
+            r = client.completions.create(model="g", prompt=prompt, max_tokens=6, temperature=0)
+            details = r.usage.prompt_tokens_details
+            cached = details.cached_tokens if details is not None else 0
+            assert (r.usage.prompt_tokens, cached) == (len(prompt), len(context) // BS * BS), turn
+            context = prompt  # the next turn repeats this one's prompt (cached up to its last block)
+    assert engine.cache.num_groups == 6

@@ -55,6 +55,15 @@ class KVGroups:
     def has_windows(self) -> bool:
         return any(w is not None for w in self.windows)
 
+    def summary(self) -> str:
+        """`6 KV groups of 3 layers (1 full, 5 window 512)`."""
+        kinds: dict[str, int] = {}
+        for w in self.windows:
+            k = "full" if w is None else f"window {w}"
+            kinds[k] = kinds.get(k, 0) + 1
+        inner = ", ".join(f"{n} {k}" for k, n in kinds.items())
+        return f"{self.num_groups} KV groups of {self.layers_per_group} layers ({inner})"
+
     def describe(self) -> str:
         """`6 groups of 3 layers: full [5, 11, 17], window 512 [0, 1, 2], ...`."""
         parts = [f"{'full' if w is None else f'window {w}'} {list(ls)}"

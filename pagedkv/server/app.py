@@ -410,8 +410,12 @@ class OpenAIServer:
 
 
 def _cache_tokens(engine: Any) -> int | None:
-    """Tokens the engine's whole KV cache holds (None when it does not say)."""
+    """Tokens one sequence can hold in the engine's whole KV cache (None when it does not say;
+    with KV groups each token takes a block slot in every group)."""
     cache = getattr(engine, "cache", None)
+    capacity = getattr(cache, "token_capacity", None)
+    if isinstance(capacity, int):
+        return capacity
     blocks, size = getattr(cache, "num_blocks", None), getattr(cache, "block_size", None)
     return blocks * size if isinstance(blocks, int) and isinstance(size, int) else None
 
