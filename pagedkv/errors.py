@@ -121,6 +121,10 @@ class TierConfigError(PagedKVError, ValueError):
     """An invalid KV tier specification (unknown scheme, bad option)."""
 
 
+class KVEventsConfigError(PagedKVError, ValueError):
+    """An invalid --kv-events-config (unknown key, wrong type, bad endpoint); names the key."""
+
+
 class TierUnavailableError(PagedKVError, RuntimeError):
     """A KV tier that cannot be used at all (unwritable directory, ...); serve without it."""
 

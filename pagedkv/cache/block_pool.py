@@ -93,6 +93,7 @@ class BlockPool:
         self.allocations = 0
         self.frees = 0
         self.evictions = 0
+        self.events = None  # a KVEventRecorder (kv_events.py): hashes registered / dropped
 
     @property
     def num_free(self) -> int:
@@ -155,16 +156,18 @@ class BlockPool:
     def lookup(self, h: bytes) -> Block | None:
         return self.hash_to_block.get(h)
 
-    def set_hash(self, b: Block, h: bytes) -> None:
-        """Register a full, computed block under its chained hash.
+    def set_hash(self, b: Block, h: bytes) -> bool:
+        """Register a full, computed block under its chained hash; True if it now holds it.
 
         Identical full blocks are not merged: if another block already holds the hash, this one
-        stays unhashed (block tables stay append-only).
+        stays unhashed (block tables stay append-only). The caller records the stored event
+        (it knows the tokens); the pool records every removal (`_drop_hash`).
         """
         if b.hash is not None or h in self.hash_to_block:
-            return
+            return False
         b.hash = h
         self.hash_to_block[h] = b
+        return True
 
     def drop_hash(self, b: Block) -> None:
         """Forget a block's hash (its contents are about to change)."""
@@ -175,8 +178,11 @@ class BlockPool:
         self._drop_hash(b)
 
     def _drop_hash(self, b: Block) -> None:
-        if self.hash_to_block.get(b.hash) is b:  # type: ignore[arg-type]
-            del self.hash_to_block[b.hash]  # type: ignore[arg-type]
+        h = b.hash
+        if self.hash_to_block.get(h) is b:  # type: ignore[arg-type]
+            del self.hash_to_block[h]  # type: ignore[arg-type]
+            if self.events is not None:
+                self.events.removed((h,))
         b.hash = None
 
     def evict(self, n: int | None = None) -> int:

@@ -213,6 +213,7 @@ class PagedKVCache:
         self.prefix_hits = 0
         self.tier = None  # a TierConnector (pagedkv.cache.tiers): the second level under the pool
         self.rotate_k: seq_ops.RotateK | None = None
+        self.events = None  # a KVEventRecorder (attach_events)
 
     # --- queries ------------------------------------------------------------------------------
 
@@ -392,7 +393,7 @@ class PagedKVCache:
         ask = chain.hashes[len(hits) : limit] if chain is not None and self.tier else []
         loaded = self.tier.fetch(ask, chain.extra_key, tier_read) if ask else []  # type: ignore[union-attr]
         s = SeqState(seq_id, self.table.open(hits, needed), chain, n)
-        self._load(s.blocks[len(hits) : len(hits) + len(loaded)], ask, loaded)
+        self._load(s.blocks[len(hits) : len(hits) + len(loaded)], ask, loaded, chain, len(hits))
         s.num_hashed = len(hits) + len(loaded)
         s.num_written = cached = s.num_hashed * self.block_size
         s.tier_tokens = len(loaded) * self.block_size
@@ -457,14 +458,35 @@ class PagedKVCache:
             return None, _as_int(token_ids)
         return HashChain(self.block_size, ids, extra_key, hashed=self.enable_prefix_caching), len(ids)
 
-    def _load(self, blocks: list[Block], hashes: Sequence[bytes], parts: Sequence) -> None:
+    def _load(self, blocks: list[Block], hashes: Sequence[bytes], parts: Sequence,
+              chain: HashChain | None = None, first: int = 0) -> None:
         """Copy tier/snapshot block contents into `blocks` and register them under `hashes`
-        (the one path by which K/V from outside the pool become prefix blocks)."""
+        (the one path by which K/V from outside the pool become prefix blocks). `chain`:
+        the sequence whose blocks `first`, `first + 1`... these are (for the stored events'
+        parent and token ids; a snapshot import has none)."""
         storage = self.storage
-        for b, h, p in zip(blocks, hashes, parts, strict=False):
+        events = self.events
+        for i, (b, h, p) in enumerate(zip(blocks, hashes, parts, strict=False)):
             if storage is not None:
                 storage.import_blocks([b.block_id], {k: t.unsqueeze(0) for k, t in p.items()})
-            self._pool.set_hash(b, h)
+            if self._pool.set_hash(b, h) and events is not None:
+                if chain is None:
+                    events.stored((h,), None, None)
+                else:
+                    self._record_stored(chain, first + i, first + i + 1)
+
+    def attach_events(self, recorder: object | None) -> None:
+        """Record, from now on, every block that becomes findable or stops being findable (a
+        KVEventRecorder; None stops recording)."""
+        self.events = recorder
+        self._pool.events = recorder
+
+    def _record_stored(self, chain: HashChain, start: int, stop: int) -> None:
+        """One stored event for chain's blocks [start, stop) (just registered, in order)."""
+        bs = self.block_size
+        parent = chain.hashes[start - 1] if start else None
+        ids = None if chain.extra_key is not None else chain.ids[start * bs : stop * bs]
+        self.events.stored(chain.hashes[start:stop], parent, ids)  # type: ignore[union-attr]
 
     def append(self, seq_id: SeqId, token_ids: Sequence[int] | int, *, computed: bool = True) -> None:
         """Append tokens, allocating blocks as needed; a shared last block is copied first.
@@ -625,10 +647,16 @@ class PagedKVCache:
             self._register_groups(s, stop)
             return
         blocks = s.blocks
+        run = s.num_hashed  # start of the run of blocks registered here (one stored event)
         for i in range(s.num_hashed, stop):
-            self._pool.set_hash(blocks[i], hashes[i])
+            if not self._pool.set_hash(blocks[i], hashes[i]):
+                if self.events is not None and run < i:
+                    self._record_stored(s.chain, run, i)
+                run = i + 1  # an identical block holds the hash already: not stored again
             if self.tier is not None:
                 self.tier.offer(hashes[i], blocks[i], s.chain.extra_key)
+        if self.events is not None and run < stop:
+            self._record_stored(s.chain, run, stop)
         s.num_hashed = max(s.num_hashed, stop)
 
     def _register_groups(self, s: SeqState, stop: int) -> None:
@@ -639,10 +667,18 @@ class PagedKVCache:
                 if b is NULL_BLOCK:
                     continue
                 k = key(hashes[i], g)
-                self._pool.set_hash(b, k)
+                if self._pool.set_hash(b, k) and self.events is not None:
+                    self._record_group_stored(s.chain, i, g)
                 if tier is not None:
                     tier.offer(k, b, s.chain.extra_key)  # type: ignore[union-attr]
         s.num_hashed = max(s.num_hashed, stop)
+
+    def _record_group_stored(self, chain: HashChain, i: int, g: int) -> None:
+        """Block i of group g was registered under its group key (parent: block i - 1's)."""
+        bs, key = self.block_size, self.group_key
+        parent = key(chain.hashes[i - 1], g) if i else None
+        ids = None if chain.extra_key is not None else chain.ids[i * bs : (i + 1) * bs]
+        self.events.stored((key(chain.hashes[i], g),), parent, ids)  # type: ignore[union-attr]
 
     def _release_window(self, s: SeqState) -> None:
         """Window groups give back the blocks wholly before what the next computed position

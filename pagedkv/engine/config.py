@@ -25,7 +25,12 @@ import dataclasses
 import logging
 from typing import Any
 
-from pagedkv.errors import CacheConfigError, InvalidParamsError, TierConfigError
+from pagedkv.errors import (
+    CacheConfigError,
+    InvalidParamsError,
+    KVEventsConfigError,
+    TierConfigError,
+)
 from pagedkv.options import (
     build,
     check_positive,
@@ -122,6 +127,12 @@ class EngineConfig:
                 "on a machine whose cores all run the forward pass the worker slows it down)",
         choices=("auto", "on", "off"))
     kv_tier_queue: int = option(256, "blocks waiting for the KV tier's writer", flag=None)
+    kv_events_config: Any = option(
+        None, "publish KV cache events in vLLM's format (ZeroMQ, msgpack): a JSON object of "
+              "vLLM's KVEventsConfig keys, e.g. '{\"enable_kv_cache_events\": true, "
+              "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"topic\": "
+              "\"kv-events\", \"replay_endpoint\": \"tcp://*:5558\"}'",
+        metavar="JSON")  # Python: also a dict or a KVEventsConfig
 
     def __post_init__(self) -> None:
         self._check()
@@ -184,6 +195,22 @@ class EngineConfig:
             self._check_budget()
         self._check_context_shift()
         self._check_tiers()
+        self._check_kv_events()
+
+    def _check_kv_events(self) -> None:
+        from pagedkv.engine.kv_events import parse_config
+
+        cfg = parse_config(self.kv_events_config)  # KVEventsConfigError naming the key
+        if cfg is not None and cfg.enabled and not self.enable_prefix_caching:
+            raise invalid(KVEventsConfigError, "kv_events_config: KV cache events need prefix "
+                                               "caching on", "kv_events_config",
+                          "enable_prefix_caching")
+
+    def kv_events(self) -> Any:
+        """The parsed kv_events_config (a KVEventsConfig), or None."""
+        from pagedkv.engine.kv_events import parse_config
+
+        return parse_config(self.kv_events_config)
 
     def _check_budget(self) -> None:
         try:

@@ -22,6 +22,7 @@ from pagedkv.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchP
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.context_shift import SHIFT_PROMPT_FACTOR, ContextShift
 from pagedkv.engine.detokenizer import find_stop
+from pagedkv.engine.kv_events import EngineKVEvents
 from pagedkv.engine.model_runner import ModelRunner
 from pagedkv.engine.sampler import FAILED, Sampler, generator_for, top_logprobs
 from pagedkv.engine.sampling_params import SamplingParams
@@ -72,6 +73,8 @@ class EngineStats:
     dedup_tokens_saved: int = 0  # prompt tokens those requests got as hits instead of computing
     context_shifts: int = 0  # times a full context was shifted instead of finishing
     fair_preemptions: int = 0  # of num_preemptions, made for another request's fair share
+    kv_events_published: int = 0  # KV cache events sent (--kv-events-config)
+    kv_events_dropped: int = 0  # events dropped: the publisher's queue was full
 
 
 class LLMEngine:
@@ -133,6 +136,7 @@ class LLMEngine:
         self.tiers = EngineTiers(self.loaded, self.cache, kv_tier=c.kv_tier, queue=c.kv_tier_queue,
                                  snapshot=c.kv_snapshot, snapshot_interval=c.kv_snapshot_interval,
                                  key=c.tier_key())
+        self.kv_events = self._open_kv_events(c)
         self.eos_ids = set(cfg.eos_token_ids or [])
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
@@ -147,6 +151,13 @@ class LLMEngine:
         self._busy_s = 0.0
         self._forward_s = 0.0
         self._fork_shared = 0
+
+    def _open_kv_events(self, c: EngineConfig) -> EngineKVEvents | None:
+        ev = c.kv_events()
+        if ev is None or not ev.enabled:
+            return None
+        conn = self.tiers.connector
+        return EngineKVEvents(ev, self.cache, None if conn is None else conn.tier)
 
     @property
     def max_prompt_len(self) -> int:
@@ -327,6 +338,8 @@ class LLMEngine:
         self._forward_s += time.perf_counter() - tf
         sched.commit(plan)
         self.tiers.after_step()  # blocks that became full this step go to the KV tier
+        if self.kv_events is not None:
+            self.kv_events.after_step()  # the step's stored / removed blocks, one batch
         self._busy_s += time.perf_counter() - t0
         return Forward(plan, logits)
 
@@ -347,6 +360,8 @@ class LLMEngine:
         self._accept_grammar(seqs, tokens)
         self.scheduler.postprocess(seqs, tokens)
         self._finish_grammar(seqs, tokens)
+        if self.kv_events is not None:
+            self.kv_events.after_step()  # hashes a context shift dropped
         touched: dict[str, Request] = {}
         now = time.monotonic()
         for s, row, tok in zip(seqs, rows, tokens, strict=True):
@@ -440,14 +455,24 @@ class LLMEngine:
         """Empty the device prefix cache (blocks in use keep serving), and the tier if asked."""
         before = len(self.cache.cached_blocks())
         self.cache.reset_prefix_cache()
-        return {"device_blocks": before, "tier_blocks": self.tiers.clear() if tier else 0}
+        out = {"device_blocks": before, "tier_blocks": self.tiers.clear() if tier else 0}
+        if self.kv_events is not None:
+            if tier:
+                self.kv_events.cleared()
+            else:
+                self.kv_events.after_step()
+        return out
 
     def snapshot(self) -> int:
         """Write every prefix-cached block to the --kv-snapshot directory (blocks written)."""
         return self.tiers.snapshot_now()
 
     def close(self) -> None:
-        """Finish queued tier writes and release the tier, stop the mask worker (idempotent)."""
+        """Finish queued tier writes and release the tier and the event publisher, stop the
+        mask worker (idempotent)."""
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
         self.tiers.close()
         self.sampler.close()
 
@@ -489,7 +514,15 @@ class LLMEngine:
             dedup_tokens_saved=inflight.tokens_saved if inflight else 0,
             context_shifts=self.scheduler.num_context_shifts,
             fair_preemptions=self.scheduler.num_fair_preemptions,
+            **self._kv_event_counts(),
         )
+
+    def _kv_event_counts(self) -> dict[str, int]:
+        if self.kv_events is None:
+            return {}
+        st = self.kv_events.stats()
+        return {"kv_events_published": st["events_published"],
+                "kv_events_dropped": st["events_dropped"]}
 
 
 class LLM:

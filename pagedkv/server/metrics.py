@@ -53,6 +53,10 @@ ENGINE_COUNTERS = (
      "Requests held until a prefix another prefill was computing was cached."),
     ("prefix_dedup_tokens_saved", "dedup_tokens_saved",
      "Prompt tokens held requests got from the prefix cache instead of computing."),
+    ("kv_events_published", "kv_events_published",
+     "KV cache events published (--kv-events-config)."),
+    ("kv_events_dropped", "kv_events_dropped",
+     "KV cache events dropped because the publisher's queue was full."),
     ("context_shifts", "context_shifts",
      "Times a sequence filled the context and was shifted (oldest tokens after n_keep "
      "dropped) instead of finishing."),

@@ -75,6 +75,7 @@ class BlockTier(ABC):
         self.log_interval = log_interval
         self._last_log: dict[str, float] = {}
         self._lock = threading.Lock()  # guards stats
+        self.events = None  # a KVEventRecorder: records written, evicted or dropped (medium)
 
     # --- public API ---------------------------------------------------------------------------
 
@@ -137,6 +138,22 @@ class BlockTier(ABC):
         with self._lock:
             self.stats.blocks_written += len(blobs)
             self.stats.bytes_written += sum(len(b) for _, b in blobs)
+        if self.events is not None:
+            self.events.stored([k for k, _ in blobs], None, None, self.medium)
+        self._after_put()
+
+    @property
+    def medium(self) -> str:
+        """The events' medium name of this tier (its scheme, upper case: DISK, REDIS)."""
+        return self.scheme.upper()
+
+    def _after_put(self) -> None:  # noqa: B027 - optional hook
+        """After a batch is written and recorded (the disk tier's size cap evicts here, so its
+        removals follow the stores)."""
+
+    def _record_removed(self, keys: Sequence[bytes]) -> None:
+        if self.events is not None and keys:
+            self.events.removed(keys, self.medium)
 
     def _corrupt(self, key: bytes, exc: CorruptEntryError) -> None:
         self._warn("corrupt", f"ignoring a corrupt KV block {key.hex()[:16]}: {exc}")
@@ -144,6 +161,7 @@ class BlockTier(ABC):
             self._discard(key)
         except Exception as err:  # noqa: BLE001 - dropping is best effort
             self._error("delete", err)
+        self._record_removed([key])
 
     def count(self, field: str, n: int = 1) -> None:
         with self._lock:

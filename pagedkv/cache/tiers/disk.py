@@ -167,6 +167,8 @@ class DiskTier(BlockTier):
         if self.fsync:
             for d in dirs:
                 _fsync_dir(d)
+
+    def _after_put(self) -> None:
         self._enforce_cap()
 
     def _discard(self, key: bytes) -> None:
@@ -208,6 +210,7 @@ class DiskTier(BlockTier):
                 key, size = self._index.popitem(last=False)
                 self._size -= size
             self.path(key).unlink(missing_ok=True)
+            self._record_removed([key])
 
 
 def _entries(d: Path) -> list[os.DirEntry]:
