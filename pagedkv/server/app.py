@@ -72,6 +72,7 @@ from pagedkv.server.structured import request_constraint
 from pagedkv.server.tools import Tools, ToolStream, prompt_messages, template_takes_tools, tools_of
 from pagedkv.server.unsupported import check_consistent, check_supported
 from pagedkv.server.utility import add_utility_routes
+from pagedkv.server.worker_info import add_worker_routes
 
 logger = logging.getLogger("pagedkv.server")
 
@@ -462,6 +463,7 @@ def build_app(engine: Any, config: ServerConfig | None = None, /, **options: Any
     add_kv_routes(app, server, admin_key=api_key if isinstance(api_key, str | None) else
                   next(iter(api_key), None))
     add_utility_routes(app, server)
+    add_worker_routes(app, server)
     add_dashboard(app, server)
     app.add_middleware(Guard, server=server)
     _add_error_handlers(app, server)

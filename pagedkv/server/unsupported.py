@@ -44,6 +44,10 @@ BOTH: dict[str, tuple[Any, ...]] = {
     "lora_request": _OFF,
     # llama-server extensions
     "n_probs": (None, 0),
+    # SGLang extensions (sglang-router sends them to every worker, off)
+    "no_stop_trim": (None, False),
+    "return_hidden_states": (None, False),
+    "lora_path": _OFF,
 }
 COMPLETIONS: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
