@@ -212,7 +212,7 @@ def test_engine_events_over_zmq_equal_the_cache(smollm2, tmp_path):
     try:
         time.sleep(0.2)  # PUB/SUB connect; anything missed comes back through the replay
         sub.replay(0)
-        params = SamplingParams(max_tokens=4, temperature=0)
+        params = SamplingParams(max_tokens=2, temperature=0)
         for i, p in enumerate(_prompts(smollm2.tokenizer, 6)):
             engine.add_request(f"r{i}", p, params)
             if i % 2:
@@ -239,9 +239,9 @@ def test_late_subscriber_replays_what_it_missed(smollm2, tmp_path):
                        kv_events_config=_config(tmp_path, hwm=4))
     sub = None
     try:
-        params = SamplingParams(max_tokens=3, temperature=0)
-        for i, p in enumerate(_prompts(smollm2.tokenizer, 6)):
-            if i == 3:
+        params = SamplingParams(max_tokens=2, temperature=0)
+        for i, p in enumerate(_prompts(smollm2.tokenizer, 4)):
+            if i == 2:
                 engine.kv_events.publisher.flush()
                 sub = Subscriber(f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay",
                                  "kv-events")
@@ -287,3 +287,40 @@ def test_tier_events_and_tenant_privacy(smollm2, tmp_path):
     finally:
         sub.close()
         engine.close()
+
+
+def test_a_stalled_publisher_drops_and_counts_never_blocks(tmp_path):
+    """The publisher thread stalls (here: a tier recorder that blocks it); the engine side's
+    publish returns at once, the queue holds max_queue_size batches, the rest are dropped and
+    counted; once the thread goes on, the queued batch is sent."""
+    import threading
+
+    from pagedkv.cache.kv_events import Stored
+    from pagedkv.engine.kv_events import KVEventPublisher
+
+    gate = threading.Event()
+
+    class Stalling(KVEventRecorder):
+        def take(self):  # noqa: ANN202
+            gate.wait(10)
+            return super().take()
+
+    cfg = parse_config(_config(tmp_path, max_queue_size=1))
+    pub = KVEventPublisher(cfg, BS, [Stalling(BS)])
+    sub = Subscriber(cfg.endpoint, cfg.replay_endpoint, "kv-events")
+    try:
+        time.sleep(0.3)  # the thread is now waiting in the stalled take()
+        ev = [Stored((b"\x01" * 32,), None, (1, 2, 3, 4), "GPU")]
+        t0 = time.perf_counter()
+        results = [pub.publish(ev) for _ in range(5)]
+        assert time.perf_counter() - t0 < 0.1
+        assert results == [True, False, False, False, False]
+        assert pub.snapshot()["events_dropped"] == 4
+        gate.set()
+        pub.flush()
+        sub.poll()
+        assert sub.batches == 1 and sub.sets.of("GPU") == {external_hash(b"\x01" * 32)}
+    finally:
+        gate.set()
+        sub.close()
+        pub.close()

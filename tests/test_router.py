@@ -90,7 +90,7 @@ def test_cache_aware_router_keeps_a_document_on_the_replica_holding_it(replicas)
         loads = httpx.get(router.url + "/get_loads", timeout=10).json()["workers"]
         assert sorted(w["load"] for w in loads) == [0, 0]  # our /get_load, parsed
         homes = {}
-        for q in range(3):
+        for q in range(2):
             for d, doc in enumerate(DOCS):
                 i = _served_by(replicas, lambda doc=doc, q=q: _ask(client, doc, f"item {q}?"))
                 homes.setdefault(d, set()).add(i)
@@ -104,7 +104,7 @@ def test_cache_aware_router_keeps_a_document_on_the_replica_holding_it(replicas)
                 r.sub.poll()
                 assert (first in r.sub.sets.of("GPU")) == (i == home)
         hits = sum(r.engine.stats().prefix_cache_hits for r in replicas)
-        assert hits >= 4 * 16 * 8  # the follow-ups found their document's blocks
+        assert hits >= 2 * 16 * 8  # the follow-ups found their document's blocks
 
 
 def test_round_robin_spreads_the_same_document(replicas):

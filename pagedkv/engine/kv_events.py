@@ -205,6 +205,7 @@ class KVEventPublisher:
         except zmq.ZMQError as e:
             self._close_sockets()
             raise _fail("endpoint", f"cannot be opened: {e}") from None
+        self._running = True
         self._thread = threading.Thread(target=self._run, name="pagedkv-kv-events", daemon=True)
         self._thread.start()
 
@@ -237,7 +238,10 @@ class KVEventPublisher:
     def close(self, timeout: float = 2.0) -> None:
         """Send what is queued (up to `timeout`), stop the thread, close the sockets."""
         if self._thread.is_alive():
-            self._q.put(_STOP)
+            try:
+                self._q.put(_STOP, timeout=timeout)
+            except queue.Full:  # the thread is stuck behind a full queue: stop it as it is
+                self._running = False
             self._thread.join(timeout)
         self._close_sockets()
 
@@ -250,7 +254,7 @@ class KVEventPublisher:
     # --- publisher thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
-        while True:
+        while self._running:
             try:
                 self._serve_replays()
                 try:
