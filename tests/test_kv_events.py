@@ -18,7 +18,12 @@ from pagedkv.cache.hashing import chain_hashes
 from pagedkv.cache.kv_events import KVEventRecorder
 from pagedkv.engine import EngineConfig, LLMEngine, SamplingParams
 from pagedkv.engine.kv_events import encode_batch, external_hash, parse_config
-from pagedkv.errors import KVEventsConfigError, OutOfBlocksError, UnknownOptionError
+from pagedkv.errors import (
+    KVEventsConfigError,
+    OutOfBlocksError,
+    PagedKVError,
+    UnknownOptionError,
+)
 
 # --- config --------------------------------------------------------------------------------------
 
@@ -95,44 +100,45 @@ def _gpu(cache: PagedKVCache) -> set[int]:
     return {external_hash(h) for h, _ in cache.cached_blocks()}
 
 
-@settings(max_examples=150, deadline=None)
-@given(st.lists(ops, max_size=30))
-def test_replayed_events_equal_the_cached_blocks(program):
-    cache = PagedKVCache(14, BS)
+def _make_cache(kind: str) -> PagedKVCache:
+    if kind == "plain":
+        return PagedKVCache(14, BS)
+    from pagedkv.cache import KVStorage
+    from pagedkv.cache.groups import KVGroups
+
+    # a hybrid cache: a full-attention group and a 6-token sliding-window group (Gemma 3's
+    # shape), each block registered under its group's key
+    groups = KVGroups((None, 6), ((0, 1), (2, 3)), 2)
+    return PagedKVCache(14, BS, storage=KVStorage(2, 14, BS, 1, 4), groups=groups)
+
+
+@pytest.mark.parametrize("kind", ["plain", "hybrid"])
+@settings(max_examples=100, deadline=None)
+@given(program=st.lists(ops, max_size=30))
+def test_replayed_events_equal_the_cached_blocks(kind, program):
+    cache = _make_cache(kind)
     rec = KVEventRecorder(BS)
     cache.attach_events(rec)
     sets = BlockSets()
     live: list[int] = []
     n = 0
     for op in program:
-        kind = op[0]
-        if kind == "create":
+        if op[0] == "create":
             ids = DOCS[op[1]] + [7000 + n + j for j in range(op[3])]
             got = cache.try_create(n, ids, extra_key=SALTS[op[2]])
             if not isinstance(got, OutOfBlocksError):
                 live.append(n)
             n += 1
-        elif kind == "evict":
+        elif op[0] == "evict":
             cache.evict(op[1])
-        elif kind == "reset":
+        elif op[0] == "reset":
             cache.reset_prefix_cache()
         elif live:
-            sid = live[op[1] % len(live)]
-            if kind == "free":
-                cache.free(sid)
-                live.remove(sid)
-            elif kind == "append":
-                try:
-                    cache.append(sid, [9000 + n + j for j in range(op[2])])
-                except OutOfBlocksError:
-                    pass
-                n += 1
-            elif kind == "truncate":
-                cache.truncate(sid, min(op[2], cache.num_tokens(sid)))
-            elif kind == "fork":
-                cache.fork(sid, n)
-                live.append(n)
-                n += 1
+            try:
+                _seq_op(cache, op, live, n)
+            except PagedKVError:
+                pass  # refused (no room, or not for a window group): nothing changed
+            n += 1
         batch = DECODER.decode(encode_batch(time.time(), rec.take(), BS))
         sets.apply(batch)
         assert sets.of("GPU") == _gpu(cache), op
@@ -140,6 +146,21 @@ def test_replayed_events_equal_the_cached_blocks(program):
         assert ev.block_size == BS and ev.medium == "GPU" and ev.lora_id is None
         if ev.token_ids:
             assert len(ev.token_ids) == BS * len(ev.block_hashes)
+
+
+def _seq_op(cache: PagedKVCache, op: tuple, live: list[int], n: int) -> None:
+    """free / append / truncate / fork on one live sequence (`n`: a fresh id)."""
+    sid = live[op[1] % len(live)]
+    if op[0] == "free":
+        cache.free(sid)
+        live.remove(sid)
+    elif op[0] == "append":
+        cache.append(sid, [9000 + n + j for j in range(op[2])])
+    elif op[0] == "truncate":
+        cache.truncate(sid, min(op[2], cache.num_tokens(sid)))
+    elif op[0] == "fork":
+        cache.fork(sid, n)
+        live.append(n)
 
 
 def test_stored_events_carry_the_chain_and_withhold_salted_tokens():
