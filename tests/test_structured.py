@@ -315,6 +315,7 @@ def test_a_stale_early_mask_is_never_used(llm, compiler) -> None:  # noqa: ANN00
     seq = _Seq(SamplingParams(temperature=0), g)
     sampler = Sampler([2], compiler)
     sampler.prefetch([seq])  # the mask for the start state ("1" only) ...
+    sampler._early[1].result()  # (the contract: a matcher advances once the worker is done)
     assert g.accept(tok("1", add_special_tokens=False).input_ids[0])  # ... then the state moves on
     allowed = torch.isfinite(sampler.adjust(x, [seq])[0]).nonzero()[:, 0].tolist()
     assert sorted(tok.decode([t]) for t in allowed) == ["a", "b", "c"]

@@ -90,11 +90,13 @@ class Sampler:
         """Start computing the masks of these rows' grammars on the mask worker (the engine
         calls this before the forward pass, so they are computed while it runs). The sampler
         uses them only if its constrained rows hold the same matchers in the same states
-        (same objects, same number of tokens consumed); otherwise it computes its own."""
+        (same objects, same number of tokens consumed); otherwise it computes its own.
+        Contract: the matchers are not advanced until this sampler has run or `settle()`
+        returned (the worker reads them until then)."""
+        self.settle()
         g = self.grammars
         matchers = [s.grammar for s in seqs if s.grammar is not None]
         if g is None or not matchers:
-            self._early = None
             return
         if self._pool is None:
             from concurrent.futures import ThreadPoolExecutor
@@ -108,9 +110,20 @@ class Sampler:
 
         self._early = ([(m, m.consumed) for m in matchers], self._pool.submit(fill))
 
+    def settle(self) -> tuple[list[tuple[Any, int]], torch.Tensor] | None:
+        """Wait for the worker's masks (if any were asked for) and take them: (matcher states,
+        masks), or None (none asked, or the worker failed: the sampler then computes its own)."""
+        early, self._early = self._early, None
+        if early is None:
+            return None
+        try:
+            return early[0], early[1].result()
+        except Exception:  # the inline path recomputes and meets the same error itself
+            return None
+
     def close(self) -> None:
         """Stop the mask worker (idempotent)."""
-        self._early = None
+        self.settle()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
@@ -162,10 +175,10 @@ class Sampler:
             raise RuntimeError("a sequence has a grammar but the sampler has no GrammarCompiler")
         t0 = time.perf_counter()
         matchers = [seqs[i].grammar for i in rows]
-        early, self._early = self._early, None
+        early = self.settle()  # waited for even when unused: the worker is then off the matchers
         if early is not None and len(early[0]) == len(matchers) and all(
                 a is b and n == b.consumed for (a, n), b in zip(early[0], matchers, strict=True)):
-            masks = early[1].result()
+            masks = early[1]
             self.mask_early += len(rows)
         else:
             masks = torch.zeros((len(rows), g.words), dtype=torch.int32)
