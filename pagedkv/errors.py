@@ -72,6 +72,11 @@ class ModelLoadError(PagedKVError, RuntimeError):
     """A model could not be loaded (missing file, bad shapes)."""
 
 
+class DeviceError(PagedKVError, RuntimeError):
+    """A device or attention backend this machine cannot run (`device="cuda"` without a CUDA
+    GPU, `attention_backend="triton"` without triton installed): raised at start-up."""
+
+
 class UnsupportedModelError(ModelLoadError):
     """An architecture pagedkv does not implement."""
 

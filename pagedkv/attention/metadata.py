@@ -33,6 +33,10 @@ class AttentionMetadata:
     max_decode_seq_len: int = 0
     # whether slot_mapping holds a -1; None until the first layer's write checks it, once per step
     has_skips: bool | None = None
+    # which attention implementation runs the step: "auto" (the triton kernels for CUDA
+    # tensors when triton is installed, else the torch path), "torch" (the compiled CPU kernel
+    # or the pure-torch fallback) or "triton" (kernels; interpreted on CPU tensors)
+    backend: str = "auto"
     # paged.py's per-step plan (counts, checks, decode backend): None until the first layer
     # builds it; every layer of the step reuses it (see paged.AttentionPlan)
     plan: object | None = None

@@ -65,6 +65,7 @@ class AttentionPlan:
     block_tables: torch.Tensor  # decode block tables, int32 contiguous when `kernel`
     seq_lens: torch.Tensor  # decode seq lens, int32 contiguous when `kernel`
     op: object | None  # the decode op's builtin when `kernel`
+    triton: object | None = None  # triton_backend.TritonStep when the triton backend runs the step
 
     def fits(self, q: torch.Tensor, cache: LayerKV) -> bool:
         return (
@@ -84,6 +85,13 @@ def _plan(q: torch.Tensor, k: torch.Tensor, cache: LayerKV, meta: AttentionMetad
         )
     if num_tokens:
         _check_scales(cache.k, cache.v, cache.k_scale, cache.v_scale)
+    if use_triton(meta.backend, q.device):  # (the write kernel skips -1 slots itself)
+        from pagedkv.attention.triton_backend import TritonStep
+
+        step = TritonStep.build(meta, q, cache.k.shape[2])
+        return AttentionPlan(num_tokens, num_prefill, meta.num_decodes, q.dtype, cache.k.dtype,
+                             _kernel.CONFIG.use_kernel, False, step.decode_tables,
+                             step.decode_lens, None, step)
     if num_tokens and meta.has_skips is None:  # one device sync per step, not one per layer
         meta.has_skips = bool((meta.slot_mapping < 0).any())
     out = q[:0]  # dtype/device/contiguity stand-in for the fresh output
@@ -126,10 +134,12 @@ def paged_attention(
         raise StorageMismatchError(
             f"metadata describes {num_tokens} tokens, but q has {q.shape[0]} and k {k.shape[0]}"
         )
-    if num_tokens:
-        write_layer(cache, meta.slot_mapping, k, v, skips=meta.has_skips)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, D], contiguous
+    if plan.triton is not None:
+        return _triton_attention(q, k, v, cache, plan, scale, out, window)
+    if num_tokens:
+        write_layer(cache, meta.slot_mapping, k, v, skips=meta.has_skips)
     if num_prefill:
         paged_prefill_attention(
             q[:num_prefill],
@@ -168,6 +178,36 @@ def paged_attention(
                 v_scale=cache.v_scale,
                 window=window,
             )
+    return out
+
+
+def use_triton(backend: str, device: torch.device) -> bool:
+    """Whether a step on `device` with metadata backend `backend` runs the triton kernels."""
+    if backend == "torch":
+        return False
+    if backend == "triton":
+        return True
+    from pagedkv.attention import triton_backend
+
+    return device.type == "cuda" and triton_backend.available()
+
+
+def _triton_attention(q, k, v, cache: LayerKV, plan: AttentionPlan, scale: float,
+                      out: torch.Tensor, window: int) -> torch.Tensor:
+    """One layer through the triton kernels: the KV write (one launch), prefill, decode."""
+    from pagedkv.attention import triton_backend as tb
+
+    step, p = plan.triton, plan.num_prefill
+    if plan.num_tokens:
+        tb.write_kv(cache.k, cache.v, step.slot_mapping, k, v, cache.k_scale, cache.v_scale)
+    if p:
+        tb.prefill(q[:p], k[:p], v[:p], cache.k, cache.v, step.prefill_tables, step.q_starts,
+                   step.q_lens, step.ctx_lens, step.max_q_len, scale, out=out[:p],
+                   k_scale=cache.k_scale, v_scale=cache.v_scale, window=window)
+    if plan.num_decodes:
+        tb.decode(q[p:], cache.k, cache.v, step.decode_tables, step.decode_lens, scale,
+                  out=out[p:], splits=step.splits, k_scale=cache.k_scale, v_scale=cache.v_scale,
+                  window=window, scratch=step.scratch)
     return out
 
 

@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from typing import Any
 
 from pagedkv.errors import (
     CacheConfigError,
+    DeviceError,
     InvalidParamsError,
     KVEventsConfigError,
     TierConfigError,
@@ -65,6 +67,14 @@ class EngineConfig:
                      "for prefill and large batches (faster there, exact; costs the memory of a "
                      "float32 model). quantized: dequantize tile by tile (no extra memory)",
         choices=("quantized", "float32"))
+    device: str = option(
+        "cpu", "where the model, the KV pool and the step's tensors live: cpu, or cuda / cuda:N "
+               "(GGUF weights dequantized to --dtype at load; attention by the triton kernels)")
+    attention_backend: str = option(
+        "auto", "paged attention: auto (triton kernels on cuda when triton is installed, else "
+                "torch), torch (the compiled CPU decode kernel, or pure torch), triton (the "
+                "triton kernels; on the CPU through triton's interpreter: slow, for tests)",
+        choices=("auto", "torch", "triton"))
     block_size: int = option(16, "tokens per KV block", parse=positive_int)
     kv_cache_memory: str | int = option("1GiB", "KV cache budget, e.g. 2GiB, 512MB")
     kv_cache_dtype: Any = option(
@@ -186,6 +196,7 @@ class EngineConfig:
         resolve_kv_cache_dtype(self.kv_cache_dtype)  # CacheConfigError naming the supported ones
         check_activations(self.activations, self.weights)  # ModelLoadError
         check_batch_weights(self.batch_weights, self.weights)
+        self._check_device()
         check_positive(self, CacheConfigError, "block_size")
         check_positive(self, CacheConfigError, "num_blocks", "max_model_len", optional=True)
         check_positive(self, InvalidParamsError, "max_num_seqs", "max_num_batched_tokens",
@@ -211,6 +222,38 @@ class EngineConfig:
         from pagedkv.engine.kv_events import parse_config
 
         return parse_config(self.kv_events_config)
+
+    def _check_device(self) -> None:
+        """An unusable device or backend is a DeviceError now, before anything loads."""
+        d = self.device
+        if not isinstance(d, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", d):
+            raise invalid(DeviceError, f"device must be cpu, cuda or cuda:N, got {d!r}", "device")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise invalid(DeviceError, f"attention_backend must be auto, torch or triton, got "
+                                       f"{self.attention_backend!r}", "attention_backend")
+        if self.attention_backend == "triton":
+            from pagedkv.attention.triton_backend import available
+
+            if not available():
+                raise invalid(DeviceError, "attention_backend 'triton' needs triton installed "
+                                           "(pip install triton)", "attention_backend")
+        if d != "cpu":
+            import torch
+
+            n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            index = int(d.partition(":")[2] or 0)
+            if index >= n:
+                raise invalid(DeviceError, f"device {d!r}: this machine has "
+                                           f"{n or 'no'} CUDA device{'s' if n != 1 else ''}"
+                                           f"{'' if n else ' (or torch is a CPU build)'}",
+                              "device")
+            if self.weights == "quantized":
+                raise invalid(DeviceError, "weights 'quantized' runs on the CPU kernels only; on "
+                                           "cuda GGUF weights are dequantized to --dtype at load",
+                              "weights", "device")
+            if self.activations != "float32" or self.batch_weights != "quantized":
+                raise invalid(DeviceError, "activations / batch_weights are CPU matmul modes",
+                              "activations", "batch_weights", "device")
 
     def _check_budget(self) -> None:
         try:

@@ -94,12 +94,17 @@ class LLMEngine:
         kv_dtype = resolve_kv_cache_dtype(c.kv_cache_dtype)
         if c.threads is not None:
             torch.set_num_threads(c.threads)
+        on_cpu = c.device == "cpu"
+        weights = c.weights if on_cpu or c.weights is not None else "float32"  # (cuda: no
+        # quantized kernels, the GGUF blocks are dequantized to c.dtype at load)
         self.loaded = (
             c.model
             if isinstance(c.model, LoadedModel)
-            else load_model(c.model, dtype=c.dtype, weights=c.weights, activations=c.activations,
+            else load_model(c.model, dtype=c.dtype, weights=weights, activations=c.activations,
                             batch_weights=c.batch_weights)
         )
+        if not on_cpu:
+            self.loaded.model.to_device(c.device)
         cfg = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.model_name = self.loaded.name
@@ -114,7 +119,7 @@ class LLMEngine:
             c.kv_cache_bytes, groups.layers_per_group, c.block_size, cfg.num_kv_heads,
             cfg.head_dim, kv_dtype)
         self.storage = KVStorage(groups.layers_per_group, num_blocks, c.block_size,
-                                 cfg.num_kv_heads, cfg.head_dim, kv_dtype)
+                                 cfg.num_kv_heads, cfg.head_dim, kv_dtype, c.device)
         self.storage.bind_groups(groups)
         self.cache = PagedKVCache(num_blocks, c.block_size, storage=self.storage,
                                   enable_prefix_caching=c.enable_prefix_caching,
@@ -132,7 +137,7 @@ class LLMEngine:
                                    dedup_inflight_prefixes=c.dedup_inflight_prefixes,
                                    context_shift=self.context_shift,
                                    tier_read_timeout=c.kv_tier_read_timeout)
-        self.runner = ModelRunner(self.loaded.model, self.storage)
+        self.runner = ModelRunner(self.loaded.model, self.storage, c.attention_backend)
         self.tiers = EngineTiers(self.loaded, self.cache, kv_tier=c.kv_tier, queue=c.kv_tier_queue,
                                  snapshot=c.kv_snapshot, snapshot_interval=c.kv_snapshot_interval,
                                  key=c.tier_key())

@@ -94,19 +94,26 @@ class RotaryEmbedding(nn.Module):
 
     def _build(self, num_positions: int, dtype: torch.dtype) -> None:
         # float32 angles, cast afterwards, as transformers does (so bf16 tables round alike)
-        t = torch.arange(num_positions, dtype=torch.float32)
-        freqs = torch.outer(t, self.inv_freq)  # [P, D/2]
+        dev = self.cos.device if hasattr(self, "cos") else torch.device("cpu")
+        t = torch.arange(num_positions, dtype=torch.float32, device=dev)
+        freqs = torch.outer(t, self.inv_freq.to(dev))  # [P, D/2]
         cos, sin = freqs.cos(), freqs.sin()
         self.cos = torch.cat([cos, cos], dim=-1).to(dtype)  # [P, D]
         self.sin_signed = torch.cat([-sin, sin], dim=-1).to(dtype)  # [P, D]
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin_signed for `positions` [T]: each [T, 1, D], broadcast over heads."""
-        if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
-            # grow to the next power of two so a long generation rebuilds only a few times
-            self._build(1 << int(positions.max()).bit_length(), self.cos.dtype)
+        if positions.is_cpu and positions.numel():  # (device positions: see reserve())
+            self.reserve(int(positions.max()))
         cos = self.cos.index_select(0, positions).unsqueeze(1)
         return cos, self.sin_signed.index_select(0, positions).unsqueeze(1)
+
+    def reserve(self, max_position: int) -> None:
+        """Tables covering `max_position` (grown to the next power of two, so a long generation
+        rebuilds only a few times). A runner with positions on a device calls this with the
+        host's maximum, so lookup() never syncs."""
+        if max_position >= self.cos.shape[0]:
+            self._build(1 << int(max_position).bit_length(), self.cos.dtype)
 
     def shift_keys(self, k: torch.Tensor, delta: int) -> torch.Tensor:
         """Keys k [..., D] stored after RoPE at positions p -> as if rotated at p + delta.
@@ -373,6 +380,29 @@ class LlamaModel(nn.Module):
         ropes = [self.rope_local if layer.local_rope else self.rope for layer in self.layers]
         return torch.stack([r.shift_keys(k[i], delta) for i, r in enumerate(ropes)])
 
+    def to_device(self, device: torch.device | str) -> LlamaModel:
+        """Move every weight and table to `device` (float weights only: the quantized blocks
+        are read by CPU kernels); the CPU pre-packed copies are dropped."""
+        if self.quantized:
+            raise ModelLoadError("quantized weights run on the CPU kernels; load float weights")
+        device = torch.device(device)
+        self.unpack_weights()
+        self.to(device)
+        for rope in (self.rope, self.rope_local):
+            if rope is not None:
+                rope.inv_freq = rope.inv_freq.to(device)
+        if self._embed_scale is not None:
+            self._embed_scale = self._embed_scale.to(device)
+        for layer in self.layers:
+            layer.bind()  # the prebound callables and q|k norm weights of the moved tensors
+        return self
+
+    def reserve_positions(self, max_position: int) -> None:
+        """RoPE tables covering `max_position` (see RotaryEmbedding.reserve)."""
+        for rope in (self.rope, self.rope_local):
+            if rope is not None:
+                rope.reserve(max_position)
+
     def weight_bytes(self) -> int:
         """Bytes held by the weights (quantized blocks are parameters too; a tied table once)."""
         return sum(p.numel() * p.element_size() for p in self.parameters())
@@ -408,7 +438,7 @@ class LlamaModel(nn.Module):
         if self.rope_local is not None:
             tables = (tables[0], self.rope_local.lookup(positions))
         eps, layers = self.config.rms_norm_eps, list(self.layers)  # list: no ModuleList indexing per layer
-        fused = qkernel.fused() if x.dtype == torch.float32 else None  # ops, once per step
+        fused = qkernel.fused() if x.dtype == torch.float32 and x.is_cpu else None  # once per step
         # each residual add is fused with the RMSNorm that follows it (fused_ops.cpp)
         h = F.rms_norm(x, x.shape[-1:], layers[0].input_norm, eps)
         last = len(layers) - 1
@@ -460,7 +490,8 @@ class LlamaModel(nn.Module):
         """A KVStorage shaped for this model, in `kv_cache_dtype` ("auto": the model's dtype)."""
         c = self.config
         dt = self.dtype if kv_cache_dtype == "auto" else kv_cache_dtype
-        return KVStorage(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, dt)
+        return KVStorage(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, dt,
+                         self.lm_head_t.device)
 
     # --- weights ------------------------------------------------------------------------------
 

@@ -1,0 +1,329 @@
+"""The triton attention kernels against the torch path, and the device / backend options.
+
+On the CPU the kernels run under triton's interpreter (exact IEEE float32 arithmetic, slow: the
+shapes are small); on a machine with CUDA every kernel case runs on the GPU too
+(benchmarks/gpu_check.sh). Cases cover GQA / MQA, head sizes that are not a power of two, block
+sizes below the kernels' 16-position tile (a tile spans blocks), partial last blocks, table
+entries never to be read (-1 holes before a window, garbage past the length), sliding windows,
+split-K decode and the int8 / fp8 KV formats with their scales.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedkv.attention import AttentionMetadata, paged_attention
+from pagedkv.attention import triton_backend as tb
+from pagedkv.attention.paged import _decode_torch, paged_prefill_attention
+from pagedkv.cache import KVStorage
+from pagedkv.cache.storage import write_kv
+from pagedkv.engine.config import EngineConfig
+from pagedkv.errors import DeviceError
+
+pytestmark = pytest.mark.skipif(not tb.available(), reason="triton is not installed")
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+FP8 = torch.float8_e4m3fn
+QUANT = (torch.int8, FP8)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cache(n: int, bs: int, h: int, d: int, dtype: torch.dtype, device: str, seed: int = 0):
+    """k/v caches [n, bs, h, d] filled with random K/V written by the torch path (+ scales)."""
+    g = torch.Generator().manual_seed(seed)
+    kc = torch.zeros(n, bs, h, d, dtype=dtype, device=device)
+    vc = torch.zeros_like(kc)
+    ks = vs = None
+    if dtype in QUANT:
+        ks = torch.zeros(n, bs, h, device=device)
+        vs = torch.zeros_like(ks)
+    src = torch.float32 if dtype in QUANT else dtype
+    k = torch.randn(n * bs, h, d, generator=g).to(device=device, dtype=src)
+    v = torch.randn(n * bs, h, d, generator=g).to(device=device, dtype=src)
+    write_kv(kc, vc, torch.arange(n * bs, device=device), k, v, ks, vs)
+    return kc, vc, ks, vs
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def _tol(dtype: torch.dtype) -> float:
+    return {torch.float16: 2e-3, torch.bfloat16: 2e-2}.get(dtype, 2e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int8, FP8],
+                         ids=["f32", "f16", "bf16", "int8", "fp8"])
+def test_write_kv_equals_torch_write(dtype: torch.dtype, device: str) -> None:
+    """One launch writes what storage.write_kv writes: float caches bit for bit; quantized
+    the same scales and, but for a rare q one step away (torch divides QMAX / amax by a
+    reciprocal in its vector loop and exactly in its scalar tail), the same q; -1 slots are
+    skipped and nothing else is touched."""
+    n, bs, h, d = 6, 8, 3, 40
+    g = torch.Generator().manual_seed(1)
+    src = torch.bfloat16 if dtype in QUANT else dtype
+    t = 37
+    k = (torch.randn(t, h, d, generator=g) * 3).to(device=device, dtype=src)
+    v = torch.randn(t, h, d, generator=g).to(device=device, dtype=src)
+    k[5] = 0  # an all-zero row: scale 0, reads back as zeros
+    slots = torch.randperm(n * bs, generator=g)[:t].to(device)
+    slots[[2, 11, 30]] = -1
+    ours = _cache(n, bs, h, d, dtype, device, seed=2)
+    ref = tuple(None if x is None else x.clone() for x in ours)
+    tb.write_kv(ours[0], ours[1], slots, k, v, ours[2], ours[3])
+    write_kv(ref[0], ref[1], slots, k, v, ref[2], ref[3])
+    for a, b in zip(ours[2:], ref[2:], strict=True):
+        assert a is None or torch.equal(a, b)
+    for a, b, scale in ((ours[0], ref[0], ref[2]), (ours[1], ref[1], ref[3])):
+        if scale is None:
+            assert torch.equal(a, b)
+            continue
+        same = _bits(a) == _bits(b)
+        assert same.float().mean() > 0.995
+        step = scale.unsqueeze(-1) * (1.0 if dtype == torch.int8 else 32.0)  # fp8: 1/8 of a binade
+        assert bool(((a.float() - b.float()).abs() * scale.unsqueeze(-1) <= step + 1e-12).all())
+
+
+DECODE_CASES = {
+    # name: (dtype, Hq, Hkv, D, block size, window, splits)
+    "f32-gqa4-split3": (torch.float32, 8, 2, 64, 16, 0, 3),
+    "f16-mqa-bs4": (torch.float16, 4, 1, 32, 4, 0, 1),
+    "bf16-mha-d80-window": (torch.bfloat16, 2, 2, 80, 8, 21, 2),
+    "int8-gqa7-window": (torch.int8, 14, 2, 64, 16, 37, 4),
+    "fp8-gqa3-split5": (FP8, 6, 2, 48, 8, 0, 5),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", sorted(DECODE_CASES))
+def test_decode_equals_torch(case: str, device: str) -> None:
+    dtype, hq, hkv, d, bs, window, splits = DECODE_CASES[case]
+    n = 24
+    kc, vc, ks, vs = _cache(n, bs, hkv, d, dtype, device)
+    lens = torch.tensor([1, bs, 3 * bs + 5, 70, 2 * bs - 1], dtype=torch.int32)  # partial tails
+    b, width = lens.numel(), -(-int(lens.max()) // bs) + 2
+    g = torch.Generator().manual_seed(3)
+    tables = torch.randint(0, n, (b, width), generator=g, dtype=torch.int32)  # garbage past len
+    if window:  # blocks wholly before the window are never read: holes
+        for i, length in enumerate(lens.tolist()):
+            tables[i, : max(0, length - window) // bs] = -1
+    qdt = torch.float32 if dtype in QUANT else dtype
+    q = torch.randn(b, hq, d, generator=g).to(device=device, dtype=qdt)
+    tables, lens = tables.to(device), lens.to(device)
+    out = torch.full_like(q, float("nan"))
+    tb.decode(q, kc, vc, tables, lens, d**-0.5, out=out, splits=splits, k_scale=ks, v_scale=vs,
+              window=window)
+    ref = _decode_torch(q, kc, vc, tables, lens, d**-0.5, None, ks, vs, window)
+    torch.testing.assert_close(out.float(), ref.float(), atol=_tol(qdt), rtol=_tol(qdt))
+
+
+PREFILL_CASES = {
+    # name: (dtype, Hq, Hkv, D, block size, window, [(new tokens, cached context)])
+    "f32-gqa-prefix-hits": (torch.float32, 6, 2, 32, 16, 0, [(20, 33), (7, 0), (1, 16)]),
+    "f16-mqa-chunks-bs4": (torch.float16, 4, 1, 64, 4, 0, [(17, 10), (5, 3)]),
+    "bf16-window-band": (torch.bfloat16, 2, 2, 40, 8, 10, [(30, 0), (9, 41)]),
+    "int8-gqa-window": (torch.int8, 4, 2, 32, 8, 12, [(18, 27), (3, 0)]),
+    "fp8-gqa-context": (FP8, 4, 2, 32, 16, 0, [(12, 40)]),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", sorted(PREFILL_CASES))
+def test_prefill_equals_torch(case: str, device: str) -> None:
+    """Causal attention over the cached prefix (through the table, dequantized in registers)
+    and the chunk's own K/V at full precision, with the window's band."""
+    dtype, hq, hkv, d, bs, window, seqs = PREFILL_CASES[case]
+    n = 24
+    kc, vc, ks, vs = _cache(n, bs, hkv, d, dtype, device)
+    qlens, ctxs = [s[0] for s in seqs], [s[1] for s in seqs]
+    g = torch.Generator().manual_seed(4)
+    width = max(-(-c // bs) for c in ctxs) + 1
+    tables = torch.randint(0, n, (len(seqs), width), generator=g, dtype=torch.int32)
+    if window:
+        for i, c in enumerate(ctxs):
+            tables[i, : max(0, c - window + 1) // bs] = -1  # before the band: never read
+    p = sum(qlens)
+    qdt = torch.float32 if dtype in QUANT else dtype
+    q, k, v = (torch.randn(p, h, d, generator=g).to(device=device, dtype=qdt)
+               for h in (hq, hkv, hkv))
+    tables = tables.to(device)
+    i32 = {"dtype": torch.int32, "device": device}
+    starts = torch.tensor([sum(qlens[:i]) for i in range(len(qlens))], **i32)
+    out = torch.full_like(q, float("nan"))
+    tb.prefill(q, k, v, kc, vc, tables, starts, torch.tensor(qlens, **i32),
+               torch.tensor(ctxs, **i32), max(qlens), d**-0.5, out=out, k_scale=ks, v_scale=vs,
+               window=window)
+    ref = paged_prefill_attention(q, k, v, kc, vc, qlens, ctxs, tables.clamp_min(0), d**-0.5,
+                                  k_scale=ks, v_scale=vs, window=window)
+    torch.testing.assert_close(out.float(), ref.float(), atol=_tol(qdt), rtol=_tol(qdt))
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+def test_paged_attention_step_triton_equals_torch(kv_dtype: str) -> None:
+    """A whole mixed step through paged_attention (write, then a prefill with a prefix and two
+    decodes) gives the same output and the same cache with meta.backend "triton" as "torch"."""
+    hq, hkv, d, bs = 4, 2, 32, 8
+    stores = [KVStorage(1, 12, bs, hkv, d, kv_dtype) for _ in range(2)]
+    g = torch.Generator().manual_seed(5)
+    old = [torch.randn(12 * bs, hkv, d, generator=g) for _ in range(2)]
+    for s in stores:  # the same earlier context in both
+        s.write(0, torch.arange(12 * bs), *old)
+    # prefill: 5 new tokens at positions 11..15 after 11 cached (blocks 3, 4); decodes of
+    # lengths 9 (blocks 6, 7) and 20 (blocks 8, 9, 10), each writing its last position
+    slots = torch.tensor([4 * bs + 3, 4 * bs + 4, 4 * bs + 5, 4 * bs + 6, 4 * bs + 7,
+                          7 * bs, 10 * bs + 3])
+    t = slots.numel()
+    q, k, v = (torch.randn(t, h, d, generator=g) for h in (hq, hkv, hkv))
+    outs = []
+    for backend, s in zip(("torch", "triton"), stores, strict=True):
+        meta = AttentionMetadata(
+            slot_mapping=slots, prefill_query_lens=[5], prefill_context_lens=[11],
+            prefill_block_tables=torch.tensor([[3, 4]], dtype=torch.int32),
+            decode_block_tables=torch.tensor([[6, 7, 0], [8, 9, 10]], dtype=torch.int32),
+            decode_seq_lens=torch.tensor([9, 20], dtype=torch.int32), max_decode_seq_len=20,
+            backend=backend)
+        outs.append(paged_attention(q, k, v, s.layer(0), meta, d**-0.5))
+        assert (meta.plan.triton is not None) == (backend == "triton")
+    torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=2e-5)
+    assert torch.equal(_bits(stores[0].kv), _bits(stores[1].kv))
+    if stores[0].scales is not None:
+        assert torch.equal(stores[0].scales, stores[1].scales)
+
+
+# --- the engine: the device path's code end to end on a tiny model -------------------------
+
+
+# small head counts: the interpreter's time goes by programs, one per (tile, query head)
+TINY = {
+    "qwen2": dict(arch="qwen2", name="Qwen2 small", hidden=256, heads=4, kv_heads=2, head_dim=64,
+                  intermediate=512, bias=True, seed=11),
+    "gemma3": dict(arch="gemma3", name="Gemma 3 small", hidden=256, heads=4, kv_heads=1,
+                   head_dim=64, intermediate=512, qk_norm=True, window=16, seed=12),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tiny_gguf import TinySpec, write_tiny_gguf
+
+    folder = tmp_path_factory.mktemp("triton")
+    return {k: write_tiny_gguf(TinySpec(**v), folder / f"{k}.gguf") for k, v in TINY.items()}
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2(tiny_models: dict[str, Path]) -> Path:
+    return tiny_models["qwen2"]
+
+
+def _greedy(llm, prompts: list[list[int]], n: int = 4) -> list[list[int]]:
+    from pagedkv import SamplingParams
+
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    return [list(o.token_ids) for o in outs]
+
+
+PROMPTS = [list(range(40, 75)), [*range(40, 60), 7, 8, 9], [5, 77, 300, 12]]
+
+
+@pytest.mark.parametrize(("arch", "kv"), [("qwen2", "auto"), ("gemma3", "int8")])
+def test_engine_triton_backend_greedy_equals_default(tiny_models: dict[str, Path], arch: str,
+                                                     kv: str) -> None:
+    """GQA 2:1 (Qwen2) or MQA with a 16-token window the prompts cross (Gemma 3) over an int8
+    pool; chunked prefill (24-token steps), a prefix hit of the first prompt's blocks and
+    batched decodes through the triton kernels: the same greedy tokens as the default path."""
+    from pagedkv import LLM
+
+    path = str(tiny_models[arch])
+    opts = {"num_blocks": 48, "block_size": 8, "max_num_batched_tokens": 24, "kv_cache_dtype": kv}
+    ref = LLM(path, **opts)
+    tri = LLM(path, attention_backend="triton", **opts)
+    assert tri.engine.runner.attention_backend == "triton"
+    want = _greedy(ref, PROMPTS[:1]) + _greedy(ref, PROMPTS[1:])
+    got = _greedy(tri, PROMPTS[:1]) + _greedy(tri, PROMPTS[1:])  # the second call hits blocks
+    assert got == want
+    assert len({tuple(row) for row in want}) == len(want)  # the prompts lead apart
+    assert tri.engine.cache.stats().prefix_hits >= 16
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_cuda_greedy(tiny_qwen2: Path, dtype: str) -> None:
+    """On a GPU: weights dequantized at load, the pool and the step on the device; float32
+    greedy equals the CPU path's, bfloat16 runs and mostly agrees."""
+    from pagedkv import LLM
+
+    cpu = _greedy(LLM(str(tiny_qwen2), num_blocks=48, weights="float32"), PROMPTS)
+    llm = LLM(str(tiny_qwen2), num_blocks=48, device="cuda", dtype=dtype)
+    assert llm.engine.storage.kv.is_cuda
+    got = _greedy(llm, PROMPTS)
+    if dtype == "float32":
+        assert got == cpu
+    else:
+        assert sum(a == b for x, y in zip(got, cpu, strict=True) for a, b in zip(x, y, strict=True)) >= 9
+
+
+# --- options -----------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_device_cuda_without_cuda_is_a_typed_error() -> None:
+    from pagedkv import LLM
+
+    with pytest.raises(DeviceError, match="device 'cuda'.*no CUDA device"):
+        EngineConfig(device="cuda")
+    with pytest.raises(DeviceError, match="cuda:1"):
+        LLM(device="cuda:1")  # before anything loads
+    for bad in ("gpu", "cuda:x", 3):
+        with pytest.raises(DeviceError, match="device must be"):
+            EngineConfig(device=bad)
+    with pytest.raises(DeviceError, match="attention_backend"):
+        EngineConfig(attention_backend="flash")
+
+
+def test_cli_device_flags() -> None:
+    from pagedkv.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--device", "cuda", "--prompt", "hi"])
+    assert e.value.code != 0
+
+
+def test_without_triton_cpu_default_works() -> None:
+    """With triton unimportable: pagedkv imports, the default CPU path runs, 'auto' stays on
+    torch, and asking for the triton backend is a DeviceError at start-up."""
+    code = """
+import sys
+sys.modules["triton"] = None  # import triton -> ImportError
+import torch
+from pagedkv.attention import AttentionMetadata, paged_attention, triton_backend
+from pagedkv.cache import KVStorage
+from pagedkv.engine.config import EngineConfig
+from pagedkv.errors import DeviceError
+assert not triton_backend.available()
+s = KVStorage(1, 4, 4, 1, 8)
+meta = AttentionMetadata(torch.arange(3), [3], [0], torch.zeros((0, 1), dtype=torch.int32),
+                         torch.zeros((0, 1), dtype=torch.int32), torch.zeros(0, dtype=torch.int32))
+out = paged_attention(*(torch.randn(3, 1, 8) for _ in range(3)), s.layer(0), meta, 0.3)
+assert out.shape == (3, 1, 8) and meta.plan.triton is None
+EngineConfig(attention_backend="auto")
+try:
+    EngineConfig(attention_backend="triton")
+except DeviceError as e:
+    assert "needs triton" in str(e)
+else:
+    raise SystemExit("no DeviceError")
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       env={**__import__("os").environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "ok"
