@@ -9,7 +9,8 @@ The contiguous baseline is torch SDPA with q [B, Hq, 1, D] and K/V [B, Hkv, L, D
 (enable_gqa) or [B, Hq, L, D] (heads pre-expanded), is_causal=False; the faster of the two is
 the reference, so the ratio is against the best contiguous SDPA has to offer.
 
-Run: pagedkv bench attention   (prints one JSON object)
+Run: pagedkv bench attention   (prints one JSON object; `--device cuda`: the GPU version,
+bench/cuda_attention.py)
 """
 
 from __future__ import annotations
@@ -179,5 +180,15 @@ def run_single_stream(repeats: int = 3, max_tokens: int = 128) -> dict:
             "ratio": round(pa / pb, 2), "target": 1.0}
 
 
+def add_args(p) -> None:  # noqa: ANN001
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cuda: the triton paged decode kernel against SDPA on the GPU, and the "
+                        "HBM bandwidth it reaches (bench/cuda_attention.py)")
+
+
 def run(args) -> dict:
+    if getattr(args, "device", "cpu") == "cuda":
+        from pagedkv.bench.cuda_attention import run_cuda_attention_bench
+
+        return run_cuda_attention_bench(quick=args.quick)
     return run_attention_bench(quick=args.quick)

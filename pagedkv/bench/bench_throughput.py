@@ -11,6 +11,7 @@ Three workloads, one run, SmolLM2 in float32:
    tokens: output tok/s and the share of step time spent outside the model's forward pass
    (scheduling, step tensors, sampling, detokenizing). Target <= 10%, not growing with length.
    `--overhead-lengths` picks the lengths (the 1,024 run is the longest part of the benchmark).
+`--device cuda`: engine tok/s on a GPU at batch 1, 64, 256 instead (bench/cuda_throughput.py).
 """
 
 from __future__ import annotations
@@ -180,8 +181,16 @@ def _common_prefix(seqs: list[list[int]]) -> int:
 def add_args(p) -> None:  # noqa: ANN001
     p.add_argument("--overhead-lengths", default="128,1024",
                    help="new tokens per request for the overhead runs (comma-separated)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cuda: engine tok/s on the GPU at batch 1, 64, 256 instead "
+                        "(bench/cuda_throughput.py)")
+    p.add_argument("--model", default=None, help="--device cuda: a GGUF file (default SmolLM2)")
 
 
 def run(args) -> dict:
+    if getattr(args, "device", "cpu") == "cuda":
+        from pagedkv.bench.cuda_throughput import run_cuda_throughput_bench
+
+        return run_cuda_throughput_bench(model=args.model, quick=args.quick)
     lengths = tuple(int(x) for x in str(args.overhead_lengths).split(",") if x)
     return run_throughput_bench(quick=args.quick, overhead_lengths=lengths)
