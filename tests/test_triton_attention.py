@@ -49,6 +49,15 @@ def _cache(n: int, bs: int, h: int, d: int, dtype: torch.dtype, device: str, see
     return kc, vc, ks, vs
 
 
+def _poisoned(kc, vc, ks, vs) -> int:
+    """Fill the last block with NaN (K, V, and the scales of a quantized pool): a kernel that
+    reads it returns NaN. Table entries that must never be read point there."""
+    nan = float("nan")
+    for t in (kc, vc) if ks is None else (ks, vs):
+        t[-1] = nan
+    return kc.shape[0] - 1
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 else t
 
@@ -97,7 +106,14 @@ DECODE_CASES = {
     "bf16-mha-d80-window": (torch.bfloat16, 2, 2, 80, 8, 21, 2),
     "int8-gqa7-window": (torch.int8, 14, 2, 64, 16, 37, 4),
     "fp8-gqa3-split5": (FP8, 6, 2, 48, 8, 0, 5),
+    # the tiles a GPU launch uses (64 positions a tile), run here too
+    "f16-gqa4-window-gputiles": (torch.float16, 8, 2, 128, 16, 50, 2),
+    "int8-mqa32-gputiles": (torch.int8, 32, 1, 64, 16, 0, 3),
 }
+
+
+def _tiles(case: str, d: int):
+    return tb.tiles_for(torch.device("cuda"), d) if case.endswith("gputiles") else None
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -106,20 +122,24 @@ def test_decode_equals_torch(case: str, device: str) -> None:
     dtype, hq, hkv, d, bs, window, splits = DECODE_CASES[case]
     n = 24
     kc, vc, ks, vs = _cache(n, bs, hkv, d, dtype, device)
+    poison = _poisoned(kc, vc, ks, vs)
     lens = torch.tensor([1, bs, 3 * bs + 5, 70, 2 * bs - 1], dtype=torch.int32)  # partial tails
     b, width = lens.numel(), -(-int(lens.max()) // bs) + 2
     g = torch.Generator().manual_seed(3)
-    tables = torch.randint(0, n, (b, width), generator=g, dtype=torch.int32)  # garbage past len
-    if window:  # blocks wholly before the window are never read: holes
-        for i, length in enumerate(lens.tolist()):
-            tables[i, : max(0, length - window) // bs] = -1
+    tables = torch.randint(0, poison, (b, width), generator=g, dtype=torch.int32)
+    # never read: entries past the length, and with a window those of blocks wholly before it
+    # (holes); the kernel gets them as the NaN block, the torch reference as block 0
+    unread = torch.arange(width).unsqueeze(0) >= (lens.unsqueeze(1) + bs - 1) // bs
+    if window:
+        unread |= torch.arange(width).unsqueeze(0) < ((lens - window).clamp_min(0) // bs).unsqueeze(1)
     qdt = torch.float32 if dtype in QUANT else dtype
     q = torch.randn(b, hq, d, generator=g).to(device=device, dtype=qdt)
-    tables, lens = tables.to(device), lens.to(device)
+    lens = lens.to(device)
     out = torch.full_like(q, float("nan"))
-    tb.decode(q, kc, vc, tables, lens, d**-0.5, out=out, splits=splits, k_scale=ks, v_scale=vs,
-              window=window)
-    ref = _decode_torch(q, kc, vc, tables, lens, d**-0.5, None, ks, vs, window)
+    tb.decode(q, kc, vc, tables.masked_fill(unread, poison).to(device), lens, d**-0.5, out=out,
+              splits=splits, k_scale=ks, v_scale=vs, window=window, tiles=_tiles(case, d))
+    ref = _decode_torch(q, kc, vc, tables.masked_fill(unread, 0).to(device), lens, d**-0.5, None,
+                        ks, vs, window)
     torch.testing.assert_close(out.float(), ref.float(), atol=_tol(qdt), rtol=_tol(qdt))
 
 
@@ -130,6 +150,7 @@ PREFILL_CASES = {
     "bf16-window-band": (torch.bfloat16, 2, 2, 40, 8, 10, [(30, 0), (9, 41)]),
     "int8-gqa-window": (torch.int8, 4, 2, 32, 8, 12, [(18, 27), (3, 0)]),
     "fp8-gqa-context": (FP8, 4, 2, 32, 16, 0, [(12, 40)]),
+    "bf16-window-gputiles": (torch.bfloat16, 4, 2, 64, 16, 40, [(70, 30), (5, 90)]),
 }
 
 
@@ -141,13 +162,18 @@ def test_prefill_equals_torch(case: str, device: str) -> None:
     dtype, hq, hkv, d, bs, window, seqs = PREFILL_CASES[case]
     n = 24
     kc, vc, ks, vs = _cache(n, bs, hkv, d, dtype, device)
+    poison = _poisoned(kc, vc, ks, vs)
     qlens, ctxs = [s[0] for s in seqs], [s[1] for s in seqs]
     g = torch.Generator().manual_seed(4)
     width = max(-(-c // bs) for c in ctxs) + 1
-    tables = torch.randint(0, n, (len(seqs), width), generator=g, dtype=torch.int32)
-    if window:
-        for i, c in enumerate(ctxs):
-            tables[i, : max(0, c - window + 1) // bs] = -1  # before the band: never read
+    tables = torch.randint(0, poison, (len(seqs), width), generator=g, dtype=torch.int32)
+    unread = torch.zeros_like(tables, dtype=torch.bool)  # past the context; before the band
+    for i, c in enumerate(ctxs):
+        unread[i, -(-c // bs):] = True
+        if window:
+            unread[i, : max(0, c - window + 1) // bs] = True
+    clean = tables.masked_fill(unread, 0).to(device)
+    tables = tables.masked_fill(unread, poison)
     p = sum(qlens)
     qdt = torch.float32 if dtype in QUANT else dtype
     q, k, v = (torch.randn(p, h, d, generator=g).to(device=device, dtype=qdt)
@@ -158,8 +184,8 @@ def test_prefill_equals_torch(case: str, device: str) -> None:
     out = torch.full_like(q, float("nan"))
     tb.prefill(q, k, v, kc, vc, tables, starts, torch.tensor(qlens, **i32),
                torch.tensor(ctxs, **i32), max(qlens), d**-0.5, out=out, k_scale=ks, v_scale=vs,
-               window=window)
-    ref = paged_prefill_attention(q, k, v, kc, vc, qlens, ctxs, tables.clamp_min(0), d**-0.5,
+               window=window, tiles=_tiles(case, d))
+    ref = paged_prefill_attention(q, k, v, kc, vc, qlens, ctxs, clean, d**-0.5,
                                   k_scale=ks, v_scale=vs, window=window)
     torch.testing.assert_close(out.float(), ref.float(), atol=_tol(qdt), rtol=_tol(qdt))
 

@@ -20,13 +20,35 @@ import torch
 from pagedkv.cache.quant import QMAX, is_quantized
 from pagedkv.errors import StorageMismatchError
 
-__all__ = ["available", "TritonStep", "write_kv", "decode", "prefill", "decode_splits"]
+__all__ = ["available", "TritonStep", "Tiles", "write_kv", "decode", "prefill", "decode_splits"]
 
 BLOCK_T = 16  # tokens per program of the KV write
-BLOCK_N = 16  # key positions per tile
-BLOCK_G = 16  # query heads per decode program (GQA group padded for tl.dot)
-BLOCK_M = 16  # query tokens per prefill program
-MAX_SPLITS = 16
+MAX_SPLITS = 32
+
+
+@dataclass(frozen=True, slots=True)
+class Tiles:
+    """Tile sizes of one launch. The interpreter's time goes by tiles and programs, so on the
+    CPU they are small; on a GPU, decode streams 64 positions a tile (32 for heads over 128)
+    and prefill takes 64 queries x 32 keys (32 x 32 for heads over 128: the float32
+    accumulator is BLOCK_M x D registers)."""
+
+    decode_n: int  # key positions per decode tile
+    prefill_m: int  # query tokens per prefill program
+    prefill_n: int  # key positions per prefill tile
+
+
+CPU_TILES = Tiles(16, 16, 16)
+
+
+def tiles_for(device: torch.device, head_dim: int) -> Tiles:
+    if device.type == "cpu":
+        return CPU_TILES
+    return Tiles(64, 64, 32) if head_dim <= 128 else Tiles(32, 32, 32)
+
+
+def _block_d(d: int) -> int:
+    return max(16, _pow2(d))  # tl.dot needs K >= 16
 
 
 @functools.cache
@@ -84,11 +106,12 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def decode_splits(batch: int, num_kv_heads: int, max_len: int, programs: int) -> int:
+def decode_splits(batch: int, num_kv_heads: int, max_len: int, programs: int,
+                  tile: int = 64) -> int:
     """Splits of each sequence's positions: enough programs to fill `programs` (the GPU's
     streaming multiprocessors x 2), never a split shorter than 4 tiles, at most MAX_SPLITS."""
     want = triton_cdiv(programs, max(1, batch * num_kv_heads))
-    most = max(1, triton_cdiv(max_len, 4 * BLOCK_N))
+    most = max(1, triton_cdiv(max_len, 4 * tile))
     return max(1, min(want, most, MAX_SPLITS))
 
 
@@ -103,7 +126,7 @@ def _scratch(b: int, hq: int, d: int, splits: int, device: torch.device) -> tupl
 
 
 def decode(q, k_cache, v_cache, block_tables, seq_lens, scale, *, out, splits=1,
-           k_scale=None, v_scale=None, window=0, scratch=None) -> torch.Tensor:
+           k_scale=None, v_scale=None, window=0, scratch=None, tiles=None) -> torch.Tensor:
     """One query per sequence: q [B, Hq, D] over [N, bs, Hkv, D] caches; out [B, Hq, D].
     `splits` partitions each sequence's positions (split-K); `scratch`: (mid_o [B, Hq, S, D],
     mid_lse [B, Hq, S]) float32, reused across layers."""
@@ -112,8 +135,9 @@ def decode(q, k_cache, v_cache, block_tables, seq_lens, scale, *, out, splits=1,
         return out
     _, bs, hkv, _ = k_cache.shape
     g = hq // hkv
-    if g > BLOCK_G:
-        raise StorageMismatchError(f"{g} query heads per kv head; the kernel groups at most {BLOCK_G}")
+    if hq != g * hkv:
+        raise StorageMismatchError(f"{hq} query heads are not a multiple of {hkv} kv heads")
+    tiles = tiles or tiles_for(q.device, d)
     if q.stride(-1) != 1:
         q = q.contiguous()
     if scratch is None:
@@ -129,19 +153,19 @@ def decode(q, k_cache, v_cache, block_tables, seq_lens, scale, *, out, splits=1,
         float(scale), int(window), q.stride(0), q.stride(1), block_tables.stride(0),
         block_tables.shape[1], out.stride(0), out.stride(1), g, d, BS=bs, HKV=hkv, SPLITS=splits, QUANT=quant,
         F32_DOT=quant or _f32_dot(q, k_cache),
-        BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=_pow2(d),
+        BLOCK_G=max(16, _pow2(g)), BLOCK_N=tiles.decode_n, BLOCK_D=_block_d(d),
     )
     if splits == 1:
         return out  # the decode kernel wrote it
     kern.decode_reduce_kernel.launch(
         (b, hq), cpu, mid_o, mid_lse, out, out.stride(0), out.stride(1), hq, d,
-        SPLITS=splits, BLOCK_S=_pow2(splits), BLOCK_D=_pow2(d),
+        SPLITS=splits, BLOCK_S=_pow2(splits), BLOCK_D=_block_d(d),
     )
     return out
 
 
 def prefill(q, k, v, k_cache, v_cache, block_tables, q_starts, q_lens, ctx_lens, max_q_len,
-            scale, *, out, k_scale=None, v_scale=None, window=0) -> torch.Tensor:
+            scale, *, out, k_scale=None, v_scale=None, window=0, tiles=None) -> torch.Tensor:
     """Causal prefill of S sequences concatenated in q [P, Hq, D] / k, v [P, Hkv, D]: sequence
     i's tokens q_starts[i] .. + q_lens[i] see its ctx_lens[i] cached tokens (block_tables[i])
     and the chunk's own tokens up to themselves (int32 device tensors [S]); out [P, Hq, D]."""
@@ -155,14 +179,15 @@ def prefill(q, k, v, k_cache, v_cache, block_tables, q_starts, q_lens, ctx_lens,
     if k.stride(-1) != 1:
         k, v = k.contiguous(), v.contiguous()
     quant = is_quantized(k_cache.dtype)
+    tiles = tiles or tiles_for(q.device, d)
     _k().prefill_kernel.launch(
-        (triton_cdiv(max_q_len, BLOCK_M), hq, s), q.device.type == "cpu",
+        (triton_cdiv(max_q_len, tiles.prefill_m), hq, s), q.device.type == "cpu",
         q, k, v, k_cache, v_cache, k_scale if quant else k_cache, v_scale if quant else v_cache,
         out, block_tables, q_starts, q_lens, ctx_lens, float(scale), int(window),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), block_tables.stride(0), hq // hkv, d,
         BS=bs, HKV=hkv, QUANT=quant, F32_DOT=_f32_dot(q, q),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=_pow2(d),
+        BLOCK_M=tiles.prefill_m, BLOCK_N=tiles.prefill_n, BLOCK_D=_block_d(d),
     )
     return out
 
@@ -201,7 +226,8 @@ class TritonStep:
         splits, scratch = 1, None
         if b:
             sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
-            splits = decode_splits(b, num_kv_heads, meta.max_decode_seq_len or 1, 2 * sms)
+            splits = decode_splits(b, num_kv_heads, meta.max_decode_seq_len or 1, 2 * sms,
+                                   tiles_for(dev, d).decode_n)
             scratch = _scratch(b, hq, d, splits, dev)
         slots = meta.slot_mapping.to(dev)
         return cls(slots, i32(starts) if s else i32([]), i32(qlens), i32(list(meta.prefill_context_lens)),

@@ -155,9 +155,8 @@ def decode_kernel(
     hkv = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(lens_ptr + b)
-    start = 0
-    if window > 0:
-        start = tl.maximum(seq_len - window, 0)
+    start = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)  # (one type on both
+    # paths: the compiler refuses a variable that is a literal on one branch, a tensor on one)
     span = seq_len - start
     per = ((span + SPLITS - 1) // SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N  # (no tl.cdiv: the
     # interpreter runs only builtins, and tl.cdiv is a jit function)
@@ -280,13 +279,12 @@ def prefill_kernel(
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
     acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
     # 1. the cached context, positions [lo, ctx): lo is where the tile's first query's band starts
-    lo = 0
-    if window > 0:
-        lo = tl.maximum(ctx + tile * BLOCK_M - window + 1, 0)
-        lo = (lo // BLOCK_N) * BLOCK_N
-    for p0 in range(lo, ctx, BLOCK_N):
+    # Positions before `first` are in no row's band, and their table entries may be holes: they
+    # are never loaded (a masked score would not be enough: 0 x a NaN of garbage V is NaN)
+    first = tl.where(window > 0, tl.maximum(ctx + tile * BLOCK_M - window + 1, 0), 0)
+    for p0 in range((first // BLOCK_N) * BLOCK_N, ctx, BLOCK_N):
         pos = p0 + n
-        pmask = pos < ctx
+        pmask = (pos < ctx) & (pos >= first)
         blk = tl.load(table_ptr + i * stride_table + pos // BS, mask=pmask, other=0)
         rows = (blk.to(tl.int64) * BS + pos % BS) * HKV + hkv
         kvmask = pmask[:, None] & dmask[None, :]
@@ -314,10 +312,8 @@ def prefill_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m_i = m_new
     # 2. the chunk's own tokens j <= m (and within the window), at full precision
-    lo2 = 0
-    if window > 0:
-        lo2 = tl.maximum(tile * BLOCK_M - window + 1, 0)
-        lo2 = (lo2 // BLOCK_N) * BLOCK_N
+    lo2 = tl.where(window > 0, tl.maximum(tile * BLOCK_M - window + 1, 0), 0)
+    lo2 = (lo2 // BLOCK_N) * BLOCK_N
     hi2 = tl.minimum((tile + 1) * BLOCK_M, n_q)
     for j0 in range(lo2, hi2, BLOCK_N):
         j = j0 + n
