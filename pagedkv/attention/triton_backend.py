@@ -151,7 +151,8 @@ def decode(q, k_cache, v_cache, block_tables, seq_lens, scale, *, out, splits=1,
         q, k_cache, v_cache, k_scale if quant else k_cache, v_scale if quant else v_cache,
         block_tables, seq_lens, mid_o, mid_lse, out,
         float(scale), int(window), q.stride(0), q.stride(1), block_tables.stride(0),
-        block_tables.shape[1], out.stride(0), out.stride(1), g, d, BS=bs, HKV=hkv, SPLITS=splits, QUANT=quant,
+        block_tables.shape[1], out.stride(0), out.stride(1), g, d, splits, BS=bs, HKV=hkv,
+        ONE_SPLIT=splits == 1, QUANT=quant,
         F32_DOT=quant or _f32_dot(q, k_cache),
         BLOCK_G=max(16, _pow2(g)), BLOCK_N=tiles.decode_n, BLOCK_D=_block_d(d),
     )
@@ -159,7 +160,7 @@ def decode(q, k_cache, v_cache, block_tables, seq_lens, scale, *, out, splits=1,
         return out  # the decode kernel wrote it
     kern.decode_reduce_kernel.launch(
         (b, hq), cpu, mid_o, mid_lse, out, out.stride(0), out.stride(1), hq, d,
-        SPLITS=splits, BLOCK_S=_pow2(splits), BLOCK_D=_block_d(d),
+        splits, BLOCK_S=_pow2(splits), BLOCK_D=_block_d(d),
     )
     return out
 

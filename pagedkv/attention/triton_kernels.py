@@ -143,11 +143,11 @@ def write_kv_kernel(
 def decode_kernel(
     q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr, mid_o_ptr, mid_lse_ptr, out_ptr,
     scale, window, stride_qb, stride_qh, stride_table, max_blocks, stride_ob, stride_oh,
-    G, D, BS: tl.constexpr, HKV: tl.constexpr,
-    SPLITS: tl.constexpr, QUANT: tl.constexpr, F32_DOT: tl.constexpr,
+    G, D, SPLITS, BS: tl.constexpr, HKV: tl.constexpr,
+    ONE_SPLIT: tl.constexpr, QUANT: tl.constexpr, F32_DOT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Grid (B, Hkv, SPLITS). Query heads hkv * G .. + G of row b over one split of its
+    """Grid (B, Hkv, SPLITS) (a run-time count: a new split count compiles nothing). Query heads hkv * G .. + G of row b over one split of its
     positions [start, len); partial (un-normalized / l) outputs to mid_o [B, Hq, SPLITS, D],
     log-sum-exp to mid_lse [B, Hq, SPLITS] (-inf: the split saw nothing). One split: the
     output itself, straight to out [B, Hq, D] (no reduce launch)."""
@@ -214,7 +214,7 @@ def decode_kernel(
     seen = l_i > 0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
-    if SPLITS == 1:
+    if ONE_SPLIT:
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
         return
@@ -226,8 +226,8 @@ def decode_kernel(
 
 @kernel
 def decode_reduce_kernel(
-    mid_o_ptr, mid_lse_ptr, out_ptr, stride_ob, stride_oh, HQ, D,
-    SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    mid_o_ptr, mid_lse_ptr, out_ptr, stride_ob, stride_oh, HQ, D, SPLITS,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Grid (B, Hq): out[b, h] = sum over splits of exp(lse_s - LSE) * o_s (0 if none saw any)."""
     b = tl.program_id(0)
