@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pagedkv.cache import KVStorage, PagedKVCache
+from pagedkv.cache.block_map import block_map
 from pagedkv.cache.groups import KVGroups
 from pagedkv.cache.hashing import chain_hashes
 from pagedkv.errors import OutOfBlocksError, SlidingWindowError
@@ -296,6 +297,17 @@ class HybridMachine(RuleBasedStateMachine):
             for g, w in enumerate(self.windows):
                 want = 0 if w is None else max(0, s.num_written - w + 1) // bs
                 assert s.tables[g].start == want, f"seq {sid} group {g}: window blocks"
+
+    @invariant()
+    def block_map_matches_stats(self) -> None:
+        """The block map walks every group's tables: its counts equal stats()'s."""
+        if self.cache is None:
+            return
+        bm, st_ = block_map(self.cache), self.cache.stats()
+        for k in ("live_tokens", "internal_waste", "holes", "active_sequences", "cow_copies"):
+            assert bm.summary[k] == getattr(st_, k), k
+        refs, _ = self.cache.block_states()
+        assert int((refs > 0).sum()) == st_.used_blocks
 
     @invariant()
     def hashed_blocks_hold_their_contents(self) -> None:

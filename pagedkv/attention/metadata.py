@@ -31,6 +31,10 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int32 (padding: 0)
     decode_seq_lens: torch.Tensor  # [num_decodes] int32, context incl. the new token
     max_decode_seq_len: int = 0
+    # the KV group's window (hybrid cache): its table entries wholly before each token's window
+    # are given back (0 in the table, never read); 0: a full group, every entry live. A layer
+    # attends with its own window (the band), which a window group's equals.
+    group_window: int = 0
     # whether slot_mapping holds a -1; None until the first layer's write checks it, once per step
     has_skips: bool | None = None
     # which attention implementation runs the step: "auto" (the triton kernels for CUDA

@@ -109,6 +109,7 @@ def _group_meta(cache: PagedKVCache, group: int, prefills: list[ScheduledPrefill
         decode_block_tables=dec_tables,
         decode_seq_lens=dec_lens,
         max_decode_seq_len=int(dec_lens.numpy().max()) if decodes else 0,
+        group_window=cache.groups.windows[group] or 0,
     )
 
 

@@ -428,6 +428,12 @@ class LlamaModel(nn.Module):
         if len(metas) <= max(groups, default=0):
             raise StorageMismatchError(f"{len(metas)} attention metadata for a KV storage of "
                                        f"{max(groups) + 1} groups")
+        if any(m.group_window for m in metas):  # window groups: a few ints per step
+            for layer, g in zip(self.layers, groups, strict=False):
+                w = metas[g].group_window
+                if w and layer.window != w:
+                    raise StorageMismatchError(f"a layer with window {layer.window or 'none'} "
+                                               f"reads a KV group that keeps only {w} tokens")
         if self.embed_q is not None:
             x = self.embed_q.rows(input_ids)  # [T, H]: only the looked-up rows are dequantized
         else:
