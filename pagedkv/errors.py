@@ -103,6 +103,11 @@ class GrammarError(InvalidParamsError):
         self.param = param
 
 
+class SpecConfigError(InvalidParamsError):
+    """An invalid speculative_config (bad JSON, an unknown method or key, a value out of
+    range): the message names the key."""
+
+
 class RequestTooLongError(PagedKVError, ValueError):
     """A request that can never fit: prompt + max_tokens over the context or the whole cache."""
 

@@ -62,7 +62,9 @@ class SeqState:
     entries, a window group's leading ones NULL_BLOCK (given back); `chain` (None: ids
     unknown, a bare count, never hashed) holds at least num_tokens ids;
     num_hashed <= num_written // block_size, and its first num_hashed blocks were registered
-    under chain.hashes, keyed by group (a block keeps that hash until the pool drops it)."""
+    under chain.hashes, keyed by group (a block keeps that hash until the pool drops it).
+    `lookahead` slots past num_tokens (speculative drafts, one KV group only) are listed too
+    while a step verifies them, 0 between steps."""
 
     seq_id: SeqId
     table: TableRow
@@ -73,6 +75,7 @@ class SeqState:
     hash_limit: int | None = None  # blocks from here on were edited (seq_ops): never hashed
     tier_tokens: int = 0  # prompt tokens whose K/V were loaded from the KV tier at creation
     tables: list[TableRow] = None  # type: ignore[assignment]  # per group; None: [table]
+    lookahead: int = 0  # slots reserved past num_tokens for draft tokens (speculative decoding)
     blocks: list[Block] = field(init=False)  # table.blocks itself (the table edits it in place)
     row: int = field(init=False)  # table.index (fixed for the sequence's life)
 
@@ -621,6 +624,48 @@ class PagedKVCache:
             need += k - (k == b.ref_cnt)
         return need
 
+    # --- lookahead slots (speculative decoding) ------------------------------------------------
+
+    def try_lookahead(self, seq_id: SeqId, k: int) -> bool:
+        """Reserve slots for `k` draft tokens after the sequence's last token (vLLM's lookahead
+        slots): the verifying forward pass writes their K/V there. Not fitting is a value:
+        False, nothing changed. The slots hold no token of the sequence: no hash, no prefix
+        hit, never shared; `accept_lookahead` turns the accepted ones into tokens and gives the
+        rest back. Needs a private last block (the decode append copied a shared one)."""
+        s = self.seq(seq_id)
+        k = _as_int(k)
+        if self.num_groups > 1:
+            raise CacheConfigError("lookahead slots need one KV group (hybrid groups: "
+                                   "--disable-hybrid-kv-cache-manager)")
+        if k < 0 or s.lookahead:
+            raise PositionError(f"{seq_id!r}: lookahead of {k} over {s.lookahead} reserved")
+        bs = self.block_size
+        if s.num_tokens % bs and (s.blocks[-1].ref_cnt > 1 or s.blocks[-1].hash is not None):
+            raise CacheConfigError(f"{seq_id!r}: lookahead slots after a shared or hashed block")
+        grow = _cdiv(s.num_tokens + k, bs) - len(s.blocks)
+        if grow > self._pool.num_free:
+            return False
+        self.table.grow(s.table, grow)
+        s.lookahead = k
+        return True
+
+    def accept_lookahead(self, seq_id: SeqId, m: int) -> None:
+        """The first `m` reserved slots were accepted: they become the sequence's next tokens
+        (ids its owner appended to the chain already; K/V written by the verifying pass, so
+        full blocks are registered now); the other slots' blocks go back. m = 0 only releases."""
+        s = self.seq(seq_id)
+        m = _as_int(m)
+        if not 0 <= m <= s.lookahead:
+            raise PositionError(f"{seq_id!r}: {m} accepted of {s.lookahead} lookahead slots")
+        if m and (s.chain is None or len(s.chain) - s.num_tokens < m):
+            raise PositionError(f"{seq_id!r}: its chain holds fewer than {m} ids ahead")
+        s.num_tokens += m
+        s.lookahead = 0
+        self.table.cut(s.table, _cdiv(s.num_tokens, self.block_size))
+        if m:  # the verifying pass wrote every token up to here
+            s.num_written = s.num_tokens
+            self._register(s)
+
     def mark_computed(self, seq_id: SeqId, num_tokens: int) -> None:
         """Record that the first `num_tokens` tokens' K/V are written; register the full blocks
         under their chain hashes (and offer them to the tier)."""
@@ -1007,17 +1052,28 @@ class PagedKVCache:
         return (table or self.table).tables(rows, width)
 
     def decode_tensors(
-        self, seq_ids: Sequence[SeqId], group: int = 0
+        self, seq_ids: Sequence[SeqId], group: int = 0, drafts: Sequence[int] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One decode step's (slot_mapping int64 [B], block_tables int32 [B, W], seq_lens int32 [B])
         in group `group`, for sequences whose newest token is the one being computed; built in
-        one pass."""
+        one pass. `drafts` (speculative decoding): sequence i also verifies drafts[i] tokens in
+        its lookahead slots, as drafts[i] more rows (its table repeated, one more token each),
+        so the rows are sum(1 + drafts[i])."""
         seqs = self._seqs_of(seq_ids)
         table = self._table_of(group)
         rows = np.fromiter((s.row for s in seqs), np.int64, len(seqs))
         lens = np.fromiter((s.num_tokens for s in seqs), np.int64, len(seqs))
         if lens.size and lens.min() < 1:
             raise PositionError("decode_tensors needs sequences holding at least one token")
+        if drafts is not None:
+            ks = np.asarray(drafts, dtype=np.int64)
+            if ks.shape != lens.shape or (ks < 0).any() or any(
+                    k > s.lookahead for k, s in zip(drafts, seqs, strict=True)):
+                raise PositionError("drafts need as many lookahead slots reserved")
+            n = ks + 1
+            starts = np.cumsum(n) - n
+            rows = np.repeat(rows, n)
+            lens = np.repeat(lens, n) + np.arange(int(n.sum())) - np.repeat(starts, n)
         slots = table.slots(rows, lens - 1)
         lens32 = lens.astype(np.int32)
         return torch.from_numpy(slots), self._tables_of(rows, lens32, table), torch.from_numpy(lens32)
@@ -1127,7 +1183,7 @@ class PagedKVCache:
             assert len(s.tables) == self.num_groups and s.table is s.tables[0]
             assert len({r.index for r in s.tables}) == 1, f"{s.seq_id!r}: rows out of step"
             for g, r in enumerate(s.tables):
-                assert len(r.blocks) == _cdiv(s.num_tokens, bs), f"{s.seq_id!r}: block count"
+                assert len(r.blocks) == _cdiv(s.num_tokens + s.lookahead, bs), f"{s.seq_id!r}: block count"
                 w = self.groups.windows[g]
                 if w is None:
                     assert r.start == 0, f"{s.seq_id!r}: a full group gave a block back"

@@ -31,6 +31,7 @@ from pagedkv.errors import (
     DeviceError,
     InvalidParamsError,
     KVEventsConfigError,
+    SpecConfigError,
     TierConfigError,
 )
 from pagedkv.options import (
@@ -136,6 +137,12 @@ class EngineConfig:
                 "pass runs: on, off, or auto (only while a CPU is left beside the torch threads: "
                 "on a machine whose cores all run the forward pass the worker slows it down)",
         choices=("auto", "on", "off"))
+    speculative_config: Any = option(
+        None, 'speculative decoding, vLLM\'s JSON: {"method": "ngram", '
+              '"num_speculative_tokens": 5, "prompt_lookup_max": 4} (drafts copied from the '
+              "context after its longest matching suffix, verified in one forward pass; greedy "
+              "output unchanged, sampled output's distribution unchanged; adaptive k, off where "
+              'it would not pay; "adaptive": false always drafts)', metavar="JSON")
     kv_tier_queue: int = option(256, "blocks waiting for the KV tier's writer", flag=None)
     kv_events_config: Any = option(
         None, "publish KV cache events in vLLM's format (ZeroMQ, msgpack): a JSON object of "
@@ -177,6 +184,13 @@ class EngineConfig:
                           "kv_tier_key")
         return TierKey.parse(self.kv_tier_key)
 
+    @property
+    def spec(self) -> Any:
+        """The SpeculativeConfig of speculative_config, or None (off)."""
+        from pagedkv.engine.spec_config import SpeculativeConfig
+
+        return SpeculativeConfig.parse(self.speculative_config)
+
     def context_len(self, model_len: int) -> int:
         """The context the engine serves: max_model_len, or the model's. Over the model's
         context is refused (CacheConfigError): positions past it were never trained.
@@ -206,6 +220,10 @@ class EngineConfig:
             self._check_budget()
         self._check_context_shift()
         self._check_tiers()
+        try:
+            self.spec  # noqa: B018  (SpecConfigError naming the key)
+        except SpecConfigError as e:
+            raise invalid(SpecConfigError, str(e), "speculative_config") from None
         self._check_kv_events()
 
     def _check_kv_events(self) -> None:

@@ -28,6 +28,7 @@ from pagedkv.engine.sampler import FAILED, Sampler, generator_for, top_logprobs
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.engine.sequence import CompletionOutput, Request, RequestOutput, Sequence, Status
+from pagedkv.engine.spec_decode import SpecDecoder
 from pagedkv.engine.step_plan import StepPlan
 from pagedkv.engine.structured import GrammarCompiler
 from pagedkv.engine.tiers import EngineTiers
@@ -75,6 +76,11 @@ class EngineStats:
     fair_preemptions: int = 0  # of num_preemptions, made for another request's fair share
     kv_events_published: int = 0  # KV cache events sent (--kv-events-config)
     kv_events_dropped: int = 0  # events dropped: the publisher's queue was full
+    # speculative decoding (vLLM's names): sequences that verified drafts, drafts, accepted
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_acceptance_rate: float = 0.0  # accepted / draft tokens
 
 
 class LLMEngine:
@@ -132,11 +138,17 @@ class LLMEngine:
                     f"({groups.describe()}); use it with --disable-hybrid-kv-cache-manager")
             self.context_shift.check(self.max_model_len, self.cache.token_capacity)
             self.cache.register_rotation(self.loaded.model.shift_keys)
+        spec = c.spec
+        if spec is not None and self.cache.num_groups > 1:
+            raise CacheConfigError(
+                f"speculative decoding needs one KV group ({groups.describe()}); use it with "
+                "--disable-hybrid-kv-cache-manager")
+        self.spec = None if spec is None else SpecDecoder(spec)
         self.scheduler = Scheduler(self.cache, c.max_num_seqs, c.max_num_batched_tokens,
                                    max_model_len=self.max_model_len,
                                    dedup_inflight_prefixes=c.dedup_inflight_prefixes,
                                    context_shift=self.context_shift,
-                                   tier_read_timeout=c.kv_tier_read_timeout)
+                                   tier_read_timeout=c.kv_tier_read_timeout, spec=self.spec)
         self.runner = ModelRunner(self.loaded.model, self.storage, c.attention_backend)
         self.tiers = EngineTiers(self.loaded, self.cache, kv_tier=c.kv_tier, queue=c.kv_tier_queue,
                                  snapshot=c.kv_snapshot, snapshot_interval=c.kv_snapshot_interval,
@@ -248,7 +260,7 @@ class LLMEngine:
             stop_ids |= self.eos_ids
         req = Request(request_id, ids, params, prompt if isinstance(prompt, str) else None,
                       cache_salt=cache_salt, stop_ids=stop_ids, grammar=grammar,
-                      tenant=tenant)
+                      tenant=tenant, speculate=self.spec is not None and grammar is None)
         req.seqs.append(self.new_sequence(req, 0, list(ids)))
         if shift is not None:
             shift.cut_prompt(req.seqs[0], self.max_model_len)
@@ -311,7 +323,7 @@ class LLMEngine:
 
     # --- one step -----------------------------------------------------------------------------
 
-    def forward(self, masks: bool = False) -> Forward | None:
+    def forward(self, masks: bool = False, speculate: bool = False) -> Forward | None:
         """The one step primitive, shared by step() and beam search: schedule -> run the plan ->
         commit (or undo and re-raise) -> tier writes -> timing. None when nothing could be
         scheduled. `masks` (step()'s): the sampler's grammar masks for the plan are computed
@@ -320,16 +332,18 @@ class LLMEngine:
         On return the step's K/V are written and its newly full blocks hashed and offered to the
         KV tier; row i of the logits samples for `plan.samplers[i]`. If the forward pass raises,
         the step's sequences go back to the queue with nothing of this step cached (no prefix
-        hash over unwritten K/V), and the error propagates.
+        hash over unwritten K/V), and the error propagates. `speculate` (step() only, with
+        speculative decoding on): decoding sequences may verify drafts (`plan.drafts`); the
+        caller must then hand every verifying sequence's tokens to `Scheduler.accept`.
         """
         t0 = time.perf_counter()
         sched = self.scheduler
-        plan = sched.schedule()
+        plan = sched.schedule(speculate)
         if plan.empty and sched.tier_reads.pending():
             # nothing runs: wait on the tier reads (once, up to the earliest deadline, so the
             # caller's loop still sees new requests) instead of spinning
             sched.tier_reads.wait()
-            plan = sched.schedule()
+            plan = sched.schedule(speculate)
         if plan.empty:
             return None
         tf = time.perf_counter()
@@ -340,7 +354,10 @@ class LLMEngine:
         except BaseException:
             sched.undo(plan)
             raise
-        self._forward_s += time.perf_counter() - tf
+        dt = time.perf_counter() - tf
+        self._forward_s += dt
+        if self.spec is not None and not plan.prefills:
+            self.spec.cost.observe(plan.num_tokens, dt)  # the policy's cost of a step's rows
         sched.commit(plan)
         self.tiers.after_step()  # blocks that became full this step go to the KV tier
         if self.kv_events is not None:
@@ -351,9 +368,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One forward pass (`forward`), then sample, append, finish and detokenize; return the
         requests that progressed."""
-        done = self.forward(masks=True)
+        done = self.forward(masks=True, speculate=self.spec is not None)
         if done is None:
             return []
+        if done.plan.drafts:
+            return self._step_verified(done)
         t0 = time.perf_counter()
         logits = done.logits
         seqs = done.plan.samplers
@@ -380,6 +399,61 @@ class LLMEngine:
                 s.logprobs.append(top_logprobs(logits[row], s.token_ids[-1], req.params.logprobs or 0))
             self._detokenize(s)
         self._gen_tokens += sum(t != FAILED for t in tokens)
+        for r in touched.values():
+            if r.finished:
+                r.finish_time = now
+                self.requests.pop(r.request_id, None)
+                self._finished += 1
+        outs = [self._output(r) for r in touched.values()]
+        self._busy_s += time.perf_counter() - t0
+        return outs
+
+    def _step_verified(self, done: Forward) -> list[RequestOutput]:
+        """step() after a speculative forward pass: each sampler's tokens (accepted drafts +
+        one, `Sampler.verify`) go through the same path as decoded ones, one token per round
+        (postprocess: stop ids, max_tokens; logprobs; detokenizing, stop strings), so a
+        sequence that finishes at its j-th token never sees the rest; then the accepted
+        drafts' lookahead slots become the running sequences' cached tokens."""
+        t0 = time.perf_counter()
+        plan, logits = done.plan, done.logits
+        firsts = plan.first_rows()
+        lists = self.sampler.verify(logits, plan.samplers, plan.drafts)
+        entries = list(zip(plan.samplers, lists, firsts, plan.drafts, strict=True))
+        for s, _toks, r, _ in list(entries):
+            if s.request.params.n > 1 and not s.request.forked:  # a prompt's end (no drafts)
+                kids, ktoks, _ = self._fork_samples(s, logits[r], r, [], [], [])
+                entries.extend((k, [t], r, []) for k, t in zip(kids, ktoks, strict=True))
+        touched: dict[str, Request] = {}
+        now = time.monotonic()
+        appended = [0] * len(entries)
+        for j in range(max(len(e[1]) for e in entries)):
+            live = [i for i, e in enumerate(entries) if j < len(e[1]) and not e[0].finished]
+            if not live:
+                break
+            seqs = [entries[i][0] for i in live]
+            tokens = [entries[i][1][j] for i in live]
+            self._accept_grammar(seqs, tokens)
+            self.scheduler.postprocess(seqs, tokens)
+            self._finish_grammar(seqs, tokens)
+            for i, s, tok in zip(live, seqs, tokens, strict=True):
+                req = s.request
+                touched[req.request_id] = req
+                if tok == FAILED:
+                    continue
+                appended[i] += 1
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                if s.logprobs is not None:
+                    s.logprobs.append(top_logprobs(logits[entries[i][2] + j], tok,
+                                                   req.params.logprobs or 0))
+                self._detokenize(s)
+        spec = self.spec
+        for (s, toks, _, d), n in zip(entries, appended, strict=True):
+            if d:
+                spec.observe(s, len(d), len(toks) - 1)  # type: ignore[union-attr]
+                if s.status is Status.RUNNING:
+                    self.scheduler.accept(s, len(d), n)
+        self._gen_tokens += sum(appended)
         for r in touched.values():
             if r.finished:
                 r.finish_time = now
@@ -445,7 +519,8 @@ class LLMEngine:
                 for s in r.seqs]
         return RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, outs,
                              r.finish_time is not None, r.num_cached_tokens, r.arrival_time,
-                             r.first_token_time, r.finish_time, r.num_tier_cached_tokens)
+                             r.first_token_time, r.finish_time, r.num_tier_cached_tokens,
+                             r.num_draft_tokens, r.num_accepted_tokens)
 
     # --- KV tier and snapshots ----------------------------------------------------------------
 
@@ -520,6 +595,7 @@ class LLMEngine:
             context_shifts=self.scheduler.num_context_shifts,
             fair_preemptions=self.scheduler.num_fair_preemptions,
             **self._kv_event_counts(),
+            **(self.spec.stats() if self.spec is not None else {}),
         )
 
     def _kv_event_counts(self) -> dict[str, int]:

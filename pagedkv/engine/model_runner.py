@@ -25,7 +25,8 @@ class ModelRunner:
         self.attention_backend = attention_backend
 
     def run(self, plan: StepPlan) -> torch.Tensor:
-        """Logits [R, V] on the CPU for the plan's R samplers (row i for `plan.samplers[i]`)."""
+        """Logits [R, V] on the CPU, `plan.num_rows` rows: row i for `plan.samplers[i]`
+        (speculative steps: each sampler's 1 + len(drafts) rows in turn)."""
         metas = plan.metas or (plan.meta,)  # every KV group's metadata, group 0's first
         ids, pos, rows = plan.input_ids, plan.positions, plan.logits_indices
         for m in metas:
@@ -37,7 +38,7 @@ class ModelRunner:
             ids, pos, rows = (t.to(self.device, non_blocking=True) for t in (ids, pos, rows))
         with torch.inference_mode():
             logits = self.model(ids, pos, self.storage, metas, rows)
-        logits = logits[: len(plan.samplers)]
+        logits = logits[: plan.num_rows]
         return logits if logits.is_cpu else logits.float().cpu()
 
 

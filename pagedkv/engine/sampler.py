@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import torch
 
+from pagedkv.engine.rejection import accept_greedy, accept_sampled, gumbel_tokens
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.structured import GrammarCompiler, GrammarMatcher, apply_masks
 from pagedkv.model import qkernel
@@ -56,6 +57,27 @@ def generator_for(seed: int, index: int) -> torch.Generator:
     63-bit hash of both, so every int64 is valid and samples of one request differ."""
     digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
+
+
+def position_generator(seed: int, index: int, position: int) -> torch.Generator:
+    """The generator of the token at `position` of sample `index` of a seeded request
+    (speculative decoding's seeded rows: rejection.gumbel_tokens)."""
+    digest = hashlib.blake2b(f"{seed}:{index}:{position}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
+
+
+def _keyed(s: SampledSeq) -> bool:
+    """A seeded random row of a speculating request: sampled by position-keyed Gumbel-max."""
+    p = s.request.params
+    return p.seed is not None and not p.greedy and getattr(s.request, "speculate", False)
+
+
+def _gumbel(x: torch.Tensor, s: SampledSeq, first: int) -> list[int]:
+    """Rows of s's adjusted logits x [n, V] for positions first, first + 1, ...."""
+    p = s.request.params
+    gens = [position_generator(p.seed, getattr(s, "index", 0), first + j)  # type: ignore[arg-type]
+            for j in range(x.shape[0])]
+    return gumbel_tokens(warp(x, [p] * x.shape[0]), gens)
 
 
 @dataclass(slots=True, eq=False)
@@ -135,7 +157,10 @@ class Sampler:
         # NaN and +inf count as the maximum: their rows fail below
         best, tokens = _row_max(x)
         ok = torch.isfinite(best)
-        rand = [i for i, p in enumerate(params) if not p.greedy]
+        rand = [i for i, p in enumerate(params) if not p.greedy and not _keyed(seqs[i])]
+        for i, s in enumerate(seqs):
+            if _keyed(s):
+                tokens[i] = _gumbel(x[i : i + 1], s, len(s.token_ids))[0]
         if rand:
             rows = torch.tensor(rand)
             tokens[rows] = _draw(x[rows], [params[i] for i in rand],
@@ -144,9 +169,47 @@ class Sampler:
 
     # --- logit adjustments that depend on the sequence ----------------------------------------
 
-    def adjust(self, logits: torch.Tensor, seqs: Sequence[SampledSeq]) -> torch.Tensor:
+    def verify(self, logits: torch.Tensor, seqs: Sequence[SampledSeq],
+               drafts: Sequence[list[int]]) -> list[list[int]]:
+        """A speculative step: sampler i owns 1 + len(drafts[i]) consecutive rows (row j: after
+        drafts[i][:j]); returns the tokens each appends (accepted drafts, then a correction or
+        bonus token: rejection.py), a list ending at FAILED where a row it reached could not
+        be sampled. Row j's penalties count drafts[i][:j] as generated."""
+        row_seqs: list[SampledSeq] = []
+        ahead: list[list[int]] = []
+        for s, d in zip(seqs, drafts, strict=True):
+            for j in range(len(d) + 1):
+                row_seqs.append(s)
+                ahead.append(d[:j])
+        x = self.adjust(logits, row_seqs, ahead)
+        best, top = _row_max(x)
+        ok = torch.isfinite(best).tolist()
+        top_ids = top.tolist()
+        out = []
+        r = 0
+        for s, d in zip(seqs, drafts, strict=True):
+            n = len(d) + 1
+            p = s.request.params
+            if p.greedy:
+                toks = accept_greedy(top_ids[r : r + n], d)
+            elif _keyed(s):
+                toks = accept_greedy(_gumbel(x[r : r + n], s, len(s.token_ids)), d)
+            else:
+                probs = torch.softmax(warp(x[r : r + n], [p] * n), dim=-1).double()
+                toks = accept_sampled(probs, d, s.generator)
+            for j in range(len(toks)):
+                if not ok[r + j]:
+                    toks = toks[:j] + [FAILED]
+                    break
+            out.append(toks)
+            r += n
+        return out
+
+    def adjust(self, logits: torch.Tensor, seqs: Sequence[SampledSeq],
+               ahead: Sequence[list[int]] | None = None) -> torch.Tensor:
         """float32 logits after logit_bias, min_tokens and the penalties; a copy where anything
-        changes (the caller's logits stay raw)."""
+        changes (the caller's logits stay raw). `ahead[i]` (verification rows): tokens row i
+        counts as generated after the sequence's own (its drafts so far)."""
         self._forget_finished()
         x = logits.float()
         params = [s.request.params for s in seqs]
@@ -158,6 +221,9 @@ class Sampler:
         x = x.clone()
         if rows:
             hist = [self._history(seqs[i], x.shape[-1]) for i in rows]
+            if ahead is not None:
+                hist = [_ahead(h, ahead[i]) if ahead[i] else h for h, i in zip(hist, rows,
+                                                                                strict=True)]
             self._bias_and_min_tokens(x, rows, hist, seqs, params)
             pen = [j for j, i in enumerate(rows) if params[i].has_penalties]
             if pen:
@@ -234,6 +300,15 @@ class Sampler:
     def _forget_finished(self) -> None:
         for key in [key for key, h in self._hist.items() if h.seq.finished]:
             del self._hist[key]
+
+
+def _ahead(h: _History, tokens: list[int]) -> _History:
+    """h with `tokens` generated after it (a verification row's view; h is not changed)."""
+    t = torch.tensor(tokens)
+    seen = h.seen.clone()
+    seen[t] = True
+    counts = h.counts.clone().index_add_(0, t, torch.ones(len(tokens)))
+    return _History(h.seq, seen, counts, h.n + len(tokens), h.bias_ids, h.bias_vals, h.banned)
 
 
 def _before_min_tokens(s: SampledSeq, p: SamplingParams) -> bool:

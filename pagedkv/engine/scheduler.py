@@ -27,6 +27,7 @@ from pagedkv.engine.context_shift import ContextShift
 from pagedkv.engine.inflight import InflightPrefixes
 from pagedkv.engine.sampler import FAILED
 from pagedkv.engine.sequence import Sequence, Status
+from pagedkv.engine.spec_decode import SpecDecoder
 from pagedkv.engine.step_plan import ScheduledPrefill, StepPlan, build_plan
 from pagedkv.engine.tier_reads import TierReads
 
@@ -52,6 +53,7 @@ class Scheduler:
         dedup_inflight_prefixes: bool = True,
         context_shift: ContextShift | None = None,
         tier_read_timeout: float = 0.1,
+        spec: SpecDecoder | None = None,
     ) -> None:
         self.cache = cache
         self.max_num_seqs = max_num_seqs
@@ -67,6 +69,7 @@ class Scheduler:
         dedup = dedup_inflight_prefixes and cache.enable_prefix_caching
         self.inflight = InflightPrefixes(cache) if dedup else None
         self.tier_reads = TierReads(cache, tier_read_timeout)
+        self.spec = spec  # speculative decoding's proposer and policy (None: off)
 
     # --- queue --------------------------------------------------------------------------------
 
@@ -90,7 +93,10 @@ class Scheduler:
 
     # --- one step -----------------------------------------------------------------------------
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, speculate: bool = False) -> StepPlan:
+        """The step's plan. `speculate` (engine.step with speculative decoding on): decoding
+        sequences may also verify draft tokens, with what the token budget and free blocks
+        leave after everything else (drafts never preempt nor hold back a prompt)."""
         budget = self.max_num_batched_tokens
         order = self._rebalance()
         decodes = self._reserve_decodes()
@@ -107,7 +113,30 @@ class Scheduler:
                 budget -= self._schedule_chunk(s, budget, prefills)
         if order:
             budget = self._admit_waiting(order, budget, prefills)
-        return build_plan(self.cache, prefills, decodes)
+        drafts = None
+        if speculate and self.spec is not None and decodes:
+            drafts = self._reserve_drafts(decodes, prefills, budget)
+        return build_plan(self.cache, prefills, decodes, drafts)
+
+    def _reserve_drafts(self, decodes: list[Sequence], prefills: list[ScheduledPrefill],
+                        budget: int) -> list[list[int]]:
+        """The policy's drafts, each with its lookahead slots reserved; a sequence whose slots
+        do not fit verifies none (a value, not an error: nothing is preempted for drafts)."""
+        rows = len(decodes) + sum(p.end - p.start for p in prefills)
+        drafts = self.spec.drafts(decodes, rows, budget, self.max_model_len)  # type: ignore[union-attr]
+        try_lookahead = self.cache.try_lookahead
+        for i, (s, d) in enumerate(zip(decodes, drafts, strict=True)):
+            if d and not try_lookahead(s.seq_id, len(d)):
+                drafts[i] = []
+        return drafts
+
+    def accept(self, s: Sequence, drafted: int, appended: int) -> None:
+        """After a speculative step's tokens were appended to s (still running): the drafts
+        the target agreed with (appended - 1: the last token is uncomputed, as after any
+        decode) become cached tokens, the other lookahead slots go back."""
+        if drafted:
+            self.cache.accept_lookahead(s.seq_id, appended - 1)
+            s.num_scheduled += appended - 1  # num_ctx - 1 again: in decode
 
     def _rebalance(self) -> list[Sequence]:
         """Fair shares (fair_share.py), only while something waits or forks pushed the

@@ -14,6 +14,7 @@ from pagedkv.engine.detokenizer import IncrementalDetokenizer
 from pagedkv.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from pagedkv.engine.spec_decode import SeqSpec
     from pagedkv.engine.structured import CompiledGrammar, GrammarMatcher
 
 
@@ -49,6 +50,7 @@ class Sequence:
     n_dropped: int = 0
     chain: HashChain | None = None  # the context's ids and block hashes (prefix caching)
     grammar: GrammarMatcher | None = None  # structured outputs: has consumed output_ids
+    spec: SeqSpec | None = None  # speculative decoding: its n-gram index and acceptance
 
     def __post_init__(self) -> None:
         if self.detok is None:
@@ -111,6 +113,9 @@ class Request:
     grammar: CompiledGrammar | None = None  # structured outputs: each sample's matcher's source
     tenant: str | None = None  # who submitted it (the server's API key identity): fair shares
     fair_share: bool = True  # False: never preempted for another request's share (beam search)
+    speculate: bool = False  # its sequences may verify draft tokens (add_request, spec on)
+    num_draft_tokens: int = 0  # drafts its sequences verified
+    num_accepted_tokens: int = 0  # of those, the ones the target agreed with
 
     @property
     def finished(self) -> bool:
@@ -138,6 +143,8 @@ class RequestOutput:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_tier_cached_tokens: int = 0  # of num_cached_tokens, loaded from the KV tier
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified for this request
+    num_accepted_tokens: int = 0  # of those, accepted
 
     @property
     def text(self) -> str:

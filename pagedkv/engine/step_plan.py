@@ -42,10 +42,26 @@ class StepPlan:
     metas: tuple[AttentionMetadata, ...] = ()  # every group's, group 0's first (meta itself)
     logits_indices: torch.Tensor = _EMPTY_I64  # [max(R, 1)] int64
     samplers: list[Sequence] = field(default_factory=list)  # R sequences that sample this step
+    # speculative steps only ([] otherwise): the draft tokens each sampler verifies, parallel
+    # to samplers; sampler i then owns 1 + len(drafts[i]) consecutive logits rows
+    drafts: list[list[int]] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
         return not self.prefills and not self.decodes
+
+    @property
+    def num_rows(self) -> int:
+        """Logits rows that sample: one per sampler, plus one per draft."""
+        return len(self.samplers) + sum(len(d) for d in self.drafts)
+
+    def first_rows(self) -> list[int]:
+        """The first logits row of each sampler."""
+        out, r = [], 0
+        for i in range(len(self.samplers)):
+            out.append(r)
+            r += 1 + (len(self.drafts[i]) if self.drafts else 0)
+        return out
 
     @property
     def num_tokens(self) -> int:
@@ -57,9 +73,11 @@ SchedulerOutput = StepPlan
 
 
 def build_plan(
-    cache: PagedKVCache, prefills: list[ScheduledPrefill], decodes: list[Sequence]
+    cache: PagedKVCache, prefills: list[ScheduledPrefill], decodes: list[Sequence],
+    drafts: list[list[int]] | None = None,
 ) -> StepPlan:
-    """Tensors of one step from the cache's tables (the decodes already grown by one token)."""
+    """Tensors of one step from the cache's tables (the decodes already grown by one token;
+    `drafts`, parallel to decodes: tokens each verifies in its reserved lookahead slots)."""
     plan = StepPlan(prefills, decodes)
     if plan.empty:
         return plan
@@ -73,12 +91,22 @@ def build_plan(
         if p.end == s.num_ctx:  # prompt done: its last token's logits sample
             rows.append(len(ids) - 1)
             plan.samplers.append(s)
-    if decodes:
+    if decodes and drafts and any(drafts):
+        first = len(ids)
+        for s, d in zip(decodes, drafts, strict=True):
+            ids.append(s.token_ids[-1])
+            ids.extend(d)
+        rows.extend(range(first, len(ids)))
+        plan.samplers.extend(decodes)
+        plan.drafts = [[] for _ in plan.samplers[: len(plan.samplers) - len(decodes)]]
+        plan.drafts.extend(drafts)
+    elif decodes:
         first = len(ids)
         ids.extend([s.token_ids[-1] for s in decodes])
         rows.extend(range(first, first + len(decodes)))
         plan.samplers.extend(decodes)
-    plan.metas = tuple(_group_meta(cache, g, prefills, decodes, pos)
+    ks = [len(d) for d in drafts] if plan.drafts else None
+    plan.metas = tuple(_group_meta(cache, g, prefills, decodes, pos, ks)
                        for g in range(cache.num_groups))
     plan.meta = plan.metas[0]
     plan.input_ids = torch.tensor(ids, dtype=torch.int64)
@@ -88,7 +116,8 @@ def build_plan(
 
 
 def _group_meta(cache: PagedKVCache, group: int, prefills: list[ScheduledPrefill],
-                decodes: list[Sequence], pos: list[torch.Tensor]) -> AttentionMetadata:
+                decodes: list[Sequence], pos: list[torch.Tensor],
+                drafts: list[int] | None = None) -> AttentionMetadata:
     """One KV group's metadata (its slots and block tables); group 0 also appends the decode
     positions to `pos` (every group has the same lengths)."""
     slots = [cache.slots(p.seq.seq_id, p.start, p.end, group) for p in prefills]
@@ -97,7 +126,8 @@ def _group_meta(cache: PagedKVCache, group: int, prefills: list[ScheduledPrefill
         prefill_tables = cache.block_tables([p.seq.seq_id for p in prefills], group)[0]
     dec_tables, dec_lens = _EMPTY_TABLE, _EMPTY_I32
     if decodes:
-        dec_slots, dec_tables, dec_lens = cache.decode_tensors([s.seq_id for s in decodes], group)
+        dec_slots, dec_tables, dec_lens = cache.decode_tensors([s.seq_id for s in decodes],
+                                                               group, drafts)
         if group == 0:
             pos.append(dec_lens.to(torch.int64) - 1)
         slots.append(dec_slots)

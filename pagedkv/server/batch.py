@@ -80,4 +80,6 @@ class MergedStream:
             prompt_tokens=sum(u.prompt_tokens for _, u in seen),
             cached_tokens=sum(u.cached_tokens for _, u in seen),
             tier_cached_tokens=sum(u.tier_cached_tokens for _, u in seen),
+            draft_tokens=sum(u.draft_tokens for _, u in seen),
+            accepted_tokens=sum(u.accepted_tokens for _, u in seen),
         )

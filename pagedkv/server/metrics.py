@@ -33,6 +33,8 @@ ENGINE_GAUGES = (
     ("num_requests_waiting", "num_waiting", "Requests waiting to be scheduled."),
     ("kv_cache_usage_perc", "kv_usage", "Fraction of KV blocks in use (1 = full)."),
     ("kv_cache_num_blocks", "num_blocks", "KV blocks in the pool."),
+    ("spec_decode_acceptance_rate", "spec_decode_acceptance_rate",
+     "Speculative decoding: accepted / draft tokens, since start."),
     ("prefix_cache_hit_rate", "prefix_hit_rate",
      "Prompt tokens served from the prefix cache / tokens looked up, since start."),
 )
@@ -57,6 +59,12 @@ ENGINE_COUNTERS = (
      "KV cache events published (--kv-events-config)."),
     ("kv_events_dropped", "kv_events_dropped",
      "KV cache events dropped because the publisher's queue was full."),
+    ("spec_decode_num_drafts", "spec_decode_num_drafts",
+     "Speculative decoding: sequence-steps that verified draft tokens."),
+    ("spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens",
+     "Speculative decoding: draft tokens verified."),
+    ("spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens",
+     "Speculative decoding: draft tokens the target model agreed with."),
     ("context_shifts", "context_shifts",
      "Times a sequence filled the context and was shifted (oldest tokens after n_keep "
      "dropped) instead of finishing."),

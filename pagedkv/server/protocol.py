@@ -259,6 +259,11 @@ def usage(update: Update) -> dict[str, Any]:
         out["prompt_tokens_details"] = {"cached_tokens": update.cached_tokens}
         if update.tier_cached_tokens:  # pagedkv extension: of those, loaded from the KV tier
             out["prompt_tokens_details"]["tier_cached_tokens"] = update.tier_cached_tokens
+    if update.draft_tokens:  # speculative decoding, in OpenAI's predicted-outputs fields
+        out["completion_tokens_details"] = {
+            "accepted_prediction_tokens": update.accepted_tokens,
+            "rejected_prediction_tokens": update.draft_tokens - update.accepted_tokens,
+        }
     return out
 
 

@@ -61,6 +61,8 @@ class Update:
     prompt_tokens: int
     cached_tokens: int
     tier_cached_tokens: int = 0  # of cached_tokens, loaded from the KV tier
+    draft_tokens: int = 0  # speculative decoding: drafts verified for the request so far
+    accepted_tokens: int = 0  # of those, accepted
 
 
 @dataclass
@@ -146,7 +148,9 @@ class RequestStream:
             if first or text or ids or sent.done:
                 choices.append(Choice(c.index, text, ids, c.finish_reason, logprobs))
         return Update(tuple(choices), bool(out.finished), len(out.prompt_token_ids),
-                      int(out.num_cached_tokens), int(getattr(out, "num_tier_cached_tokens", 0)))
+                      int(out.num_cached_tokens), int(getattr(out, "num_tier_cached_tokens", 0)),
+                      int(getattr(out, "num_draft_tokens", 0)),
+                      int(getattr(out, "num_accepted_tokens", 0)))
 
     def _new_logprobs(self, c: Any, sent: _Sent, tokenizer: Any) -> tuple[TokenLogprob, ...] | None:
         raw = getattr(c, "logprobs", None)
@@ -203,4 +207,4 @@ class Accumulator:
         )
         last = self.last
         return Update(choices, last.finished, last.prompt_tokens, last.cached_tokens,
-                      last.tier_cached_tokens)
+                      last.tier_cached_tokens, last.draft_tokens, last.accepted_tokens)

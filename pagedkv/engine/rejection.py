@@ -1,0 +1,79 @@
+"""Verifying draft tokens against the target's rows (speculative decoding).
+
+A sequence that verified d drafts has d + 1 rows: row j is the target's distribution for the
+token after the context plus drafts[:j]. Both rules return the tokens to append: the accepted
+drafts, then one more token from the first row not consumed (the correction after a
+rejection, or the bonus token when every draft was accepted), so 1..d+1 tokens.
+
+- Greedy: draft j is accepted while it equals row j's argmax; the extra token is that row's
+  argmax. Token for token what decoding one token per step gives.
+- Sampled (rejection sampling, Leviathan et al. / Chen et al.; vLLM's rejection sampler): a
+  draft from a proposer with distribution q is accepted with probability min(1, p(x)/q(x));
+  after a rejection the token is drawn from the residual max(0, p - q), normalized. Prompt
+  lookup and greedy draft models propose one token for certain (q is a point mass), so draft
+  x is accepted with probability p(x), and the residual is p without x. Each emitted token
+  then has exactly the target's distribution p (tests: a chi-square over many draws).
+- Seeded (a request with a seed, while speculative decoding is on): every token, drafted or
+  not, is the Gumbel-max of its row, argmax(log p + G) with G drawn from a generator keyed by
+  (seed, sample index, position), and a draft is accepted while it equals that token. The
+  distribution is exactly p again, and the output no longer depends on how many drafts each
+  step verified (which the adaptive policy decides from timings): a seed stays reproducible.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def accept_greedy(argmax: list[int], draft: list[int]) -> list[int]:
+    """Greedy verification: `argmax` holds the d + 1 rows' argmax tokens."""
+    out = []
+    for j, t in enumerate(draft):
+        out.append(argmax[j])
+        if argmax[j] != t:
+            return out
+    out.append(argmax[len(draft)])
+    return out
+
+
+def accept_sampled(probs: torch.Tensor, draft: list[int],
+                   generator: torch.Generator | None) -> list[int]:
+    """Rejection sampling against point-mass drafts: probs [d + 1, V] float64, the target's
+    (warped) distribution per row, rows summing to 1 (or more precisely: to anything > 0)."""
+    out = []
+    for j, t in enumerate(draft):
+        row = probs[j]
+        total = float(row.sum())
+        if _uniform(generator) * total < float(row[t]):
+            out.append(t)
+            continue
+        residual = row.clone()
+        residual[t] = 0.0
+        out.append(_invert(residual, generator))
+        return out
+    out.append(_invert(probs[len(draft)], generator))
+    return out
+
+
+def gumbel_tokens(warped: torch.Tensor, gens: list[torch.Generator]) -> list[int]:
+    """Row i's Gumbel-max token under generator i: argmax(x - log(-log u)), x [n, V] the
+    warped logits (dropped tokens -inf, never taken)."""
+    u = torch.stack([torch.rand(warped.shape[-1], generator=g, dtype=torch.float64)
+                     for g in gens])
+    noise = -torch.log(-torch.log(u.clamp_(min=1e-300)))
+    return (warped.double() + noise).argmax(-1).tolist()
+
+
+def _uniform(generator: torch.Generator | None) -> float:
+    return float(torch.rand(1, generator=generator, dtype=torch.float64))
+
+
+def _invert(weights: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token drawn in proportion to `weights` (float64 [V], not all zero): the CDF
+    inverted at one uniform; a token of weight 0 is never taken."""
+    cdf = weights.cumsum(0)
+    u = torch.rand(1, generator=generator, dtype=torch.float64) * cdf[-1]
+    return int(torch.searchsorted(cdf, u, right=True).clamp_(max=weights.shape[0] - 1))
+
+
+__all__ = ["accept_greedy", "accept_sampled", "gumbel_tokens"]
