@@ -235,7 +235,7 @@ def test_sampler_verify_draws_from_the_warped_rows() -> None:
     s = fake_seq(p, [1, 2])
     counts = torch.zeros(V)
     sampler = Sampler()
-    for _ in range(6000):
+    for _ in range(3000):
         counts[sampler.verify(x, [s], [[2, 3]])[0][0]] += 1
     target = torch.softmax(warp(x[:1].clone(), [p]), -1)[0].double()
     assert _chi2(counts, target) < 20.5

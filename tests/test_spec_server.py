@@ -20,8 +20,9 @@ def test_server_with_speculative_config(smollm2: Any) -> None:
     ref = LLM(smollm2, num_blocks=256).generate(MESSAGES, SamplingParams(temperature=0,
                                                                        max_tokens=48))[0]
     engine = LLMEngine(smollm2, num_blocks=256, speculative_config=SPEC)
-    with ServerThread(build_app(engine, served_model_name="smollm2")) as thread:
-        server = Running(thread.url, engine, None)
+    app = build_app(engine, served_model_name="smollm2")
+    with ServerThread(app) as thread:
+        server = Running(thread.url, engine, app)
         client = server.client()
         r = client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=48,
                                            temperature=0)
