@@ -6,7 +6,8 @@ Three workloads, each as chat requests through the default model's template:
 - `quote`: the first 2,500 characters of the Declaration of Independence
   (`data/public_domain_text.txt`) and "quote the sentence that begins with ..." (each client
   asks for another sentence);
-- `chat`: open chat, the held-out prompts of `data/chat_prompts.json`.
+- `chat`: open chat: one story request for one client, the held-out prompts of
+  `data/chat_prompts.json` for more.
 For each client count (`--clients`, default 1,8,40: that many requests at once, in the engine,
 no HTTP) the two modes alternate `--repeats` times on fresh engines over one loaded model, and
 the medians are reported: output tok/s over the whole run (prefill included) and decode tok/s
@@ -41,6 +42,7 @@ RENAMES = [("amount", "subtotal"), ("totals", "sums"), ("counts", "tallies"),
 SENTENCES = ["We hold these truths", "Prudence, indeed", "But when a long train",
              "Such has been the patient", "The history of the present King",
              "He has refused his Assent", "He has forbidden his Governors", "When in the Course"]
+OPEN_CHAT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 TARGETS = {"edit": 2.0, "quote": 2.0, "chat": 0.95}
 MULTI_TARGET = 0.95
 
@@ -72,6 +74,8 @@ def workload(name: str, n: int) -> list[list[dict]]:
         return [[{"role": "user", "content": f"{doc}\n\nQuote, word for word, the sentence of "
                   f"the document above that begins with \"{s}\"."}] for s in (SENTENCES * n)[:n]]
     if name == "chat":
+        if n == 1:  # one stream: an open question with a long answer
+            return [[{"role": "user", "content": OPEN_CHAT}]]
         chats = load_prompts("chat_prompts.json")
         return (chats * (n // len(chats) + 1))[:n]
     raise SystemExit(f"unknown workload {name!r} (edit, quote, chat)")

@@ -14,12 +14,13 @@ class NgramIndex:
     ends before the last indexed token list's end, i.e. at most len - 1 (so a match of the
     list's own suffix is always an earlier occurrence, with at least one token after it)."""
 
-    __slots__ = ("ends", "hi", "lo", "done")
+    __slots__ = ("ends", "hi", "lo", "done", "matched")
 
     def __init__(self, lo: int, hi: int) -> None:
         self.lo, self.hi = lo, hi
         self.ends: dict[tuple[int, ...], int] = {}
         self.done = 0  # n-grams ending at positions <= done are indexed
+        self.matched = 0  # the last proposal's suffix length
 
     def _extend(self, toks: list[int]) -> None:
         ends, lo, hi = self.ends, self.lo, self.hi
@@ -30,7 +31,8 @@ class NgramIndex:
 
     def propose(self, toks: list[int], k: int) -> list[int]:
         """Up to k tokens that followed the latest earlier occurrence of the longest matching
-        suffix of `toks` (which must extend the list of earlier calls); [] without a match."""
+        suffix of `toks` (which must extend the list of earlier calls); [] without a match.
+        `matched` then holds that suffix's length (0 without a match)."""
         if len(toks) <= self.done:  # not an extension (never happens in the engine): rebuild
             self.ends.clear()
             self.done = 0
@@ -40,7 +42,9 @@ class NgramIndex:
         for n in range(min(self.hi, L - 1), self.lo - 1, -1):
             e = get(tuple(toks[L - n :]))
             if e is not None:
+                self.matched = n
                 return toks[e : e + k]
+        self.matched = 0
         return []
 
 

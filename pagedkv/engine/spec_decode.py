@@ -10,8 +10,10 @@ of a step by its rows is measured (`StepCost`: a decayed least-squares line over
 steps' forward seconds), so speculation backs off by itself where rows are not cheap: a large
 batch (compute-bound) or low acceptance gets no drafts, one stream copying its prompt gets many.
 
-Acceptance per sequence is a decayed count (`SeqSpec`), pulled toward a prior so a sequence
-that stopped drafting is tried again after a while. Counters use vLLM's names.
+Acceptance per sequence is a decayed count (`SeqSpec`), pulled toward the engine's decayed
+acceptance for drafts of the same match length (a 1-token suffix match is a much weaker
+proposal than a 4-token one), so a sequence that stopped drafting is tried again after a
+while. Counters use vLLM's names.
 """
 
 from __future__ import annotations
@@ -35,13 +37,24 @@ class SeqSpec:
     accepted: float = 0.0  # decayed
     tried: float = 0.0  # decayed: drafts whose fate was seen (accepted + the first rejected)
 
-    @property
-    def rate(self) -> float:
-        return (self.accepted + PRIOR_RATE * PRIOR_WEIGHT) / (self.tried + PRIOR_WEIGHT)
+    def rate(self, prior: float) -> float:
+        return (self.accepted + prior * PRIOR_WEIGHT) / (self.tried + PRIOR_WEIGHT)
 
     def observe(self, drafted: int, accepted: int) -> None:
         self.accepted = DECAY * self.accepted + accepted
         self.tried = DECAY * self.tried + accepted + (accepted < drafted)
+
+
+@dataclass(slots=True)
+class _Rate:
+    """The engine's decayed acceptance of drafts proposed after an n-token match."""
+
+    accepted: float = 0.0
+    tried: float = 0.0
+
+    @property
+    def value(self) -> float:
+        return (self.accepted + PRIOR_RATE * PRIOR_WEIGHT) / (self.tried + PRIOR_WEIGHT)
 
 
 @dataclass(slots=True)
@@ -83,6 +96,7 @@ class SpecDecoder:
         self.config = config
         self.k = config.num_speculative_tokens
         self.cost = StepCost()
+        self.by_match = [_Rate() for _ in range(config.prompt_lookup_max + 1)]
         self.num_drafts = 0  # sequences that verified drafts (vLLM: spec_decode_num_drafts)
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -131,7 +145,7 @@ class SpecDecoder:
             if not adaptive:
                 out[i] = d
                 continue
-            a = st.rate
+            a = st.rate(self.by_match[st.index.matched].value)
             cands.extend((a ** (j + 1), j, i) for j in range(len(d)))
             out[i] = d
         if not adaptive:
@@ -161,7 +175,11 @@ class SpecDecoder:
 
     def observe(self, s, drafted: int, accepted: int) -> None:  # noqa: ANN001
         """s verified `drafted` drafts and the target agreed with the first `accepted`."""
-        self.state(s).observe(drafted, accepted)
+        st = self.state(s)
+        st.observe(drafted, accepted)
+        r = self.by_match[st.index.matched]
+        r.accepted = DECAY * r.accepted + accepted
+        r.tried = DECAY * r.tried + accepted + (accepted < drafted)
         self.num_drafts += 1
         self.num_draft_tokens += drafted
         self.num_accepted_tokens += accepted
