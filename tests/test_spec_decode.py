@@ -120,7 +120,7 @@ def test_lookahead_slots_are_reserved_then_accepted_or_given_back() -> None:
     assert cache.try_lookahead("s", 6)  # positions 5..10: 1 more block... 3 in all
     assert len(cache.block_ids("s")) == 3
     cache.check_invariants()
-    slots, tables, lens = cache.decode_tensors(["s"], [6])
+    slots, tables, lens = cache.decode_tensors(["s"], drafts=[6])
     assert lens.tolist() == [5, 6, 7, 8, 9, 10, 11]
     assert slots.tolist() == [cache.table.slots(cache.seq("s").row, torch.arange(4, 11).numpy())
                               .tolist()][0]
