@@ -399,14 +399,7 @@ class LLMEngine:
                 s.logprobs.append(top_logprobs(logits[row], s.token_ids[-1], req.params.logprobs or 0))
             self._detokenize(s)
         self._gen_tokens += sum(t != FAILED for t in tokens)
-        for r in touched.values():
-            if r.finished:
-                r.finish_time = now
-                self.requests.pop(r.request_id, None)
-                self._finished += 1
-        outs = [self._output(r) for r in touched.values()]
-        self._busy_s += time.perf_counter() - t0
-        return outs
+        return self._end_step(touched, now, t0)
 
     def _step_verified(self, done: Forward) -> list[RequestOutput]:
         """step() after a speculative forward pass: each sampler's tokens (accepted drafts +
@@ -454,6 +447,10 @@ class LLMEngine:
                 if s.status is Status.RUNNING:
                     self.scheduler.accept(s, len(d), n)
         self._gen_tokens += sum(appended)
+        return self._end_step(touched, now, t0)
+
+    def _end_step(self, touched: dict[str, Request], now: float, t0: float) -> list[RequestOutput]:
+        """The step's tail: finished requests leave, every touched one reports its output."""
         for r in touched.values():
             if r.finished:
                 r.finish_time = now
