@@ -325,3 +325,12 @@ def test_a_stale_early_mask_is_never_used(llm, compiler) -> None:  # noqa: ANN00
     assert again == allowed and sampler.mask_early == 1
     sampler.close()
     sampler.close()
+
+
+@pytest.mark.parametrize("bad", ["yes", 3, None, ""])
+def test_grammar_mask_overlap_takes_only_its_choices(bad) -> None:  # noqa: ANN001
+    from pagedkv.engine.config import EngineConfig
+    from pagedkv.errors import InvalidParamsError
+
+    with pytest.raises(InvalidParamsError, match="grammar_mask_overlap"):
+        EngineConfig.build(grammar_mask_overlap=bad)

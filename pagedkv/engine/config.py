@@ -210,6 +210,9 @@ class EngineConfig:
         resolve_kv_cache_dtype(self.kv_cache_dtype)  # CacheConfigError naming the supported ones
         check_activations(self.activations, self.weights)  # ModelLoadError
         check_batch_weights(self.batch_weights, self.weights)
+        if self.grammar_mask_overlap not in ("auto", "on", "off"):
+            raise invalid(InvalidParamsError, "grammar_mask_overlap is auto, on or off, got "
+                                              f"{self.grammar_mask_overlap!r}", "grammar_mask_overlap")
         self._check_device()
         check_positive(self, CacheConfigError, "block_size")
         check_positive(self, CacheConfigError, "num_blocks", "max_model_len", optional=True)
