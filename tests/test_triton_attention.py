@@ -10,6 +10,7 @@ split-K decode and the int8 / fp8 KV formats with their scales.
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -299,6 +300,46 @@ def test_device_metadata_and_model_to_device(tiny_qwen2: Path) -> None:
     model.reserve_positions(5000)  # grows the tables past their 4,096 first positions
     assert model.rope.cos.shape[0] == 8192
     assert _greedy(llm, PROMPTS) == want
+
+
+def test_tier_fingerprint_names_device_dtype_and_attention(tiny_qwen2: Path) -> None:
+    """The tier fingerprint covers what computes the K/V: the device type (not its index),
+    the compute dtype and the attention implementation that runs, besides the layout."""
+    from pagedkv.cache.tiers import model_fingerprint
+    from pagedkv.model.loader import load_model
+
+    f32, bf16 = (load_model(str(tiny_qwen2), dtype=dt, weights="float32")
+                 for dt in ("float32", "bfloat16"))
+    layout = KVStorage(1, 2, 8, 2, 64, "float16").block_layout()  # the same KV bytes for all
+    fp = functools.partial(model_fingerprint, layout=layout, block_size=8)
+    base = fp(f32)
+    assert base == fp(f32, device="cpu", attention="torch")
+    assert fp(f32, device="cuda:0") == fp(f32, device="cuda:1") != base
+    assert fp(f32, attention="triton") != base
+    assert fp(bf16) != base
+
+
+def test_kv_saved_by_another_attention_backend_is_not_read(tiny_qwen2: Path, tmp_path: Path) -> None:
+    """A disk tier written by the triton backend serves another triton engine, never a torch
+    one (its K/V differ in the last bits): the device path's blocks stay its own."""
+    from pagedkv import LLM
+
+    opts = {"num_blocks": 48, "block_size": 8, "kv_tier": f"disk:{tmp_path}",
+            "weights": "float32"}
+    prompt = [list(range(40, 75))]
+
+    def tier_tokens(llm) -> int:
+        from pagedkv import SamplingParams
+
+        out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1))[0]
+        llm.engine.tiers.connector.writer.flush()
+        return out.num_tier_cached_tokens
+
+    writer = LLM(str(tiny_qwen2), attention_backend="triton", **opts)
+    assert tier_tokens(writer) == 0
+    assert tier_tokens(LLM(str(tiny_qwen2), **opts)) == 0  # torch: another fingerprint
+    assert tier_tokens(LLM(str(tiny_qwen2), attention_backend="triton", **opts)) == 32
+    writer.engine.close()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -152,7 +152,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.loaded.model, self.storage, c.attention_backend)
         self.tiers = EngineTiers(self.loaded, self.cache, kv_tier=c.kv_tier, queue=c.kv_tier_queue,
                                  snapshot=c.kv_snapshot, snapshot_interval=c.kv_snapshot_interval,
-                                 key=c.tier_key())
+                                 key=c.tier_key(), attention=self.runner.attention)
         self.kv_events = self._open_kv_events(c)
         self.eos_ids = set(cfg.eos_token_ids or [])
         if getattr(self.tokenizer, "eos_token_id", None) is not None:

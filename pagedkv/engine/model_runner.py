@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from pagedkv.attention.metadata import AttentionMetadata
+from pagedkv.attention.paged import use_triton
 from pagedkv.engine.step_plan import StepPlan
 
 
@@ -23,6 +24,8 @@ class ModelRunner:
         self.storage = storage  # the KVStorage every layer writes and reads through the plan
         self.device = torch.device(getattr(storage, "device", "cpu"))
         self.attention_backend = attention_backend
+        # what runs: "triton" or "torch" (the tier fingerprint names it: it changes the K/V)
+        self.attention = "triton" if use_triton(attention_backend, self.device) else "torch"
 
     def run(self, plan: StepPlan) -> torch.Tensor:
         """Logits [R, V] on the CPU, `plan.num_rows` rows: row i for `plan.samplers[i]`

@@ -29,7 +29,8 @@ log = logging.getLogger("pagedkv.tier")
 class EngineTiers:
     def __init__(self, loaded: object, cache: PagedKVCache, *, kv_tier: str | None,
                  queue: int = 256, snapshot: str | None = None,
-                 snapshot_interval: float | None = None, key: TierKey | None = None) -> None:
+                 snapshot_interval: float | None = None, key: TierKey | None = None,
+                 attention: str = "torch") -> None:
         self.cache = cache
         self.key = key
         self.connector: TierConnector | None = None
@@ -43,7 +44,8 @@ class EngineTiers:
             return
         storage = cache.storage
         assert storage is not None
-        self.fp = model_fingerprint(loaded, storage.block_layout(), cache.block_size)
+        self.fp = model_fingerprint(loaded, storage.block_layout(), cache.block_size,
+                                    str(storage.device), attention)
         if kv_tier:
             tier = open_tier(kv_tier, self.fp, key=key)
             if tier is not None:

@@ -3,7 +3,9 @@
 A block's K/V depend on everything that changes the numbers the model computes: the weights'
 contents, the model config (RoPE scaling included), the compute dtype, how the weights are
 kept (quantized or dequantized), the activations mode (int8 rounds every matmul input), the
-float32 batch copies, the KV dtype, the block size and the storage layout; the chained block
+float32 batch copies, the device type and attention implementation that compute them (a
+CUDA engine's fp16 K/V from Triton kernels are not a CPU engine's, even in the same dtype), the
+KV dtype, the block size and the storage layout; the chained block
 hash covers only the tokens (and the tenant salt). The fingerprint is a sha256 over all of them
 and LAYOUT_VERSION; the weights digest hashes every parameter's full contents (a model file
 that differs in one byte of one tensor gets another fingerprint). Every key and every record
@@ -51,7 +53,14 @@ def fingerprint(config: Any, weights: bytes, layout: Layout, block_size: int,
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).digest()
 
 
-def model_fingerprint(loaded: Any, layout: Layout, block_size: int) -> bytes:
-    """The fingerprint of a LoadedModel serving blocks of `layout`."""
+def model_fingerprint(loaded: Any, layout: Layout, block_size: int, device: str = "cpu",
+                      attention: str = "torch") -> bytes:
+    """The fingerprint of a LoadedModel serving blocks of `layout`, computed on `device`
+    (its type counts: cuda:0 and cuda:1 compute alike) by the `attention` backend that runs
+    (resolved: "torch" or "triton"); the compute dtype is the weights' dtype."""
     modes = {m: str(getattr(loaded, m, "")) for m in MODES}
+    params = next(iter(loaded.model.parameters()), None)
+    modes["dtype"] = str(params.dtype) if params is not None else ""
+    modes["device"] = torch.device(device).type
+    modes["attention"] = attention
     return fingerprint(loaded.config, weights_digest(loaded.model), layout, block_size, modes)
