@@ -46,14 +46,16 @@ class Option:
     choices: tuple[Any, ...] | None
     metavar: str | None
     action: str | None
+    nargs: str | None = None
 
 
 def option(default: Any, help: str | None = None, *, flag: str | None = _DERIVED,  # noqa: A002
            parse: Callable[[str], Any] | None = None, choices: tuple[Any, ...] | None = None,
-           metavar: str | None = None, action: str | None = None, repr: bool = True) -> Any:  # noqa: A002
+           metavar: str | None = None, action: str | None = None, repr: bool = True,  # noqa: A002
+           nargs: str | None = None) -> Any:
     """A dataclass field with its CLI declaration. flag=None keeps it off the command line;
-    repr=False keeps a secret out of the config's repr."""
-    meta = Option(help, flag, parse, choices, metavar, action)
+    repr=False keeps a secret out of the config's repr; nargs="+": a list of `parse`d values."""
+    meta = Option(help, flag, parse, choices, metavar, action, nargs)
     return dataclasses.field(default=default, metadata={"option": meta}, repr=repr)
 
 
@@ -78,7 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             kw["action"] = "store_false" if f.default else "store_true"
         else:
             kw.update({k: v for k, v in (("type", opt.parse), ("metavar", opt.metavar),
-                                         ("action", opt.action)) if v is not None})
+                                         ("action", opt.action), ("nargs", opt.nargs))
+                       if v is not None})
             if opt.choices is not None:
                 kw["choices"] = list(opt.choices)
         parser.add_argument(flag, **kw)

@@ -46,6 +46,18 @@ from pagedkv.options import (
 log = logging.getLogger("pagedkv.engine")
 
 DTYPES = ("float32", "bfloat16", "float16")
+# vLLM's capture sizes: 1, 2, 4, then every multiple of 8 up to 256
+DEFAULT_GRAPH_SIZES = (1, 2, 4, *range(8, 257, 8))
+MAX_GRAPH_SIZE = 4096
+MAX_GRAPH_SIZES = 256
+
+
+def capture_sizes(sizes: Any, max_num_seqs: int) -> tuple[int, ...]:
+    """Sorted distinct `sizes` below max_num_seqs, plus the smallest at or above it."""
+    ordered = sorted(set(sizes))
+    below = [n for n in ordered if n < max_num_seqs]
+    above = [n for n in ordered if n >= max_num_seqs][:1]
+    return tuple(below + above)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +88,15 @@ class EngineConfig:
                 "torch), torch (the compiled CPU decode kernel, or pure torch), triton (the "
                 "triton kernels; on the CPU through triton's interpreter: slow, for tests)",
         choices=("auto", "torch", "triton"))
+    cuda_graph_sizes: Any = option(
+        None, "decode batch sizes captured as CUDA graphs at start (vLLM's option; default "
+              "1 2 4 8 16 24 ... 256, the ones below --max-num-seqs and the first at or above "
+              "it): a decode-only step of n sequences replays the smallest size >= n, the extra "
+              "rows padding that writes no KV; prefill, mixed, speculative and larger steps run "
+              "eagerly. cuda with the triton backend only",
+        parse=positive_int, nargs="+", metavar="N")  # Python: a list of ints
+    enforce_eager: bool = option(
+        False, "capture no CUDA graphs: every step runs eagerly (vLLM's option)")
     block_size: int = option(16, "tokens per KV block", parse=positive_int)
     kv_cache_memory: str | int = option("1GiB", "KV cache budget, e.g. 2GiB, 512MB")
     kv_cache_dtype: Any = option(
@@ -214,6 +235,7 @@ class EngineConfig:
             raise invalid(InvalidParamsError, "grammar_mask_overlap is auto, on or off, got "
                                               f"{self.grammar_mask_overlap!r}", "grammar_mask_overlap")
         self._check_device()
+        self._check_graphs()
         check_positive(self, CacheConfigError, "block_size")
         check_positive(self, CacheConfigError, "num_blocks", "max_model_len", optional=True)
         check_positive(self, InvalidParamsError, "max_num_seqs", "max_num_batched_tokens",
@@ -276,6 +298,35 @@ class EngineConfig:
                 raise invalid(DeviceError, "activations / batch_weights are CPU matmul modes",
                               "activations", "batch_weights", "device")
 
+    def _check_graphs(self) -> None:
+        """cuda_graph_sizes: positive whole numbers up to MAX_GRAPH_SIZE, and only where they
+        would be used (refused, not ignored: on the CPU, with enforce_eager, with torch
+        attention, which syncs inside the step)."""
+        sizes = self.cuda_graph_sizes
+        if sizes is None:
+            return
+        if (not isinstance(sizes, list | tuple) or not sizes or len(sizes) > MAX_GRAPH_SIZES
+                or not all(is_int(n) and 1 <= n <= MAX_GRAPH_SIZE for n in sizes)):
+            raise invalid(InvalidParamsError, f"cuda_graph_sizes must be 1 to {MAX_GRAPH_SIZES} "
+                                              f"whole numbers in [1, {MAX_GRAPH_SIZE}], got "
+                                              f"{sizes!r:.80}", "cuda_graph_sizes")
+        for field, off, why in (("device", self.device == "cpu", "device is cpu (CUDA graphs "
+                                                                  "need cuda)"),
+                                ("enforce_eager", self.enforce_eager, "enforce_eager is set"),
+                                ("attention_backend", self.attention_backend == "torch",
+                                 "attention_backend is torch (graphs replay the triton kernels)")):
+            if off:
+                raise invalid(InvalidParamsError, f"cuda_graph_sizes would be ignored: {why}",
+                              "cuda_graph_sizes", field)
+
+    def graph_sizes(self) -> tuple[int, ...]:
+        """The decode batch sizes to capture (ascending): none on the CPU or with enforce_eager;
+        else cuda_graph_sizes (or DEFAULT_GRAPH_SIZES) below max_num_seqs and the first at or
+        above it (a batch never exceeds max_num_seqs)."""
+        if self.device == "cpu" or self.enforce_eager:
+            return ()
+        return capture_sizes(self.cuda_graph_sizes or DEFAULT_GRAPH_SIZES, self.max_num_seqs)
+
     def _check_budget(self) -> None:
         try:
             budget = self.kv_cache_bytes
@@ -321,4 +372,4 @@ class EngineConfig:
             raise TierConfigError("a KV tier or snapshot needs prefix caching on")
 
 
-__all__ = ["DTYPES", "EngineConfig"]
+__all__ = ["DEFAULT_GRAPH_SIZES", "DTYPES", "EngineConfig", "capture_sizes"]

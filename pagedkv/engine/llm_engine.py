@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import sys
 import time
@@ -21,6 +22,7 @@ from pagedkv.cache.storage import num_blocks_for_budget
 from pagedkv.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, BeamStepStats
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.context_shift import SHIFT_PROMPT_FACTOR, ContextShift
+from pagedkv.engine.cuda_graphs import GraphRunner
 from pagedkv.engine.detokenizer import find_stop
 from pagedkv.engine.kv_events import EngineKVEvents
 from pagedkv.engine.model_runner import ModelRunner
@@ -33,6 +35,8 @@ from pagedkv.engine.step_plan import StepPlan
 from pagedkv.engine.structured import GrammarCompiler
 from pagedkv.engine.tiers import EngineTiers
 from pagedkv.errors import CacheConfigError, InvalidParamsError, RequestTooLongError
+
+log = logging.getLogger("pagedkv.engine")
 
 Prompt = str | list[int] | list[dict]
 
@@ -150,6 +154,7 @@ class LLMEngine:
                                    context_shift=self.context_shift,
                                    tier_read_timeout=c.kv_tier_read_timeout, spec=self.spec)
         self.runner = ModelRunner(self.loaded.model, self.storage, c.attention_backend)
+        self.runner.graphs = self._capture_graphs(c, groups.windows)
         self.tiers = EngineTiers(self.loaded, self.cache, kv_tier=c.kv_tier, queue=c.kv_tier_queue,
                                  snapshot=c.kv_snapshot, snapshot_interval=c.kv_snapshot_interval,
                                  key=c.tier_key(), attention=self.runner.attention)
@@ -168,6 +173,20 @@ class LLMEngine:
         self._busy_s = 0.0
         self._forward_s = 0.0
         self._fork_shared = 0
+
+    def _capture_graphs(self, c: EngineConfig, windows: Seq[int | None]) -> GraphRunner | None:
+        """CUDA graphs of the decode step at c.graph_sizes(), captured now; None on the CPU,
+        with enforce_eager, or where the attention is not the triton kernels (torch syncs)."""
+        sizes = c.graph_sizes()
+        if not sizes:
+            return None
+        if self.runner.attention != "triton":
+            log.info("no CUDA graphs: the attention backend is torch (triton is not installed)")
+            return None
+        graphs = GraphRunner(self.loaded.model, self.storage, sizes, self.max_model_len,
+                             tuple(w or 0 for w in windows), c.attention_backend)
+        graphs.capture_all()
+        return graphs
 
     def _open_kv_events(self, c: EngineConfig) -> EngineKVEvents | None:
         ev = c.kv_events()

@@ -19,17 +19,26 @@ from pagedkv.engine.step_plan import StepPlan
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, storage: Any, attention_backend: str = "auto") -> None:
+    """`graphs`: a GraphRunner serving the decode-only steps it has a size for (CUDA graphs);
+    every other step, and every step without one, runs eagerly here."""
+
+    def __init__(self, model: torch.nn.Module, storage: Any, attention_backend: str = "auto",
+                 graphs: Any = None) -> None:
         self.model = model
         self.storage = storage  # the KVStorage every layer writes and reads through the plan
         self.device = torch.device(getattr(storage, "device", "cpu"))
         self.attention_backend = attention_backend
         # what runs: "triton" or "torch" (the tier fingerprint names it: it changes the K/V)
         self.attention = "triton" if use_triton(attention_backend, self.device) else "torch"
+        self.graphs = graphs  # an engine.cuda_graphs.GraphRunner, or None
 
     def run(self, plan: StepPlan) -> torch.Tensor:
         """Logits [R, V] on the CPU, `plan.num_rows` rows: row i for `plan.samplers[i]`
         (speculative steps: each sampler's 1 + len(drafts) rows in turn)."""
+        if self.graphs is not None:
+            logits = self.graphs.run(plan)
+            if logits is not None:
+                return logits
         metas = plan.metas or (plan.meta,)  # every KV group's metadata, group 0's first
         ids, pos, rows = plan.input_ids, plan.positions, plan.logits_indices
         for m in metas:
