@@ -152,6 +152,11 @@ PREFILL_CASES = {
     "int8-gqa-window": (torch.int8, 4, 2, 32, 8, 12, [(18, 27), (3, 0)]),
     "fp8-gqa-context": (FP8, 4, 2, 32, 16, 0, [(12, 40)]),
     "bf16-window-gputiles": (torch.bfloat16, 4, 2, 64, 16, 40, [(70, 30), (5, 90)]),
+    # GQA grouping: 7 heads a kv head (rows = 2 tokens x 8, one padded), 16-head MQA (one
+    # token x 16 a program on the CPU), with windows, holes and partial blocks
+    "f32-gqa7-window-holes": (torch.float32, 14, 2, 32, 8, 9, [(11, 21), (4, 0), (6, 13)]),
+    "f16-mqa16-prefix": (torch.float16, 16, 1, 32, 4, 0, [(5, 9), (3, 2)]),
+    "int8-gqa7-gputiles": (torch.int8, 7, 1, 64, 16, 0, [(37, 20)]),
 }
 
 

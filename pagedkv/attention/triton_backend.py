@@ -30,11 +30,12 @@ MAX_SPLITS = 32
 class Tiles:
     """Tile sizes of one launch. The interpreter's time goes by tiles and programs, so on the
     CPU they are small; on a GPU, decode streams 64 positions a tile (32 for heads over 128)
-    and prefill takes 64 queries x 32 keys (32 x 32 for heads over 128: the float32
-    accumulator is BLOCK_M x D registers)."""
+    and prefill takes 64 query rows x 32 keys (32 x 32 for heads over 128: the float32
+    accumulator is rows x D registers); a prefill program's rows are 64 / G tokens x the G
+    query heads of one kv head (G over 64: one token x G)."""
 
     decode_n: int  # key positions per decode tile
-    prefill_m: int  # query tokens per prefill program
+    prefill_m: int  # query rows (tokens x the kv head's G query heads) per prefill program
     prefill_n: int  # key positions per prefill tile
 
 
@@ -181,14 +182,19 @@ def prefill(q, k, v, k_cache, v_cache, block_tables, q_starts, q_lens, ctx_lens,
         k, v = k.contiguous(), v.contiguous()
     quant = is_quantized(k_cache.dtype)
     tiles = tiles or tiles_for(q.device, d)
+    g = hq // hkv
+    if hq != g * hkv:
+        raise StorageMismatchError(f"{hq} query heads are not a multiple of {hkv} kv heads")
+    block_g = _pow2(g)
+    block_m = max(1, tiles.prefill_m // block_g)  # rows = tokens x heads: prefill_m (or G)
     _k().prefill_kernel.launch(
-        (triton_cdiv(max_q_len, tiles.prefill_m), hq, s), q.device.type == "cpu",
+        (triton_cdiv(max_q_len, block_m), hkv, s), q.device.type == "cpu",
         q, k, v, k_cache, v_cache, k_scale if quant else k_cache, v_scale if quant else v_cache,
         out, block_tables, q_starts, q_lens, ctx_lens, float(scale), int(window),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), block_tables.stride(0), hq // hkv, d,
+        out.stride(0), out.stride(1), block_tables.stride(0), g, d,
         BS=bs, HKV=hkv, QUANT=quant, F32_DOT=_f32_dot(q, q),
-        BLOCK_M=tiles.prefill_m, BLOCK_N=tiles.prefill_n, BLOCK_D=_block_d(d),
+        BLOCK_M=block_m, BLOCK_G=block_g, BLOCK_N=tiles.prefill_n, BLOCK_D=_block_d(d),
     )
     return out
 

@@ -11,10 +11,12 @@ row p % bs. Softmax and accumulation are float32 for every dtype.
   (b, kv head, split) handles one contiguous range of the sequence's positions for all the
   query heads of that kv head (GQA grouped, padded to 16 rows for tl.dot) and writes a partial
   output and its log-sum-exp; the reduce merges the splits.
-- `prefill_kernel`: a tile of BLOCK_M new tokens of one prefill sequence and one query head;
-  first the cached context (positions < ctx, through the block table; dequantized in registers),
-  then the chunk's own K/V from the k/v inputs (full precision, as the torch path), causal, and
-  with a sliding window the band p - window < j <= p (tiles wholly outside it are skipped).
+- `prefill_kernel`: a tile of BLOCK_M new tokens of one prefill sequence and all the query
+  heads of one kv head (GQA grouped, as decode: BLOCK_M x BLOCK_G rows, one K/V load per tile
+  for the group); first the cached context (positions < ctx, through the block table;
+  dequantized in registers), then the chunk's own K/V from the k/v inputs (full precision, as
+  the torch path), causal, and with a sliding window the band p - window < j <= p (tiles
+  wholly outside it are skipped). Both loops run the one online-softmax step `_attend_tile`.
 
 Each function is plain Python decorated by `kernel`, which gives a compiled `JITFunction` for
 device tensors and Triton's interpreter for CPU tensors (tests run the same source on the CPU).
@@ -22,6 +24,7 @@ device tensors and Triton's interpreter for CPU tensors (tests run the same sour
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import triton
@@ -32,7 +35,7 @@ from triton.runtime.jit import JITFunction
 
 class _Interpreted:
     """While interpreting: triton.language's own jit helpers (tl.max, tl.sum, tl.zeros...)
-    as interpreted functions, as TRITON_INTERPRET=1 at import would have made them, without
+    and this module's device functions (_attend_tile) as interpreted functions, as TRITON_INTERPRET=1 at import would have made them, without
     making every kernel of the process interpreted (CUDA tensors keep the compiled path)."""
 
     _swaps: list[tuple[object, str, object, object]] | None = None
@@ -46,7 +49,7 @@ class _Interpreted:
 
             wrapped: dict[int, InterpretedFunction] = {}
             out = []
-            for mod in (tl, tl.standard, tl.math, tl.core):
+            for mod in (tl, tl.standard, tl.math, tl.core, sys.modules[__name__]):
                 for name, value in list(vars(mod).items()):
                     if isinstance(value, JITFunction):
                         w = wrapped.setdefault(id(value), InterpretedFunction(value.fn))
@@ -246,6 +249,31 @@ def decode_reduce_kernel(
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, res.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
+def _attend_tile_fn(q, k, v, vis, scale, m_i, l_i, acc, F32_DOT: tl.constexpr):
+    """One online-softmax step of `q` [R, D] over a key/value tile k, v [N, D] where `vis`
+    [R, N]: the running max m_i [R], sum l_i [R] and un-normalized output acc [R, D] float32,
+    updated. A row that has seen nothing keeps m_i = -inf, l_i = 0, acc = 0 (no inf - inf)."""
+    if F32_DOT:
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k.to(q.dtype)))
+    s = tl.where(vis, s * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if F32_DOT:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+    return m_new, l_i, acc
+
+
+_attend_tile = triton.jit(_attend_tile_fn)  # a device function: inlined into the kernels that
+# call it when compiled; swapped for its interpreted twin during a CPU launch (_Interpreted)
+
+
 @kernel
 def prefill_kernel(
     q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, out_ptr, table_ptr,
@@ -253,31 +281,34 @@ def prefill_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_table, G, D, BS: tl.constexpr, HKV: tl.constexpr,
     QUANT: tl.constexpr, F32_DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Grid (cdiv(max query len, BLOCK_M), Hq, S): query tokens [BLOCK_M] of sequence i, head h."""
+    """Grid (cdiv(max query len, BLOCK_M), Hkv, S): query tokens [BLOCK_M] of sequence i and
+    the G query heads of kv head hkv, as BLOCK_M * BLOCK_G rows (row r: token r // BLOCK_G,
+    head r % BLOCK_G), so each K/V tile is loaded once for the whole group (GQA grouped)."""
     tile = tl.program_id(0)
-    h = tl.program_id(1)
+    hkv = tl.program_id(1)
     i = tl.program_id(2)
     n_q = tl.load(q_len_ptr + i)
     if tile * BLOCK_M >= n_q:
         return
     q0 = tl.load(q_start_ptr + i)
     ctx = tl.load(ctx_ptr + i)
-    hkv = h // G
-    m = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # query index within the chunk
+    r = tl.arange(0, BLOCK_M * BLOCK_G)
+    m = tile * BLOCK_M + r // BLOCK_G  # query index within the chunk, per row
+    heads = hkv * G + r % BLOCK_G
     d = tl.arange(0, BLOCK_D)
     n = tl.arange(0, BLOCK_N)
-    mmask = m < n_q
+    rmask = (m < n_q) & (r % BLOCK_G < G)
     dmask = d < D
     qpos = ctx + m  # absolute positions of the query rows
-    q = tl.load(q_ptr + (q0 + m)[:, None] * stride_qt + h * stride_qh + d[None, :],
-                mask=mmask[:, None] & dmask[None, :], other=0.0)
+    q = tl.load(q_ptr + (q0 + m)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=rmask[:, None] & dmask[None, :], other=0.0)
     if F32_DOT:
         q = q.to(tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
-    acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
+    m_i = tl.full([BLOCK_M * BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.full([BLOCK_M * BLOCK_G], 0.0, tl.float32)
+    acc = tl.full([BLOCK_M * BLOCK_G, BLOCK_D], 0.0, tl.float32)
     # 1. the cached context, positions [lo, ctx): lo is where the tile's first query's band starts
     # Positions before `first` are in no row's band, and their table entries may be holes: they
     # are never loaded (a masked score would not be enough: 0 x a NaN of garbage V is NaN)
@@ -293,24 +324,10 @@ def prefill_kernel(
         if QUANT:
             k = k.to(tl.float32) * tl.load(ks_ptr + rows, mask=pmask, other=0.0)[:, None]
             v = v.to(tl.float32) * tl.load(vs_ptr + rows, mask=pmask, other=0.0)[:, None]
-        if F32_DOT:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k.to(q.dtype)))
-        vis = pmask[None, :] & mmask[:, None]
+        vis = pmask[None, :] & rmask[:, None]
         if window > 0:
             vis = vis & (pos[None, :] > qpos[:, None] - window)
-        s = tl.where(vis, s * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if F32_DOT:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, k, v, vis, scale, m_i, l_i, acc, F32_DOT)
     # 2. the chunk's own tokens j <= m (and within the window), at full precision
     lo2 = tl.where(window > 0, tl.maximum(tile * BLOCK_M - window + 1, 0), 0)
     lo2 = (lo2 // BLOCK_N) * BLOCK_N
@@ -323,24 +340,10 @@ def prefill_kernel(
                     mask=kvmask, other=0.0)
         v = tl.load(v_ptr + (q0 + j)[:, None] * stride_vt + hkv * stride_vh + d[None, :],
                     mask=kvmask, other=0.0)
-        if F32_DOT:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k.to(q.dtype)))
-        vis = jmask[None, :] & mmask[:, None] & (j[None, :] <= m[:, None])
+        vis = jmask[None, :] & rmask[:, None] & (j[None, :] <= m[:, None])
         if window > 0:
             vis = vis & (j[None, :] > m[:, None] - window)
-        s = tl.where(vis, s * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if F32_DOT:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, k, v, vis, scale, m_i, l_i, acc, F32_DOT)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + (q0 + m)[:, None] * stride_ot + h * stride_oh + d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
+    tl.store(out_ptr + (q0 + m)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
