@@ -247,6 +247,22 @@ def test_graph_runner_serves_only_plain_decode_steps(tiny_models: dict[str, Path
     assert graphs.replays == sum(s is not None for *_, s in seen) > 0
 
 
+def test_tensors_the_model_may_replace_are_held(tiny_models: dict[str, Path]) -> None:
+    """What a graph reads and the model could rebuild (a second engine's to_device rebinds
+    the q|k norm weights; a longer context regrows RoPE tables) is listed to be held alive."""
+    from pagedkv.engine.cuda_graphs import _replaceable
+    from pagedkv.model.loader import load_model
+
+    model = load_model(str(tiny_models["gemma3"]), weights="float32").model
+    held = _replaceable(model)
+    assert any(t is model.rope.cos for t in held) and any(t is model.rope_local.cos for t in held)
+    old = [layer._qk_norm_w for layer in model.layers]
+    assert all(any(t is w for t in held) for w in old)
+    model.to_device("cpu")  # rebinds: new q|k norm tensors, same values
+    assert all(layer._qk_norm_w is not w and torch.equal(layer._qk_norm_w, w)
+               for layer, w in zip(model.layers, old, strict=True))
+
+
 # --- on a GPU ---------------------------------------------------------------------------------
 
 

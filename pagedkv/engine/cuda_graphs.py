@@ -18,8 +18,9 @@ two packed input buffers, a replay, and the logits' copy back (the step's one sy
 
 Invariants: a plan is replayed only when it is decode-only, without drafts, of at most the
 largest size, and its tables fit W columns (`size_for`); otherwise `run` returns None and the
-caller runs it eagerly. The RoPE tables are reserved for the whole context before capture, so
-nothing a graph reads is ever reallocated.
+caller runs it eagerly. The RoPE tables are reserved for the whole context before capture, and
+the tensors a graph reads that the model could replace later are held (`_replaceable`), so no
+memory a graph reads is ever freed and reused.
 """
 
 from __future__ import annotations
@@ -131,6 +132,7 @@ class GraphRunner:
         width = max(1, -(-max_model_len // storage.block_size))
         self.inputs = StaticInputs(self.sizes[-1], width, len(windows), self.device)
         self.graphs: dict[int, _Graph] = {}
+        self._held: list[torch.Tensor] = []  # see _replaceable
         self.replays = 0  # steps this runner served
         self.capture_seconds = 0.0
 
@@ -184,6 +186,7 @@ class GraphRunner:
             return
         t0 = time.perf_counter()
         self.model.reserve_positions(self.max_model_len)  # no RoPE table regrows after this
+        self._held = _replaceable(self.model)
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.device)
         for size in reversed(self.sizes):
@@ -201,3 +204,19 @@ class GraphRunner:
         self.capture_seconds = time.perf_counter() - t0
         log.info("captured %d CUDA graphs (decode batch sizes %s) in %.1f s", len(self.sizes),
                  ",".join(map(str, self.sizes)), self.capture_seconds)
+
+
+def _replaceable(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Tensors a graph reads that the model may later replace by new ones of the same values
+    (RoPE tables grown by another engine's longer context, q|k norm weights rebuilt by
+    `bind` when a second engine moves the model): held, so their memory is never reused
+    while a graph still reads it."""
+    held = []
+    for rope in (getattr(model, "rope", None), getattr(model, "rope_local", None)):
+        if rope is not None:
+            held += [rope.cos, rope.sin_signed]
+    for layer in getattr(model, "layers", ()):
+        w = getattr(layer, "_qk_norm_w", None)
+        if w is not None:
+            held.append(w)
+    return held
