@@ -70,6 +70,13 @@ def test_cli_spells_vllms_flags() -> None:
         parser.parse_args(["--cuda-graph-sizes", "0"])
 
 
+def test_cli_graph_sizes_on_the_cpu_is_refused_in_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    from pagedkv.cli import main
+
+    assert main(["generate", "hi", "--cuda-graph-sizes", "4", "8"]) != 0  # before any load
+    assert "--cuda-graph-sizes would be ignored: --device is cpu" in capsys.readouterr().err
+
+
 # --- the static buffers -----------------------------------------------------------------------
 
 
