@@ -287,6 +287,7 @@ def test_cuda_graphs_capture_and_replay_equal_eager(tiny_models: dict[str, Path]
         assert eager.engine.runner.graphs is None
         llm = LLM(path, cuda_graph_sizes=[1, 2, 4, 8], **opts)
         graphs = llm.engine.runner.graphs
+        assert graphs is not None, "capture failed: see the pagedkv.engine warning"
         assert sorted(graphs.graphs) == [1, 2, 4, 8] and graphs.capture_seconds > 0
         for batch in (PROMPTS[:1], PROMPTS[:3], PROMPTS):
             assert _greedy(llm, batch) == _greedy(eager, batch)

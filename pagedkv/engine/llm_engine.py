@@ -185,7 +185,12 @@ class LLMEngine:
             return None
         graphs = GraphRunner(self.loaded.model, self.storage, sizes, self.max_model_len,
                              tuple(w or 0 for w in windows), c.attention_backend)
-        graphs.capture_all()
+        try:
+            graphs.capture_all()
+        except Exception as exc:  # all or nothing: a failed capture leaves the eager engine
+            log.warning("CUDA graph capture failed, decode steps run eagerly: %s: %s",
+                        type(exc).__name__, exc)
+            return None
         return graphs
 
     def _open_kv_events(self, c: EngineConfig) -> EngineKVEvents | None:
