@@ -258,36 +258,147 @@ def test_verify_rows_count_the_drafts_as_generated_for_penalties() -> None:
 # --- the policy ------------------------------------------------------------------------------
 
 
-def test_step_cost_fits_a_line_and_the_policy_backs_off_when_rows_cost() -> None:
-    cheap, dear = StepCost(), StepCost()
-    for r in (1, 2, 4, 6, 1, 3):
-        cheap.observe(r, 0.010 + 0.001 * r)
-        dear.observe(r, 0.0001 + 0.010 * r)
-    a, b = cheap.line()
-    assert math.isclose(a, 0.010, rel_tol=1e-6) and math.isclose(b, 0.001, rel_tol=1e-6)
+class _Seq:
+    """What the policy reads of a Sequence."""
 
-    class S:
-        def __init__(self, toks):  # noqa: ANN001
-            self.token_ids = toks
-            self.num_prompt = 2
-            self.num_ctx = len(toks)
-            self.grammar = None
-            self.spec = None
-            self.request = type("R", (), {"speculate": True, "params": SamplingParams(
-                max_tokens=100)})()
+    def __init__(self, toks: list[int], max_tokens: int = 1000) -> None:
+        self.token_ids = list(toks)
+        self.num_prompt = 2
+        self.num_ctx = len(toks)
+        self.grammar = None
+        self.spec = None
+        self.request = type("R", (), {"speculate": True, "params": SamplingParams(
+            max_tokens=max_tokens), "num_draft_tokens": 0, "num_accepted_tokens": 0})()
 
+    def append(self, tok: int) -> None:
+        self.token_ids.append(tok)
+        self.num_ctx += 1
+
+
+PATTERN = [1, 2, 3, 4, 5, 6, 7]
+
+
+def _cost(a: float, b: float, c: float) -> StepCost:
+    """A StepCost fitted on exact steps t = a + b * plain rows + c * verify rows."""
+    cost = StepCost()
+    for rows, drafts in [(1, 0), (4, 0), (9, 3), (16, 0), (20, 10), (7, 7), (30, 2), (2, 1)] * 3:
+        cost.observe(rows + drafts, a + b * rows + c * drafts, drafts)
+    return cost
+
+
+def _policy(cost: StepCost) -> SpecDecoder:
     spec = SpecDecoder(SpeculativeConfig.parse(NGRAM))
-    toks = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3]
-    spec.cost = cheap
-    assert spec.drafts([S(toks)], 1, 100) == [[4, 5, 6]]  # prior 0.6 acceptance: 3 drafts pay
-    spec.state(S(toks))
-    seqs = [S(toks)]
-    spec.state(seqs[0]).accepted, spec.state(seqs[0]).tried = 50.0, 50.0
-    assert spec.drafts(seqs, 1, 100) == [[4, 5, 6, 7, 1]]  # always accepted: all 5
-    spec.cost = dear
-    assert spec.drafts(seqs, 1, 100) == [[]]  # rows cost as much as steps: none
-    spec.cost = cheap
-    assert spec.drafts(seqs, 1, 3) == [[4, 5, 6]]  # the token budget caps them
+    spec.cost = cost
+    return spec
+
+
+def test_step_cost_measures_plain_and_verify_rows_apart() -> None:
+    a, b, c = _cost(0.010, 0.002, 0.003).coef()
+    assert math.isclose(a, 0.010, rel_tol=1e-3) and math.isclose(b, 0.002, rel_tol=1e-3)
+    assert math.isclose(c, 0.003, rel_tol=1e-3)
+    one = StepCost()  # one stream: rows never vary, so a + b is measured and split by the prior
+    for k in (0, 3, 5, 0, 2, 5, 1):
+        one.observe(1 + k, 0.030 + 0.008 * k, k)
+    a, b, c = one.coef()
+    assert math.isclose(a + b, 0.030, rel_tol=1e-3) and math.isclose(c, 0.008, rel_tol=1e-2)
+    plain = StepCost()  # never verified: a verify row is priced as a decode row
+    for r in (10, 20, 30, 40):
+        plain.observe(r, 0.01 + 0.002 * r)
+    a, b, c = plain.coef()
+    assert math.isclose(b, 0.002, rel_tol=1e-2) and math.isclose(c, b, rel_tol=1e-2)
+    flat = StepCost()  # a noisy fit falls back to positive coefficients
+    for r, t in [(10, 0.05), (20, 0.01), (30, 0.001)]:
+        flat.observe(r, t)
+    assert min(flat.coef()) > 0
+
+
+def test_policy_drafts_when_rows_are_cheap_and_not_in_a_compute_bound_batch() -> None:
+    toks = PATTERN * 2 + PATTERN[:3]  # the proposal: 4 5 6 7 1
+    cheap = _policy(_cost(0.010, 0.001, 0.001))
+    assert cheap.drafts([_Seq(toks)], 1, 100) == [[4, 5, 6]]  # prior 0.6: three pay
+    sure = _Seq(toks)
+    cheap.state(sure).accepted = cheap.state(sure).tried = 50.0
+    assert cheap.drafts([sure], 1, 100) == [[4, 5, 6, 7, 1]]  # always accepted: all five
+    assert cheap.drafts([sure], 1, 3) == [[4, 5, 6]]  # the token budget caps them
+    # 40 rows at 2 ms each beside a 26 ms fixed cost (SmolLM2 on 2 cores): 80% acceptance
+    # does not pay for a row, a sure one does
+    big = _policy(_cost(0.026, 0.002, 0.002))
+    batch = [_Seq(toks) for _ in range(40)]
+    for s in batch:
+        big.state(s).accepted, big.state(s).tried = 40.0, 50.0
+    assert big.drafts(batch, 40, 1000) == [[]] * 40
+    for s in batch[:3]:
+        big.state(s).accepted = big.state(s).tried = 500.0
+    got = big.drafts(batch, 40, 1000)
+    assert all(got[:3]) and got[3:] == [[]] * 37
+    dear_verify = _policy(_cost(0.010, 0.001, 0.010))  # verify rows cost a step: none
+    assert dear_verify.drafts([sure], 1, 100) == [[]]
+
+
+rates = st.tuples(st.floats(0, 60), st.floats(0, 60)).map(lambda t: (min(t), max(t)))
+
+
+@given(a=st.floats(1e-3, 0.1), b=st.floats(1e-5, 0.01), c=st.floats(1e-5, 0.02),
+       seqs=st.lists(rates, min_size=1, max_size=48), extra=st.integers(0, 64),
+       budget=st.integers(0, 300))
+def test_policy_drafts_only_what_raises_predicted_tokens_per_second(a, b, c, seqs, extra,
+                                                                    budget) -> None:  # noqa: ANN001
+    """On any measured cost and acceptance: the step's predicted tokens per second with the
+    kept drafts beat it without them by the margin share of each draft, drafts stay within the
+    budget, each sequence's are a prefix of its proposal, and a dearer verify row never buys
+    more drafts."""
+    toks = PATTERN * 2 + PATTERN[:3]
+    batch = [_Seq(toks) for _ in seqs]
+    spec = _policy(_cost(a, b, c))
+    for s, (acc, tried) in zip(batch, seqs, strict=True):
+        spec.state(s).accepted, spec.state(s).tried = acc, tried
+    rows = len(batch) + extra
+    got = spec.drafts(batch, rows, budget)
+    assert sum(map(len, got)) <= budget
+    assert all(d == [4, 5, 6, 7, 1][: len(d)] for d in got)
+    fa, fb, fc = spec.cost.coef()
+    gain = sum(s.spec.rate(spec.by_match[s.spec.index.matched].value) ** (j + 1)
+               for s, d in zip(batch, got, strict=True) for j in range(len(d)))
+    n = sum(map(len, got))
+    t0 = fa + fb * rows
+    if n:
+        assert (len(batch) + gain) / (t0 + fc * n) > len(batch) / t0
+    dearer = _policy(_cost(a, b, c * 2))
+    for s, (acc, tried) in zip(batch, seqs, strict=True):
+        s.spec = None
+        dearer.state(s).accepted, dearer.state(s).tried = acc, tried
+    assert sum(map(len, dearer.drafts(batch, rows, budget))) <= n
+
+
+def test_a_sequence_not_drafting_is_still_scored_and_starts_again() -> None:
+    """In a batch where an average proposal does not pay, each proposal left unverified is
+    scored against the token that came: sequences whose proposals keep coming true start
+    verifying again, those whose proposals fail stay off; no probe counts as a draft."""
+    spec = _policy(_cost(0.026, 0.002, 0.002))
+    right = [_Seq(PATTERN * 2 + PATTERN[:3]) for _ in range(20)]
+    wrong = [_Seq(PATTERN * 2 + PATTERN[:3]) for _ in range(20)]
+    batch = right + wrong
+    first = spec.drafts(batch, 40, 1000)
+    assert first == [[]] * 40  # the prior (0.6) does not pay at 40 rows
+    for step in range(40):
+        got = spec.drafts(batch, 40, 1000) if step else first
+        for i, s in enumerate(batch):
+            nxt = PATTERN[(len(s.token_ids)) % 7]
+            if got[i]:
+                spec.observe(s, len(got[i]), len(got[i]))
+                for t in got[i]:
+                    s.append(t)
+            if s in right:
+                s.append(nxt)
+            else:  # a token never seen (so never proposed), then a suffix that matches again
+                for t in [1000 + step, *PATTERN[:3]]:
+                    s.append(t)
+    assert spec.drafts(right, 40, 1000) != [[]] * 20
+    assert all(s.spec.rate(0.6) < 0.2 for s in wrong)
+    assert spec.drafts(wrong, 40, 1000) == [[]] * 20
+    drafted_by_wrong = sum(s.request.num_draft_tokens for s in wrong)
+    assert drafted_by_wrong == 0 and spec.num_draft_tokens == sum(
+        s.request.num_draft_tokens for s in right)
 
 
 # --- the engine on the real model -------------------------------------------------------------

@@ -380,8 +380,6 @@ class LLMEngine:
             raise
         dt = time.perf_counter() - tf
         self._forward_s += dt
-        if self.spec is not None and not plan.prefills:
-            self.spec.cost.observe(plan.num_tokens, dt)  # the policy's cost of a step's rows
         sched.commit(plan)
         self.tiers.after_step()  # blocks that became full this step go to the KV tier
         if self.kv_events is not None:
@@ -391,12 +389,19 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One forward pass (`forward`), then sample, append, finish and detokenize; return the
-        requests that progressed."""
+        requests that progressed. With speculative decoding a decode-only step's whole seconds
+        feed the policy's cost fit (`SpecDecoder.observe_step`)."""
+        ts = time.perf_counter()
         done = self.forward(masks=True, speculate=self.spec is not None)
         if done is None:
             return []
-        if done.plan.drafts:
-            return self._step_verified(done)
+        outs = self._step_verified(done) if done.plan.drafts else self._step_sampled(done)
+        if self.spec is not None and not done.plan.prefills:
+            self.spec.observe_step(done.plan, time.perf_counter() - ts)
+        return outs
+
+    def _step_sampled(self, done: Forward) -> list[RequestOutput]:
+        """step() after a plain forward pass: one token per sampler (n > 1 forks here)."""
         t0 = time.perf_counter()
         logits = done.logits
         seqs = done.plan.samplers

@@ -3,17 +3,20 @@
 Each step the scheduler asks `SpecDecoder.drafts(decodes, rows, budget)`: for every decoding
 sequence that may speculate, the proposer (prompt lookup, `ngram.py`) offers up to k tokens
 (k = num_speculative_tokens, less near max_tokens or the context's end); the policy keeps a
-prefix of each. Adaptive (the default): the j-th draft of a sequence whose drafts are accepted
-at rate a is worth a**j expected tokens, and it costs one more row in the step; drafts are
-taken, best first, while the step's expected tokens per predicted second still rise. The cost
-of a step by its rows is measured (`StepCost`: a decayed least-squares line over the decode-only
-steps' forward seconds), so speculation backs off by itself where rows are not cheap: a large
-batch (compute-bound) or low acceptance gets no drafts, one stream copying its prompt gets many.
-
-Acceptance per sequence is a decayed count (`SeqSpec`), pulled toward the engine's decayed
-acceptance for drafts of the same match length (a 1-token suffix match is a much weaker
-proposal than a 4-token one), so a sequence that stopped drafting is tried again after a
-while. Counters use vLLM's names.
+prefix of each. Adaptive (the default) decides from two measured things:
+- cost (`StepCost`): a decode-only step's seconds, fitted online as a + b * rows + c * drafts
+  (decayed least squares over whole steps, sampling included), so c is the measured price of
+  one verify row at the current batch and b that of one plain decode row;
+- acceptance (`SeqSpec`): each sequence's decayed rate, pulled toward the engine's rate for
+  proposals of the same match length (a 1-token suffix match is a much weaker proposal than a
+  4-token one). A proposal not verified is still scored when the next token arrives (was it
+  the token the target chose?), so acceptance stays measured while a sequence does not draft:
+  it starts again by itself when its proposals would now pay (a free probe).
+The j-th draft of a sequence with acceptance a is worth a**j expected tokens and costs c
+seconds; drafts are taken best first while each one's tokens per second (a**j / c) beat the
+step's own tokens per second (tokens / T) by MARGIN. A large batch makes tokens / T high and
+a row no cheaper, so only near-certain drafts pass there (or none); one stream copying its
+prompt takes many; a sequence whose drafts are rejected takes none. Counters use vLLM's names.
 """
 
 from __future__ import annotations
@@ -25,17 +28,24 @@ from pagedkv.engine.spec_config import SpeculativeConfig
 
 PRIOR_RATE = 0.6  # acceptance assumed before a sequence has drafted
 PRIOR_WEIGHT = 2.0  # in drafts
-DECAY = 0.9  # per verification (and per step a sequence with a match does not draft)
+DECAY = 0.9  # per verification or scored proposal
 PRIOR_SLOPE = 0.3  # one more row costs this share of a one-row step until measured
+MARGIN = 0.25  # a draft must beat the step's tokens per second by this share: the estimates
+#                are noisy, and in a closed batch a token saved off the longest sequence is
+#                worth less than the step average
 
 
 @dataclass(slots=True)
 class SeqSpec:
-    """A sequence's speculation state (Sequence.spec): its n-gram index and acceptance."""
+    """A sequence's speculation state (Sequence.spec): its n-gram index and acceptance, and
+    the proposal it did not verify (`probe_at`: the token position it guessed, or -1)."""
 
     index: NgramIndex
     accepted: float = 0.0  # decayed
     tried: float = 0.0  # decayed: drafts whose fate was seen (accepted + the first rejected)
+    probe_at: int = -1
+    probe_token: int = 0
+    probe_match: int = 0  # the probe's suffix match length
 
     def rate(self, prior: float) -> float:
         return (self.accepted + prior * PRIOR_WEIGHT) / (self.tried + PRIOR_WEIGHT)
@@ -56,37 +66,82 @@ class _Rate:
     def value(self) -> float:
         return (self.accepted + PRIOR_RATE * PRIOR_WEIGHT) / (self.tried + PRIOR_WEIGHT)
 
+    def observe(self, drafted: int, accepted: int) -> None:
+        self.accepted = DECAY * self.accepted + accepted
+        self.tried = DECAY * self.tried + accepted + (accepted < drafted)
+
+
+# weak priors of the fit, in pseudo-steps: b = PRIOR_SLOPE * a (decides a and b while the row
+# count never varies, one stream) and c = b (a verify row costs a decode row until measured)
+_PRIOR_B = 0.01
+_PRIOR_C = 0.01
+
 
 @dataclass(slots=True)
 class StepCost:
-    """Forward seconds of a step by its token rows: t = a + b * rows, fitted over decode-only
-    steps with exponential decay; until two row counts were seen, b = PRIOR_SLOPE * a."""
+    """Seconds of a decode-only step with `rows` token rows of which `drafts` verify drafts:
+    t = a + b * (rows - drafts) + c * drafts, a decayed least-squares fit of whole steps
+    (`decay` per step) with the weak priors above. Invariant: `coef()` is (a, b, c), all > 0;
+    before any step it is (1, PRIOR_SLOPE, PRIOR_SLOPE) (units of a one-row step)."""
 
     decay: float = 0.98
-    s: list[float] = field(default_factory=lambda: [0.0] * 5)  # w, wr, wrr, wt, wrt
+    # sums of w * x_i * x_j (x = 1, plain rows, drafts) and w * x_i * t
+    xx: list[float] = field(default_factory=lambda: [0.0] * 9)
+    xt: list[float] = field(default_factory=lambda: [0.0] * 3)
 
-    def observe(self, rows: int, seconds: float) -> None:
+    def observe(self, rows: int, seconds: float, drafts: int = 0) -> None:
         d = self.decay
-        for i, v in enumerate((1.0, rows, rows * rows, seconds, rows * seconds)):
-            self.s[i] = d * self.s[i] + v
+        x = (1.0, float(rows - drafts), float(drafts))
+        for i in range(3):
+            self.xt[i] = d * self.xt[i] + x[i] * seconds
+            for j in range(3):
+                self.xx[3 * i + j] = d * self.xx[3 * i + j] + x[i] * x[j]
+
+    def coef(self) -> tuple[float, float, float]:
+        if self.xx[0] <= 1e-9:
+            return 1.0, PRIOR_SLOPE, PRIOR_SLOPE
+        m = list(self.xx)
+        s = PRIOR_SLOPE  # + _PRIOR_B * (b - s a)^2 + _PRIOR_C * (c - b)^2
+        for (i, j), v in {(0, 0): s * s * _PRIOR_B, (0, 1): -s * _PRIOR_B,
+                          (1, 1): _PRIOR_B + _PRIOR_C, (1, 2): -_PRIOR_C,
+                          (2, 2): _PRIOR_C}.items():
+            m[3 * i + j] += v
+            if i != j:
+                m[3 * j + i] += v
+        sol = _solve3(m, self.xt)
+        if sol is not None and min(sol) > 0:
+            return sol
+        # a noisy fit (a non-positive coefficient): a one-row step of the mean seconds' size
+        w = self.xx[0]
+        a = self.xt[0] / w / (1 + PRIOR_SLOPE * max((self.xx[1] + self.xx[2]) / w - 1, 0))
+        return a, PRIOR_SLOPE * a, PRIOR_SLOPE * a
 
     def line(self) -> tuple[float, float]:
-        w, wr, wrr, wt, wrt = self.s
-        if w <= 0:
-            return 1.0, PRIOR_SLOPE
-        mr, mt = wr / w, wt / w
-        var = wrr / w - mr * mr
-        if var > 0.25:
-            b = (wrt / w - mr * mt) / var
-            a = mt - b * mr
-            if b > 0 and a > 0:
-                return a, b
-        a = mt / (1 + PRIOR_SLOPE * (mr - 1)) if mr >= 1 else mt
-        return a, PRIOR_SLOPE * a
+        """(a, b): a plain decode step's fixed seconds and seconds per row."""
+        a, b, _ = self.coef()
+        return a, b
 
-    def predict(self, rows: int) -> float:
-        a, b = self.line()
-        return a + b * rows
+    def predict(self, rows: int, drafts: int = 0) -> float:
+        a, b, c = self.coef()
+        return a + b * (rows - drafts) + c * drafts
+
+
+def _solve3(m: list[float], v: list[float]) -> tuple[float, float, float] | None:
+    """The solution of the 3x3 system m (row-major) x = v by Cramer's rule; None if singular."""
+    def det(a: list[float]) -> float:
+        return (a[0] * (a[4] * a[8] - a[5] * a[7]) - a[1] * (a[3] * a[8] - a[5] * a[6])
+                + a[2] * (a[3] * a[7] - a[4] * a[6]))
+
+    d = det(m)
+    if abs(d) < 1e-300:
+        return None
+    out = []
+    for k in range(3):
+        a = list(m)
+        for i in range(3):
+            a[3 * i + k] = v[i]
+        out.append(det(a) / d)
+    return out[0], out[1], out[2]
 
 
 class SpecDecoder:
@@ -131,7 +186,8 @@ class SpecDecoder:
             return out
         adaptive = self.config.adaptive
         tokens = float(len(decodes))
-        if adaptive and not self._worth(tokens, rows, 1.0):
+        coef = self.cost.coef() if adaptive else (1.0, 0.0, 0.0)
+        if adaptive and not _worth(coef, tokens, rows, 0, 1.0):
             return out  # not even a sure draft would pay: do not propose at all
         cands = []
         for i, s in enumerate(decodes):
@@ -139,47 +195,48 @@ class SpecDecoder:
             if k <= 0:
                 continue
             st = self.state(s)
+            if adaptive:
+                self._score_probe(st, s.token_ids)
             d = st.index.propose(s.token_ids, k)
             if not d:
                 continue
-            if not adaptive:
-                out[i] = d
-                continue
-            a = st.rate(self.by_match[st.index.matched].value)
-            cands.extend((a ** (j + 1), j, i) for j in range(len(d)))
             out[i] = d
+            if adaptive:
+                a = st.rate(self.by_match[st.index.matched].value)
+                cands.extend((a ** (j + 1), j, i) for j in range(len(d)))
         if not adaptive:
             return _within(out, budget)
         cands.sort(key=lambda c: (-c[0], c[1]))
         keep = [0] * len(decodes)
         taken = 0
         for g, j, i in cands:
-            if taken >= budget or j != keep[i] or not self._worth(tokens, rows, g):
+            if taken >= budget or j != keep[i] or not _worth(coef, tokens, rows, taken, g):
                 continue
             keep[i] += 1
             tokens += g
-            rows += 1
             taken += 1
         for i, d in enumerate(out):
-            if d and not keep[i]:
+            if d and not keep[i]:  # not verified: scored when the next token comes
                 st = decodes[i].spec
-                st.accepted *= DECAY  # skipped: drift back toward the prior, to try again later
-                st.tried *= DECAY
+                st.probe_at, st.probe_token = len(decodes[i].token_ids), d[0]
+                st.probe_match = st.index.matched
             out[i] = d[: keep[i]]
         return out
 
-    def _worth(self, tokens: float, rows: int, gain: float) -> bool:
-        """One more row with `gain` expected tokens raises tokens per predicted second."""
-        predict = self.cost.predict
-        return (tokens + gain) * predict(rows) > tokens * predict(rows + 1)
+    def _score_probe(self, st: SeqSpec, toks: list[int]) -> None:
+        """The proposal s did not verify meets the token the target chose at its position."""
+        at = st.probe_at
+        if 0 <= at < len(toks):
+            hit = int(toks[at] == st.probe_token)
+            st.observe(1, hit)
+            self.by_match[st.probe_match].observe(1, hit)
+            st.probe_at = -1
 
     def observe(self, s, drafted: int, accepted: int) -> None:  # noqa: ANN001
         """s verified `drafted` drafts and the target agreed with the first `accepted`."""
         st = self.state(s)
         st.observe(drafted, accepted)
-        r = self.by_match[st.index.matched]
-        r.accepted = DECAY * r.accepted + accepted
-        r.tried = DECAY * r.tried + accepted + (accepted < drafted)
+        self.by_match[st.index.matched].observe(drafted, accepted)
         self.num_drafts += 1
         self.num_draft_tokens += drafted
         self.num_accepted_tokens += accepted
@@ -187,12 +244,26 @@ class SpecDecoder:
         req.num_draft_tokens += drafted
         req.num_accepted_tokens += accepted
 
+    def observe_step(self, plan, seconds: float) -> None:  # noqa: ANN001
+        """A decode-only step's whole seconds (schedule to outputs) for the cost fit."""
+        drafts = sum(len(d) for d in plan.drafts)
+        self.cost.observe(len(plan.decodes) + drafts, seconds, drafts)
+
     def stats(self) -> dict[str, float]:
         n = self.num_draft_tokens
         return {"spec_decode_num_drafts": self.num_drafts,
                 "spec_decode_num_draft_tokens": n,
                 "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
                 "spec_decode_acceptance_rate": self.num_accepted_tokens / n if n else 0.0}
+
+
+def _worth(coef: tuple[float, float, float], tokens: float, rows: int, drafts: int,
+           gain: float) -> bool:
+    """One more verify row with `gain` expected tokens, in a step of `rows` plain rows and
+    `drafts` verify rows expected to yield `tokens`, beats the step's tokens per second by
+    MARGIN: gain / c > (1 + MARGIN) * tokens / T (coef: StepCost's a, b, c)."""
+    a, b, c = coef
+    return gain * (a + b * rows + c * drafts) > (1 + MARGIN) * tokens * c
 
 
 def _within(drafts: list[list[int]], budget: int) -> list[list[int]]:
@@ -204,4 +275,4 @@ def _within(drafts: list[list[int]], budget: int) -> list[list[int]]:
     return out
 
 
-__all__ = ["SeqSpec", "SpecDecoder", "StepCost"]
+__all__ = ["MARGIN", "SeqSpec", "SpecDecoder", "StepCost"]
