@@ -1,6 +1,7 @@
 """Stateful property test of the hybrid cache: KV groups (full and sliding-window) over one pool.
 
-Random operations (create with prefix hits, append, decode steps, fork and copy-on-write,
+Random operations (create with prefix hits, append, decode steps, speculative verify steps
+(lookahead slots in every group, accepted or given back, or undone), fork and copy-on-write,
 roll-backs, truncate, free, evict, reset, warm restart, defragmentation, refused range
 operations) against a shadow model with real K/V data. Each group writes its own values (a
 function of the salted token prefix and the group), so a block served to the wrong group or a
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import torch
 from cache_snapshot import same_state, snapshot
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -209,6 +210,66 @@ class HybridMachine(RuleBasedStateMachine):
             self._write(s, len(self.tokens[s]) - 1)
             self.cache.mark_computed(s, len(self.tokens[s]))
 
+    @precondition(lambda self: self.tokens)
+    @rule(idxs=st.lists(st.integers(0, 63), min_size=1, max_size=3),
+          toks=st.lists(st.integers(0, VOCAB - 1), min_size=3, max_size=3),
+          drafts=st.lists(st.lists(st.integers(0, VOCAB - 1), max_size=5), min_size=3,
+                          max_size=3),
+          accepted=st.lists(st.integers(0, 5), min_size=3, max_size=3),
+          undo=st.booleans())
+    def speculative_step(self, idxs: list[int], toks: list[int], drafts: list[list[int]],
+                         accepted: list[int], undo: bool) -> None:
+        """The engine's verify step in every group: a decode append, lookahead slots for the
+        drafts (all-or-nothing: False changes nothing), the K/V of the token and its drafts
+        written through decode_tensors' slots, then the first m drafts accepted (their ids
+        appended to the chain first) and the rest given back; or, `undo` (a failed forward
+        pass), the sequences freed with their lookahead held."""
+        sids = [s for s in dict.fromkeys(self._pick(i) for i in idxs) if self.tokens[s]]
+        if not sids:
+            return
+        toks, drafts, accepted = toks[: len(sids)], drafts[: len(sids)], accepted[: len(sids)]
+        c, bs, ng = self.cache, self.cache.block_size, len(self.windows)
+        need, free = c.blocks_needed_one_each(sids), c.num_free_blocks
+        if self._try(lambda: c.append_one_each(sids, toks, computed=False)) is not None:
+            assert need > free
+            return
+        for s, t in zip(sids, toks, strict=True):
+            self.tokens[s].append(t)
+        ks = []
+        for s, d in zip(sids, drafts, strict=True):
+            n, held = len(self.tokens[s]), len(c.seq(s).blocks)
+            fits = (-(-(n + len(d)) // bs) - held) * ng <= c.num_free_blocks
+            before = snapshot(c)
+            got = c.try_lookahead(s, len(d))
+            assert got == fits
+            if not got:
+                assert same_state(before, snapshot(c)), "a refused lookahead changed state"
+            ks.append(len(d) if got else 0)
+        for g in range(ng):
+            slots, _, lens = c.decode_tensors(sids, g, ks)
+            r = 0
+            for s, d, k in zip(sids, drafts, ks, strict=True):
+                full = self.tokens[s] + d[:k]
+                assert lens[r : r + k + 1].tolist() == list(range(len(self.tokens[s]), len(full) + 1))
+                x = kv_of(values(full, self.extra[s], g, len(self.tokens[s]) - 1))
+                for layer in range(SLOTS):
+                    self.storage.write(layer, slots[r : r + k + 1], x[:, layer].contiguous(),
+                                       (-x[:, layer]).contiguous())
+                r += k + 1
+        if undo:
+            for s in sids:
+                c.free(s)
+                del self.tokens[s]
+            return
+        for s, d, k, m in zip(sids, drafts, ks, accepted, strict=True):
+            m = min(m, k)
+            c.mark_computed(s, len(self.tokens[s]))
+            c.seq(s).chain.extend(d[:m])
+            c.accept_lookahead(s, m)
+            self.tokens[s].extend(d[:m])
+            self.history.append((list(self.tokens[s]), self.extra[s]))
+            self._remember(s)
+
     @precondition(lambda self: self.tokens and len(self.tokens) < MAX_LIVE)
     @rule(idx=st.integers(0, 63))
     def fork(self, idx: int) -> None:
@@ -347,3 +408,47 @@ HybridMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestHybridMachine = HybridMachine.TestCase
+
+
+def _check_all(m: HybridMachine) -> None:
+    m.consistent()
+    m.block_map_matches_stats()
+    m.hashed_blocks_hold_their_contents()
+    m.sequences_read_their_own_kv()
+
+
+prompts = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12)
+spec_steps = st.tuples(st.lists(st.integers(0, 63), min_size=1, max_size=3),
+                       st.lists(st.integers(0, VOCAB - 1), min_size=3, max_size=3),
+                       st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=5),
+                                min_size=3, max_size=3),
+                       st.lists(st.integers(0, 5), min_size=3, max_size=3),
+                       st.sampled_from([False] * 5 + [True]))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(num_blocks=st.integers(4, 16), block_size=st.sampled_from([1, 2, 3]),
+       layout=st.sampled_from(LAYOUTS), caching=st.booleans(),
+       first=st.lists(prompts, min_size=1, max_size=3),
+       ops=st.lists(st.one_of(st.tuples(st.just("create"), prompts),
+                              *[st.tuples(st.just("spec"), spec_steps)] * 4,
+                              st.tuples(st.just("fork"), st.integers(0, 63)),
+                              st.tuples(st.just("free"), st.integers(0, 63))), max_size=30))
+def test_speculative_steps_on_every_group_layout(num_blocks, block_size, layout, caching,
+                                                 first, ops) -> None:  # noqa: ANN001
+    """Mostly verify steps (the machine's rule above): lookahead slots and their roll-back in
+    every group, window groups giving back only what accepted positions left behind, forks
+    (copy-on-write before the slots) and preemption (free) between them; every invariant of
+    the machine after each operation."""
+    m = HybridMachine()
+    m.setup(num_blocks, block_size, layout, caching)
+    for op, arg in [("create", p) for p in first] + ops:
+        if op == "create" and len(m.tokens) < MAX_LIVE:
+            m.create(arg, None)
+        elif op == "spec" and m.tokens:
+            m.speculative_step(*arg)
+        elif op == "fork" and m.tokens and len(m.tokens) < MAX_LIVE:
+            m.fork(arg)
+        elif op == "free" and m.tokens:
+            m.free(arg)
+        _check_all(m)

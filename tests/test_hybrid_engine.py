@@ -175,3 +175,51 @@ def test_server_reports_cached_tokens_truthfully(files: dict[str, Path]) -> None
             assert (r.usage.prompt_tokens, cached) == (len(prompt), len(context) // BS * BS), turn
             context = prompt  # the next turn repeats this one's prompt (cached up to its last block)
     assert engine.cache.num_groups == 6
+
+
+REPEAT = [11, 12, 13, 14, 15, 16, 17, 18, 19] * 8  # 72 tokens: the proposer drafts at once
+
+
+def test_speculative_decoding_on_window_groups_equals_plain_decoding(files: dict[str, Path]
+                                                                     ) -> None:
+    """Prompt-lookup drafts verified on Gemma 3's six groups (drafting whenever a match
+    exists): the tokens equal the full cache's with speculation, and the greedy ones (with
+    penalties too) plain decoding's, with drafts accepted and rejected; a
+    pool too small for every sequence preempts (and never for drafts); check_invariants holds
+    after every step, and window groups keep giving blocks back while verifying."""
+    path = str(files["gemma3"])
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+            "adaptive": False}
+    prompts = [REPEAT[:20], LONG[:20], LONG[30:50], REPEAT[5:25], LONG[10:22] + REPEAT[:8]]
+    kw = dict(max_tokens=64, ignore_eos=True)
+    params = [SamplingParams(temperature=0, **kw),
+              SamplingParams(temperature=0, frequency_penalty=0.3, **kw),  # runs that switch
+              SamplingParams(temperature=1.0, seed=3, **kw),  # position-keyed draws
+              SamplingParams(temperature=0, frequency_penalty=0.3, **kw),
+              SamplingParams(temperature=0, **kw)]
+    plain = tokens(LLM(path, num_blocks=400).generate(prompts, params))
+    full = tokens(LLM(path, num_blocks=400, disable_hybrid_kv_cache_manager=True,
+                      speculative_config=spec).generate(prompts, params))
+    greedy = [0, 1, 3, 4]  # a seeded sample speculating draws position-keyed: as on the full cache
+    assert [full[i] for i in greedy] == [plain[i] for i in greedy]
+    llm = LLM(path, num_blocks=40, max_num_batched_tokens=32, speculative_config=spec)
+    eng = llm.engine
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        eng.add_request(f"r{i}", p, sp)
+    got: dict[str, list[int]] = {}
+    most = 0
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                got[out.request_id] = list(out.outputs[0].token_ids)
+        eng.cache.check_invariants()
+        for s in eng.scheduler.running:  # a window group holds its window, not the context
+            r = eng.cache.seq(s.seq_id).tables[1]
+            most = max(most, len(r.blocks) - r.start)
+    assert [got[f"r{i}"] for i in range(len(prompts))] == full
+    st = eng.stats()
+    assert st.spec_decode_num_accepted_tokens > 0
+    assert st.spec_decode_num_draft_tokens > st.spec_decode_num_accepted_tokens
+    assert st.num_preemptions > 0
+    assert most <= -(-16 // BS) + 1 + -(-4 // BS)  # window + the block filling + lookahead
+    assert eng.cache.num_free_blocks == eng.cache.num_blocks

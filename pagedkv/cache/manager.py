@@ -63,7 +63,7 @@ class SeqState:
     unknown, a bare count, never hashed) holds at least num_tokens ids;
     num_hashed <= num_written // block_size, and its first num_hashed blocks were registered
     under chain.hashes, keyed by group (a block keeps that hash until the pool drops it).
-    `lookahead` slots past num_tokens (speculative drafts, one KV group only) are listed too
+    `lookahead` slots past num_tokens (speculative drafts) are listed too, in every group,
     while a step verifies them, 0 between steps."""
 
     seq_id: SeqId
@@ -628,31 +628,33 @@ class PagedKVCache:
 
     def try_lookahead(self, seq_id: SeqId, k: int) -> bool:
         """Reserve slots for `k` draft tokens after the sequence's last token (vLLM's lookahead
-        slots): the verifying forward pass writes their K/V there. Not fitting is a value:
-        False, nothing changed. The slots hold no token of the sequence: no hash, no prefix
-        hit, never shared; `accept_lookahead` turns the accepted ones into tokens and gives the
-        rest back. Needs a private last block (the decode append copied a shared one)."""
+        slots) in every KV group: the verifying forward pass writes their K/V there. Not
+        fitting is a value: False, nothing changed. The slots hold no token of the sequence:
+        no hash, no prefix hit, never shared; `accept_lookahead` turns the accepted ones into
+        tokens and gives the rest back. Needs private last blocks (the decode append copied
+        shared ones)."""
         s = self.seq(seq_id)
         k = _as_int(k)
-        if self.num_groups > 1:
-            raise CacheConfigError("lookahead slots need one KV group (hybrid groups: "
-                                   "--disable-hybrid-kv-cache-manager)")
         if k < 0 or s.lookahead:
             raise PositionError(f"{seq_id!r}: lookahead of {k} over {s.lookahead} reserved")
         bs = self.block_size
-        if s.num_tokens % bs and (s.blocks[-1].ref_cnt > 1 or s.blocks[-1].hash is not None):
+        if s.num_tokens % bs and any(r.blocks[-1].ref_cnt > 1 or r.blocks[-1].hash is not None
+                                     for r in s.tables):
             raise CacheConfigError(f"{seq_id!r}: lookahead slots after a shared or hashed block")
-        grow = _cdiv(s.num_tokens + k, bs) - len(s.blocks)
-        if grow > self._pool.num_free:
+        grow = _cdiv(s.num_tokens + k, bs) - len(s.blocks)  # the same in every group
+        if grow * self.num_groups > self._pool.num_free:
             return False
-        self.table.grow(s.table, grow)
+        for table, r in zip(self.tables, s.tables, strict=True):
+            table.grow(r, grow)
         s.lookahead = k
         return True
 
     def accept_lookahead(self, seq_id: SeqId, m: int) -> None:
         """The first `m` reserved slots were accepted: they become the sequence's next tokens
         (ids its owner appended to the chain already; K/V written by the verifying pass, so
-        full blocks are registered now); the other slots' blocks go back. m = 0 only releases."""
+        full blocks are registered now, and window groups give back what the accepted
+        positions moved out of their window); the other slots' blocks go back in every group.
+        m = 0 only releases."""
         s = self.seq(seq_id)
         m = _as_int(m)
         if not 0 <= m <= s.lookahead:
@@ -661,10 +663,14 @@ class PagedKVCache:
             raise PositionError(f"{seq_id!r}: its chain holds fewer than {m} ids ahead")
         s.num_tokens += m
         s.lookahead = 0
-        self.table.cut(s.table, _cdiv(s.num_tokens, self.block_size))
+        keep = _cdiv(s.num_tokens, self.block_size)
+        for table, r in zip(self.tables, s.tables, strict=True):
+            table.cut(r, keep)
         if m:  # the verifying pass wrote every token up to here
             s.num_written = s.num_tokens
             self._register(s)
+            if self._windows:
+                self._release_window(s)
 
     def mark_computed(self, seq_id: SeqId, num_tokens: int) -> None:
         """Record that the first `num_tokens` tokens' K/V are written; register the full blocks

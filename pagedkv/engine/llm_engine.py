@@ -142,12 +142,7 @@ class LLMEngine:
                     f"({groups.describe()}); use it with --disable-hybrid-kv-cache-manager")
             self.context_shift.check(self.max_model_len, self.cache.token_capacity)
             self.cache.register_rotation(self.loaded.model.shift_keys)
-        spec = c.spec
-        if spec is not None and self.cache.num_groups > 1:
-            raise CacheConfigError(
-                f"speculative decoding needs one KV group ({groups.describe()}); use it with "
-                "--disable-hybrid-kv-cache-manager")
-        self.spec = None if spec is None else SpecDecoder(spec)
+        self.spec = None if c.spec is None else SpecDecoder(c.spec)
         self.scheduler = Scheduler(self.cache, c.max_num_seqs, c.max_num_batched_tokens,
                                    max_model_len=self.max_model_len,
                                    dedup_inflight_prefixes=c.dedup_inflight_prefixes,
