@@ -18,8 +18,10 @@ and never below 0.95x at 8 and 40 clients.
 
 `--peer PATH` (llama.cpp's llama-server binary) instead runs one client, each workload's first
 request, through the same HTTP client against `pagedkv serve` with and without
-`--speculative-config` and llama-server on the same GGUF file, with and without
-`--spec-type ngram-simple`, all with `--threads` threads, one server at a time.
+`--speculative-config` and llama-server on the same GGUF file, without speculation and with
+`--spec-type ngram-simple` (its defaults, and sized as SPEC: 4-token lookup, 5 drafts), all
+with `--threads` threads, one server at a time; tok/s is completion tokens over the request's
+wall time (prefill included, the prompt cached by a warm-up request first).
 """
 
 from __future__ import annotations
@@ -188,10 +190,11 @@ def _start(cmd: list[str], url: str) -> subprocess.Popen:
     raise RuntimeError(f"did not start: {' '.join(cmd)}")
 
 
-def _chat(url: str, messages: list[dict], max_tokens: int) -> tuple[float, int, str]:
+def _chat(url: str, messages: list[dict], max_tokens: int,
+          model: str = "m") -> tuple[float, int, str]:
     import httpx
 
-    body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
     t0 = time.perf_counter()
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=600)
     dt = time.perf_counter() - t0
@@ -214,6 +217,11 @@ def _peer_runs(args) -> dict[str, Any]:  # noqa: ANN001
         "llama_server": [args.peer, "-m", gguf, "-t", t, "-c", "4096", "--jinja"],
         "llama_server_ngram": [args.peer, "-m", gguf, "-t", t, "-c", "4096", "--jinja",
                                "--spec-type", "ngram-simple"],
+        # llama.cpp's ngram-simple looks up 12 tokens and drafts up to 48 by default; this one
+        # looks up 4 and drafts 5, as SPEC does
+        "llama_server_ngram_4_5": [args.peer, "-m", gguf, "-t", t, "-c", "4096", "--jinja",
+                                   "--spec-type", "ngram-simple", "--spec-ngram-simple-size-n",
+                                   "4", "--spec-ngram-simple-size-m", "5"],
     }
     repeats = 1 if args.quick else args.repeats
     res: dict[str, Any] = {"gguf": gguf, "threads": args.threads, "servers": {}}
@@ -223,21 +231,37 @@ def _peer_runs(args) -> dict[str, Any]:  # noqa: ANN001
         url = f"http://127.0.0.1:{port}"
         proc = _start(cmd, url)
         try:
+            import httpx
+
+            model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
             rows = {}
             for name in str(args.workloads).split(","):
                 msgs = workload(name, 1)[0]
                 mt = _max_tokens(args, name, 1)
-                _chat(url, msgs, 4)  # warm: prompt cached by both servers alike afterwards
-                runs = [_chat(url, msgs, mt) for _ in range(repeats)]
+                _chat(url, msgs, 4, model)  # warm: the prompt is cached by every server alike
+                runs = [_chat(url, msgs, mt, model) for _ in range(repeats)]
                 dt = statistics.median(r[0] for r in runs)
                 rows[name] = {"tok_s": runs[0][1] / dt, "seconds": dt, "tokens": runs[0][1],
-                              "text_head": runs[0][2][:80]}
+                              "text_head": runs[0][2][:80], "text": runs[0][2]}
                 _log(f"{key} {name}: {rows[name]['tok_s']:.1f} tok/s")
             res["servers"][key] = rows
         finally:
             proc.terminate()
             proc.wait(timeout=30)
+    res["same_text_as_without"] = _same_text(res["servers"])
     return res
+
+
+def _same_text(servers: dict[str, dict]) -> dict[str, dict[str, bool]]:
+    """Per workload: does each speculating server answer what the same server does without?"""
+    base = {"pagedkv_spec": "pagedkv", "llama_server_ngram": "llama_server",
+            "llama_server_ngram_4_5": "llama_server"}
+    out: dict[str, dict[str, bool]] = {}
+    for key, ref in base.items():
+        if key in servers and ref in servers:
+            for name, row in servers[key].items():
+                out.setdefault(name, {})[key] = row["text"] == servers[ref][name]["text"]
+    return out
 
 
 def run(args) -> dict:  # noqa: ANN001
