@@ -14,9 +14,10 @@ prefix of each. Adaptive (the default) decides from two measured things:
   it starts again by itself when its proposals would now pay (a free probe).
 The j-th draft of a sequence with acceptance a is worth a**j expected tokens and costs c
 seconds; drafts are taken best first while each one's tokens per second (a**j / c) beat the
-step's own tokens per second (tokens / T) by MARGIN. A large batch makes tokens / T high and
-a row no cheaper, so only near-certain drafts pass there (or none); one stream copying its
-prompt takes many; a sequence whose drafts are rejected takes none. Counters use vLLM's names.
+step's own tokens per second (tokens / T) by a margin, none for one stream and toward MARGIN
+as the batch grows (see MARGIN). A large batch makes tokens / T high and a row no cheaper, so
+only near-certain drafts pass there (or none); one stream copying its prompt takes many; a
+sequence whose drafts are rejected takes none. Counters use vLLM's names.
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ PRIOR_RATE = 0.6  # acceptance assumed before a sequence has drafted
 PRIOR_WEIGHT = 2.0  # in drafts
 DECAY = 0.9  # per verification or scored proposal
 PRIOR_SLOPE = 0.3  # one more row costs this share of a one-row step until measured
-MARGIN = 0.25  # a draft must beat the step's tokens per second by this share: the estimates
-#                are noisy, and in a closed batch a token saved off the longest sequence is
-#                worth less than the step average
+MARGIN = 0.5  # with B sequences decoding, a draft must beat the step's tokens per second by
+#               MARGIN * (1 - 1/B): one stream's every saved token shortens it by a whole step,
+#               but in a batch a token saved off a sequence that does not finish last saves
+#               only its row, and the sequences that copy (draft well) tend to finish first
 
 
 @dataclass(slots=True)
@@ -187,7 +189,8 @@ class SpecDecoder:
         adaptive = self.config.adaptive
         tokens = float(len(decodes))
         coef = self.cost.coef() if adaptive else (1.0, 0.0, 0.0)
-        if adaptive and not _worth(coef, tokens, rows, 0, 1.0):
+        bar = 1 + MARGIN * (1 - 1 / len(decodes))
+        if adaptive and not _worth(coef, bar, tokens, rows, 0, 1.0):
             return out  # not even a sure draft would pay: do not propose at all
         cands = []
         for i, s in enumerate(decodes):
@@ -210,7 +213,7 @@ class SpecDecoder:
         keep = [0] * len(decodes)
         taken = 0
         for g, j, i in cands:
-            if taken >= budget or j != keep[i] or not _worth(coef, tokens, rows, taken, g):
+            if taken >= budget or j != keep[i] or not _worth(coef, bar, tokens, rows, taken, g):
                 continue
             keep[i] += 1
             tokens += g
@@ -257,13 +260,13 @@ class SpecDecoder:
                 "spec_decode_acceptance_rate": self.num_accepted_tokens / n if n else 0.0}
 
 
-def _worth(coef: tuple[float, float, float], tokens: float, rows: int, drafts: int,
-           gain: float) -> bool:
+def _worth(coef: tuple[float, float, float], bar: float, tokens: float, rows: int,
+           drafts: int, gain: float) -> bool:
     """One more verify row with `gain` expected tokens, in a step of `rows` plain rows and
     `drafts` verify rows expected to yield `tokens`, beats the step's tokens per second by
-    MARGIN: gain / c > (1 + MARGIN) * tokens / T (coef: StepCost's a, b, c)."""
+    the factor `bar`: gain / c > bar * tokens / T (coef: StepCost's a, b, c)."""
     a, b, c = coef
-    return gain * (a + b * rows + c * drafts) > (1 + MARGIN) * tokens * c
+    return gain * (a + b * rows + c * drafts) > bar * tokens * c
 
 
 def _within(drafts: list[list[int]], budget: int) -> list[list[int]]:
