@@ -238,6 +238,12 @@ FULL_SPECS = {
                                     vocab=151936, bias=True, seed=12, chat=True,
                                     qtypes={"attn": Q.Q5_0, "attn_v": Q.Q8_0, "ffn": Q.Q5_0,
                                             "ffn_down": Q.Q4_K, "ffn_down_odd": Q.Q6_K, "embd": Q.Q8_0}),
+    # Qwen2.5-1.5B's shapes (rows of 1536 / 8960: whole 256-blocks, so the K-quants stay): the
+    # Q4_K_M mix, Q4_K with Q6_K for attn_v, the embeddings / output and every other ffn_down: 1.0 GB
+    "qwen2.5-1.5b-q4_k_m": TinySpec("qwen2", "Qwen2.5 1.5B synthetic", 1536, 12, 2, 128, 8960, layers=28,
+                                    vocab=151936, bias=True, seed=13, chat=True,
+                                    qtypes={"attn": Q.Q4_K, "attn_v": Q.Q6_K, "ffn": Q.Q4_K,
+                                            "ffn_down": Q.Q4_K, "ffn_down_odd": Q.Q6_K, "embd": Q.Q6_K}),
 }
 
 
