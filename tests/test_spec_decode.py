@@ -76,8 +76,8 @@ def test_speculative_config_parses_vllm_spellings() -> None:
 @pytest.mark.parametrize(("value", "says"), [
     ("{bad", "not valid JSON"),
     ("[1, 2]", "JSON object"),
-    ({"method": "eagle"}, "method must be one of ngram"),
-    ({"method": "draft_model", "model": "x.gguf"}, "method must be one of ngram"),
+    ({"method": "eagle"}, "method must be one of ngram, draft_model"),
+    ({"method": "draft_model", "model": "/nonexistent/x.gguf"}, "no draft model at"),
     ({"num_speculative_tokens": 3}, "method is required"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 16}, "[1, 15]"),

@@ -651,15 +651,15 @@ class PagedKVCache:
 
     def accept_lookahead(self, seq_id: SeqId, m: int) -> None:
         """The first `m` reserved slots were accepted: they become the sequence's next tokens
-        (ids its owner appended to the chain already; K/V written by the verifying pass, so
-        full blocks are registered now, and window groups give back what the accepted
-        positions moved out of their window); the other slots' blocks go back in every group.
-        m = 0 only releases."""
+        (ids its owner appended to the chain already, or a bare count without a chain; K/V
+        written by the verifying pass, so full blocks are registered now, and window groups
+        give back what the accepted positions moved out of their window); the other slots'
+        blocks go back in every group. m = 0 only releases."""
         s = self.seq(seq_id)
         m = _as_int(m)
         if not 0 <= m <= s.lookahead:
             raise PositionError(f"{seq_id!r}: {m} accepted of {s.lookahead} lookahead slots")
-        if m and (s.chain is None or len(s.chain) - s.num_tokens < m):
+        if m and s.chain is not None and len(s.chain) - s.num_tokens < m:
             raise PositionError(f"{seq_id!r}: its chain holds fewer than {m} ids ahead")
         s.num_tokens += m
         s.lookahead = 0

@@ -161,9 +161,11 @@ class EngineConfig:
     speculative_config: Any = option(
         None, 'speculative decoding, vLLM\'s JSON: {"method": "ngram", '
               '"num_speculative_tokens": 5, "prompt_lookup_max": 4} (drafts copied from the '
-              "context after its longest matching suffix, verified in one forward pass; greedy "
-              "output unchanged, sampled output's distribution unchanged; adaptive k, off where "
-              'it would not pay; "adaptive": false always drafts)', metavar="JSON")
+              "context after its longest matching suffix, verified in one forward pass), or "
+              '{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4} (a smaller '
+              "GGUF with the same tokenizer drafts, with its own paged KV cache); greedy output "
+              "unchanged, sampled output's distribution unchanged; adaptive k, off where it "
+              'would not pay; "adaptive": false always drafts)', metavar="JSON")
     kv_tier_queue: int = option(256, "blocks waiting for the KV tier's writer", flag=None)
     kv_events_config: Any = option(
         None, "publish KV cache events in vLLM's format (ZeroMQ, msgpack): a JSON object of "

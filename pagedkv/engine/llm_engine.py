@@ -85,6 +85,11 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_acceptance_rate: float = 0.0  # accepted / draft tokens
+    # method "draft_model": the draft's forward seconds (in the scheduler, outside
+    # forward_seconds), its own KV cache's usage, and draft failures (drafts skipped)
+    spec_decode_draft_forward_seconds: float = 0.0
+    spec_decode_draft_kv_usage: float = 0.0
+    spec_decode_draft_failures: int = 0
 
 
 class LLMEngine:
@@ -142,7 +147,14 @@ class LLMEngine:
                     f"({groups.describe()}); use it with --disable-hybrid-kv-cache-manager")
             self.context_shift.check(self.max_model_len, self.cache.token_capacity)
             self.cache.register_rotation(self.loaded.model.shift_keys)
-        self.spec = None if c.spec is None else SpecDecoder(c.spec)
+        spec = c.spec
+        self.eos_ids = set(cfg.eos_token_ids or [])
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            self.eos_ids.add(self.tokenizer.eos_token_id)
+        self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, sorted(self.eos_ids))
+        self.sampler = Sampler(self.eos_ids, self.grammars)
+        self.spec = None if spec is None else SpecDecoder(spec, self._draft_proposer(spec,
+                                                                                     num_blocks))
         self.scheduler = Scheduler(self.cache, c.max_num_seqs, c.max_num_batched_tokens,
                                    max_model_len=self.max_model_len,
                                    dedup_inflight_prefixes=c.dedup_inflight_prefixes,
@@ -154,11 +166,6 @@ class LLMEngine:
                                  snapshot=c.kv_snapshot, snapshot_interval=c.kv_snapshot_interval,
                                  key=c.tier_key(), attention=self.runner.attention)
         self.kv_events = self._open_kv_events(c)
-        self.eos_ids = set(cfg.eos_token_ids or [])
-        if getattr(self.tokenizer, "eos_token_id", None) is not None:
-            self.eos_ids.add(self.tokenizer.eos_token_id)
-        self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, sorted(self.eos_ids))
-        self.sampler = Sampler(self.eos_ids, self.grammars)
         self._cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
@@ -187,6 +194,18 @@ class LLMEngine:
                         type(exc).__name__, exc)
             return None
         return graphs
+
+    def _draft_proposer(self, spec: Any, num_blocks: int) -> Any:
+        """method "draft_model": the draft (loaded, vocabulary checked: SpecConfigError) with
+        its own cache of `num_blocks` blocks, and its proposer; None for prompt lookup."""
+        if spec.method != "draft_model":
+            return None
+        from pagedkv.engine.draft_model import DraftModel
+        from pagedkv.engine.draft_proposer import DraftProposer
+
+        draft = DraftModel.load(spec, self.loaded, self.config, num_blocks, self.max_model_len)
+        ratio = draft.loaded.weight_bytes / max(1, self.loaded.weight_bytes)
+        return DraftProposer(draft, self.sampler, self.config.max_num_batched_tokens, ratio)
 
     def _open_kv_events(self, c: EngineConfig) -> EngineKVEvents | None:
         ev = c.kv_events()
@@ -434,7 +453,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         plan, logits = done.plan, done.logits
         firsts = plan.first_rows()
-        lists = self.sampler.verify(logits, plan.samplers, plan.drafts)
+        lists = self.sampler.verify(logits, plan.samplers, plan.drafts,
+                                    self.spec.draft_probs(plan.samplers, plan.drafts))  # type: ignore[union-attr]
         entries = list(zip(plan.samplers, lists, firsts, plan.drafts, strict=True))
         for s, _toks, r, _ in list(entries):
             if s.request.params.n > 1 and not s.request.forked:  # a prompt's end (no drafts)
@@ -556,6 +576,8 @@ class LLMEngine:
         """Empty the device prefix cache (blocks in use keep serving), and the tier if asked."""
         before = len(self.cache.cached_blocks())
         self.cache.reset_prefix_cache()
+        if self.spec is not None:
+            self.spec.reset()
         out = {"device_blocks": before, "tier_blocks": self.tiers.clear() if tier else 0}
         if self.kv_events is not None:
             if tier:

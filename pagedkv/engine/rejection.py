@@ -11,8 +11,9 @@ rejection, or the bonus token when every draft was accepted), so 1..d+1 tokens.
   draft from a proposer with distribution q is accepted with probability min(1, p(x)/q(x));
   after a rejection the token is drawn from the residual max(0, p - q), normalized. Prompt
   lookup and greedy draft models propose one token for certain (q is a point mass), so draft
-  x is accepted with probability p(x), and the residual is p without x. Each emitted token
-  then has exactly the target's distribution p (tests: a chi-square over many draws).
+  x is accepted with probability p(x), and the residual is p without x; a sampling draft model
+  passes its rows q (the distributions it drew each draft from). Each emitted token then has
+  exactly the target's distribution p (tests: a chi-square over many draws, both ways).
 - Seeded (a request with a seed, while speculative decoding is on): every token, drafted or
   not, is the Gumbel-max of its row, argmax(log p + G) with G drawn from a generator keyed by
   (seed, sample index, position), and a draft is accepted while it equals that token. The
@@ -37,21 +38,28 @@ def accept_greedy(argmax: list[int], draft: list[int]) -> list[int]:
 
 
 def accept_sampled(probs: torch.Tensor, draft: list[int],
-                   generator: torch.Generator | None) -> list[int]:
-    """Rejection sampling against point-mass drafts: probs [d + 1, V] float64, the target's
-    (warped) distribution per row, rows summing to 1 (or more precisely: to anything > 0)."""
+                   generator: torch.Generator | None, q: torch.Tensor | None = None) -> list[int]:
+    """Rejection sampling: probs [d + 1, V] float64, the target's (warped) distribution per
+    row, rows summing to 1 (or more precisely: to anything > 0); q [d, V] (summing to 1) the
+    draft's distribution of each draft, None for point masses."""
     out = []
     for j, t in enumerate(draft):
         row = probs[j]
         total = float(row.sum())
-        if _uniform(generator) * total < float(row[t]):
+        qt = 1.0 if q is None else float(q[j, t])
+        if _uniform(generator) * total * qt < float(row[t]):  # u < p(x) / q(x)
             out.append(t)
             continue
-        residual = row.clone()
-        residual[t] = 0.0
-        out.append(_invert(residual, generator))
+        if q is None:
+            residual = row.clone()
+            residual[t] = 0.0
+        else:
+            residual = (row / total - q[j].double()).clamp_(min=0.0)
+            if not float(residual.sum()) > 0:  # p == q up to rounding: never rejects, in theory
+                residual = row
+        out.append(draw(residual, generator))
         return out
-    out.append(_invert(probs[len(draft)], generator))
+    out.append(draw(probs[len(draft)], generator))
     return out
 
 
@@ -68,7 +76,7 @@ def _uniform(generator: torch.Generator | None) -> float:
     return float(torch.rand(1, generator=generator, dtype=torch.float64))
 
 
-def _invert(weights: torch.Tensor, generator: torch.Generator | None) -> int:
+def draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
     """One token drawn in proportion to `weights` (float64 [V], not all zero): the CDF
     inverted at one uniform; a token of weight 0 is never taken."""
     cdf = weights.cumsum(0)
@@ -76,4 +84,4 @@ def _invert(weights: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.searchsorted(cdf, u, right=True).clamp_(max=weights.shape[0] - 1))
 
 
-__all__ = ["accept_greedy", "accept_sampled", "gumbel_tokens"]
+__all__ = ["accept_greedy", "accept_sampled", "draw", "gumbel_tokens"]

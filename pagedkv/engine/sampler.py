@@ -170,11 +170,14 @@ class Sampler:
     # --- logit adjustments that depend on the sequence ----------------------------------------
 
     def verify(self, logits: torch.Tensor, seqs: Sequence[SampledSeq],
-               drafts: Sequence[list[int]]) -> list[list[int]]:
+               drafts: Sequence[list[int]],
+               draft_probs: Sequence[torch.Tensor | None] | None = None) -> list[list[int]]:
         """A speculative step: sampler i owns 1 + len(drafts[i]) consecutive rows (row j: after
         drafts[i][:j]); returns the tokens each appends (accepted drafts, then a correction or
         bonus token: rejection.py), a list ending at FAILED where a row it reached could not
-        be sampled. Row j's penalties count drafts[i][:j] as generated."""
+        be sampled. Row j's penalties count drafts[i][:j] as generated. `draft_probs[i]`: the
+        distributions [len(drafts[i]), V] a sampling draft model drew sampler i's drafts from
+        (None: point masses)."""
         row_seqs: list[SampledSeq] = []
         ahead: list[list[int]] = []
         for s, d in zip(seqs, drafts, strict=True):
@@ -187,7 +190,7 @@ class Sampler:
         top_ids = top.tolist()
         out = []
         r = 0
-        for s, d in zip(seqs, drafts, strict=True):
+        for i, (s, d) in enumerate(zip(seqs, drafts, strict=True)):
             n = len(d) + 1
             p = s.request.params
             if p.greedy:
@@ -196,7 +199,8 @@ class Sampler:
                 toks = accept_greedy(_gumbel(x[r : r + n], s, len(s.token_ids)), d)
             else:
                 probs = torch.softmax(warp(x[r : r + n], [p] * n), dim=-1).double()
-                toks = accept_sampled(probs, d, s.generator)
+                q = None if draft_probs is None or not d else draft_probs[i]
+                toks = accept_sampled(probs, d, s.generator, q)
             for j in range(len(toks)):
                 if not ok[r + j]:
                     toks = toks[:j] + [FAILED]
@@ -204,6 +208,37 @@ class Sampler:
             out.append(toks)
             r += n
         return out
+
+    def draft_tokens(self, logits: torch.Tensor, seqs: Sequence[SampledSeq],
+                     ahead: Sequence[list[int]], depth: int
+                     ) -> tuple[list[int], list[torch.Tensor | None]]:
+        """A draft model's next token for each sequence from its logits [n, V] (row i: after
+        s's tokens and its drafts `ahead[i]`, depth = len(ahead[i])), with the request's
+        penalties as if the drafts were generated. Greedy: the argmax (q None: a point mass).
+        Seeded sampled (speculating): the Gumbel-max under the noise of the target row at the
+        same position (q None: verification compares tokens). Else a draw from the warped
+        distribution q, returned (float32 [V]) for rejection sampling."""
+        x = self.adjust(logits, seqs, ahead)
+        toks = x.argmax(-1).tolist()  # greedy rows keep theirs
+        qs: list[torch.Tensor | None] = [None] * len(seqs)
+        drawn = []
+        for r, s in enumerate(seqs):
+            if s.request.params.greedy:
+                continue
+            if _keyed(s):
+                toks[r] = _gumbel(x[r : r + 1], s, len(s.token_ids) + depth)[0]
+            else:
+                drawn.append(r)
+        if drawn:  # one warp, softmax and draw for all of them
+            rows = torch.tensor(drawn)
+            q = torch.softmax(warp(x[rows], [seqs[r].request.params for r in drawn]), dim=-1)
+            cdf = q.double().cumsum(-1)
+            u = torch.rand(len(drawn), 1, dtype=torch.float64) * cdf[:, -1:]
+            picked = torch.searchsorted(cdf, u, right=True)[:, 0].clamp_(max=x.shape[-1] - 1)
+            for j, (r, t) in enumerate(zip(drawn, picked.tolist(), strict=True)):
+                toks[r] = t
+                qs[r] = q[j]
+        return toks, qs
 
     def adjust(self, logits: torch.Tensor, seqs: Sequence[SampledSeq],
                ahead: Sequence[list[int]] | None = None) -> torch.Tensor:

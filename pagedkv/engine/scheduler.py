@@ -86,6 +86,8 @@ class Scheduler:
         child.n_keep, child.n_dropped = parent.n_keep, parent.n_dropped
         child.chain = None if parent.chain is None else parent.chain.prefix(len(parent.chain))
         self.cache.fork(parent.seq_id, child.seq_id, chain=child.chain)
+        if self.spec is not None:
+            self.spec.fork(parent, child)
         child.num_scheduled = parent.num_scheduled
         child.status = Status.RUNNING
         self.running.append(child)
@@ -128,6 +130,7 @@ class Scheduler:
         for i, (s, d) in enumerate(zip(decodes, drafts, strict=True)):
             if d and not try_lookahead(s.seq_id, len(d)):
                 drafts[i] = []
+                self.spec.unverified(s)  # type: ignore[union-attr]
         return drafts
 
     def accept(self, s: Sequence, drafted: int, appended: int) -> None:
@@ -137,6 +140,7 @@ class Scheduler:
         if drafted:
             self.cache.accept_lookahead(s.seq_id, appended - 1)
             s.num_scheduled += appended - 1  # num_ctx - 1 again: in decode
+            self.spec.accepted(s, appended - 1)  # type: ignore[union-attr]
 
     def _rebalance(self) -> list[Sequence]:
         """Fair shares (fair_share.py), only while something waits or forks pushed the
@@ -269,6 +273,8 @@ class Scheduler:
         """s filled the context: shift it if context shift is on (True), else it finishes."""
         if self.context_shift is None or not self.context_shift.apply(self.cache, s):
             return False
+        if self.spec is not None:
+            self.spec.forget(s)  # a draft model's cache recomputes the shifted context
         self.num_context_shifts += 1
         return True
 
@@ -286,6 +292,8 @@ class Scheduler:
         """Recompute preemption: free the blocks, requeue at the front."""
         self.running.remove(s)
         self.cache.free(s.seq_id)
+        if self.spec is not None:
+            self.spec.forget(s)
         s.num_scheduled = 0
         s.status = Status.WAITING
         self.waiting.appendleft(s)
@@ -296,6 +304,8 @@ class Scheduler:
         if s.status is Status.RUNNING:
             self.running.remove(s)
             self.cache.free(s.seq_id)
+            if self.spec is not None:
+                self.spec.forget(s)
         elif s.status is Status.WAITING:
             self.waiting.remove(s)
             self.tier_reads.forget(s)

@@ -3,12 +3,15 @@
 Accepted as a dict, a JSON object string (the CLI's `--speculative-config '{...}'`) or a
 SpeculativeConfig. Keys, with vLLM's names and defaults:
 - `method`: "ngram" (prompt lookup: drafts copied from the context after the longest matching
-  suffix); vLLM's "draft_model" (a smaller model proposing) is refused as not built yet;
+  suffix) or "draft_model" (a smaller model with the target's tokenizer proposes them, with
+  its own paged KV cache: draft_model.py, draft_proposer.py);
 - `num_speculative_tokens`: the most draft tokens verified per step (1..MAX_SPEC_TOKENS);
 - `prompt_lookup_max` / `prompt_lookup_min` (ngram): the longest / shortest context suffix
   looked up (defaults 4 and 1, llama.cpp's range: vLLM's 5 and 5 find few matches in short
   prompts); one given alone keeps the other's default unless that would cross it;
-- `model`: only with "draft_model" (refused otherwise);
+- `model`: only with "draft_model" (refused otherwise), and required there: the draft's GGUF
+  file or folder ("smollm2": the shipped model); a path that does not exist is refused here,
+  before anything loads (its vocabulary is checked against the target's at start-up);
 - `adaptive` (pagedkv): choose k per sequence and step from its acceptance and the step's
   measured cost (default True); False always drafts num_speculative_tokens when a match exists.
 
@@ -20,11 +23,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+from pathlib import Path
 from typing import Any
 
 from pagedkv.errors import SpecConfigError
 
-METHODS = ("ngram",)  # "draft_model" is issue 27 step 4 (not built yet)
+METHODS = ("ngram", "draft_model")
 MAX_SPEC_TOKENS = 15  # verify rows per sequence stay within the exact row kernel's range
 _LOOKUP_MAX = 4
 _KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
@@ -55,9 +60,14 @@ class SpeculativeConfig:
             raise SpecConfigError(f"speculative_config.adaptive is true or false, got "
                                   f"{self.adaptive!r}")
         if self.method == "draft_model":
+            if isinstance(self.model, os.PathLike):
+                object.__setattr__(self, "model", os.fspath(self.model))
             if not isinstance(self.model, str) or not self.model:
                 raise SpecConfigError('speculative_config.model: "draft_model" needs the draft '
                                       "model's path")
+            if self.model.lower() != "smollm2" and not Path(self.model).exists():
+                raise SpecConfigError(f"speculative_config.model: no draft model at "
+                                      f"{self.model!r}")
         elif self.model is not None:
             raise SpecConfigError(f"speculative_config.model only goes with method "
                                   f'"draft_model", not {self.method!r}')
@@ -82,7 +92,8 @@ class SpeculativeConfig:
                                   f"{', '.join(_KEYS)})")
         opts = dict(value)
         if "method" not in opts:
-            raise SpecConfigError('speculative_config.method is required ("ngram")')
+            raise SpecConfigError('speculative_config.method is required ("ngram" or '
+                                  '"draft_model")')
         lo, hi = opts.get("prompt_lookup_min"), opts.get("prompt_lookup_max")
         if lo is None and hi is not None:
             opts["prompt_lookup_min"] = min(hi, 1) if _is_int(hi) else hi

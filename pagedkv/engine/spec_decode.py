@@ -18,11 +18,17 @@ step's own tokens per second (tokens / T) by a margin, none for one stream and t
 as the batch grows (see MARGIN). A large batch makes tokens / T high and a row no cheaper, so
 only near-certain drafts pass there (or none); one stream copying its prompt takes many; a
 sequence whose drafts are rejected takes none. Counters use vLLM's names.
+
+Method "draft_model": `proposer` (draft_proposer.py) decides the drafts with the same cost
+fit, the draft model's forward passes added to the step's seconds, and proposes them; the
+scheduler's hooks below (`accepted`, `unverified`, `forget`, `fork`, `reset`) keep its cache
+in step with the target's. Without a proposer they do nothing.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedkv.engine.ngram import NgramIndex
 from pagedkv.engine.spec_config import SpeculativeConfig
@@ -39,10 +45,11 @@ MARGIN = 0.5  # with B sequences decoding, a draft must beat the step's tokens p
 
 @dataclass(slots=True)
 class SeqSpec:
-    """A sequence's speculation state (Sequence.spec): its n-gram index and acceptance, and
-    the proposal it did not verify (`probe_at`: the token position it guessed, or -1)."""
+    """A sequence's speculation state (Sequence.spec): its n-gram index (None with a draft
+    model) and acceptance, and the proposal it did not verify (`probe_at`: the token position
+    it guessed, or -1)."""
 
-    index: NgramIndex
+    index: NgramIndex | None
     accepted: float = 0.0  # decayed
     tried: float = 0.0  # decayed: drafts whose fate was seen (accepted + the first rejected)
     probe_at: int = -1
@@ -147,10 +154,12 @@ def _solve3(m: list[float], v: list[float]) -> tuple[float, float, float] | None
 
 
 class SpecDecoder:
-    """The proposer and the policy of one engine (method "ngram"), with vLLM's counters."""
+    """The proposer and the policy of one engine, with vLLM's counters: prompt lookup, or
+    `proposer` (a DraftProposer, method "draft_model")."""
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, proposer: Any = None) -> None:
         self.config = config
+        self.proposer = proposer
         self.k = config.num_speculative_tokens
         self.cost = StepCost()
         self.by_match = [_Rate() for _ in range(config.prompt_lookup_max + 1)]
@@ -162,7 +171,9 @@ class SpecDecoder:
         st = s.spec
         if st is None:
             c = self.config
-            st = s.spec = SeqSpec(NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max))
+            index = (None if self.proposer is not None
+                     else NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max))
+            st = s.spec = SeqSpec(index)
         return st
 
     def limit(self, s, max_model_len: int | None) -> int:  # noqa: ANN001
@@ -186,6 +197,8 @@ class SpecDecoder:
         out: list[list[int]] = [[] for _ in decodes]
         if budget <= 0 or not decodes:
             return out
+        if self.proposer is not None:
+            return self.proposer.drafts(self, decodes, rows, budget, max_model_len)
         adaptive = self.config.adaptive
         tokens = float(len(decodes))
         coef = self.cost.coef() if adaptive else (1.0, 0.0, 0.0)
@@ -239,7 +252,8 @@ class SpecDecoder:
         """s verified `drafted` drafts and the target agreed with the first `accepted`."""
         st = self.state(s)
         st.observe(drafted, accepted)
-        self.by_match[st.index.matched].observe(drafted, accepted)
+        rate = self.proposer.rate if st.index is None else self.by_match[st.index.matched]
+        rate.observe(drafted, accepted)
         self.num_drafts += 1
         self.num_draft_tokens += drafted
         self.num_accepted_tokens += accepted
@@ -250,14 +264,51 @@ class SpecDecoder:
     def observe_step(self, plan, seconds: float) -> None:  # noqa: ANN001
         """A decode-only step's whole seconds (schedule to outputs) for the cost fit."""
         drafts = sum(len(d) for d in plan.drafts)
+        if self.proposer is not None:  # the target's cost, without the draft's passes
+            seconds -= self.proposer.take_step_seconds()
         self.cost.observe(len(plan.decodes) + drafts, seconds, drafts)
 
     def stats(self) -> dict[str, float]:
         n = self.num_draft_tokens
-        return {"spec_decode_num_drafts": self.num_drafts,
-                "spec_decode_num_draft_tokens": n,
-                "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
-                "spec_decode_acceptance_rate": self.num_accepted_tokens / n if n else 0.0}
+        out = {"spec_decode_num_drafts": self.num_drafts,
+               "spec_decode_num_draft_tokens": n,
+               "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+               "spec_decode_acceptance_rate": self.num_accepted_tokens / n if n else 0.0}
+        if self.proposer is not None:
+            out.update(self.proposer.stats())
+        return out
+
+    # --- the scheduler's hooks (a draft model's cache follows the target's) ----------------------
+
+    def accepted(self, s, m: int) -> None:  # noqa: ANN001
+        """s verified its drafts, m accepted, and still runs."""
+        if self.proposer is not None:
+            self.proposer.accepted(s, m)
+
+    def unverified(self, s) -> None:  # noqa: ANN001
+        """s's drafts were proposed but will not be verified (no lookahead slots)."""
+        if self.proposer is not None:
+            self.proposer.accepted(s, 0)
+
+    def forget(self, s) -> None:  # noqa: ANN001
+        """s's blocks went back (preempted, finished, aborted) or its context was edited."""
+        if self.proposer is not None:
+            self.proposer.forget(s)
+
+    def fork(self, parent, child) -> None:  # noqa: ANN001
+        if self.proposer is not None:
+            self.proposer.fork(parent, child)
+
+    def reset(self) -> None:
+        """The target's prefix cache was emptied."""
+        if self.proposer is not None:
+            self.proposer.reset()
+
+    def draft_probs(self, seqs: list, drafts: list[list[int]]) -> list | None:
+        """The q rows of each sampler's drafts (None without a sampling draft model)."""
+        if self.proposer is None:
+            return None
+        return [self.proposer.q_rows(s, len(d)) for s, d in zip(seqs, drafts, strict=True)]
 
 
 def _worth(coef: tuple[float, float, float], bar: float, tokens: float, rows: int,

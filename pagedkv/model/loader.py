@@ -93,6 +93,7 @@ class LoadedModel:
     weights: str = "float32"  # "quantized": GGUF blocks kept as in the file
     activations: str = "float32"  # "int8": matmul inputs quantized (quantized weights only)
     batch_weights: str = "quantized"  # "float32": a pre-packed float32 copy for big batches
+    path: Path | None = None  # the GGUF file it was loaded from (None: another source)
 
     @property
     def weight_bytes(self) -> int:
@@ -227,7 +228,8 @@ def _load_gguf(path: Path, dtype: torch.dtype, tokenizer: Any | None, keep: bool
     model.load_weights(_gguf_weights(g, cfg, arch == "llama", keep, _GGUF_LAYER_MAPS.get(arch, _GGUF_LAYER)))
     if tokenizer is None and "tokenizer.ggml.model" in g.metadata:
         tokenizer = tokenizer_cache.load_or_build(g.tokenizer_digest(), lambda: _gguf_tokenizer(path))
-    return LoadedModel(model, cfg, tokenizer, path.stem, weights="quantized" if keep else "float32")
+    return LoadedModel(model, cfg, tokenizer, path.stem, weights="quantized" if keep else "float32",
+                       path=path)
 
 
 def _gguf_weights(
