@@ -92,10 +92,15 @@ class DraftProposer:
         predicted second rise), the seconds being the target's rows plus the draft's forward
         passes: draft j of any sequence opens forward j (a + b seconds), each more sequence in
         it adds b (the draft's measured line; until measured, the target's scaled by the
-        weight ratio)."""
+        weight ratio), and a sequence's first draft also pays the draft's catch-up over the
+        context it has not computed (b per token, spread over the tokens it has left to
+        generate: a prompt is caught up once). Judged against the decode rows alone (`rows`,
+        which counts this step's prefill chunks too, is not used): the draft's cost is the
+        same whatever else the step computes, and must pay in the steps that decode only."""
         keep = [0] * len(decodes)
         if budget <= 0 or not any(ks):
             return keep
+        rows = len(decodes)
         target = spec.cost.predict
         a_d, b_d = self.line(spec.cost)
         prior = self.rate.value
@@ -113,6 +118,8 @@ class DraftProposer:
             if j != keep[i]:
                 continue
             more = b_d + (0.0 if opened[j] else a_d)
+            if j == 0:
+                more += b_d * self._lag(decodes[i])
             if (tokens + g) * (target(rows) + spent) <= tokens * (target(rows + 1) + spent + more):
                 continue
             keep[i] += 1
@@ -127,6 +134,13 @@ class DraftProposer:
                 st.accepted *= DECAY
                 st.tried *= DECAY
         return keep
+
+    def _lag(self, s) -> float:  # noqa: ANN001
+        """Draft tokens s's catch-up computes, per token s has left to generate."""
+        sid = s.seq_id
+        done = self.cache.seq(sid).num_written if sid in self.cache else 0
+        left = s.request.params.max_tokens - (len(s.token_ids) - s.num_prompt)
+        return max(0, s.num_ctx - 1 - done) / max(1, left)
 
     def line(self, target: StepCost) -> tuple[float, float]:
         """(a, b): one draft forward pass of r rows takes a + b * r seconds."""
