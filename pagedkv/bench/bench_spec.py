@@ -22,6 +22,10 @@ request, through the same HTTP client against `pagedkv serve` with and without
 `--spec-type ngram-simple` (its defaults, and sized as SPEC: 4-token lookup, 5 drafts), all
 with `--threads` threads, one server at a time; tok/s is completion tokens over the request's
 wall time (prefill included, the prompt cached by a warm-up request first).
+
+A draft model is measured the same way: `--speculative-config '{"method": "draft_model",
+"model": "smollm2", "num_speculative_tokens": 3}'` (the shipped model drafting for itself, its
+weights shared: the upper bound on acceptance, at a full forward pass per draft).
 """
 
 from __future__ import annotations
