@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from test_server import Running, assert_idle
 
 from pagedkv.engine import LLM, LLMEngine, SamplingParams
+from pagedkv.model import default_model_path
 from pagedkv.server.app import ServerThread, build_app
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}
@@ -16,10 +18,14 @@ TEXT = ("The lighthouse keeper climbed the stairs every evening at six, lit the 
 MESSAGES = [{"role": "user", "content": f"Copy this text exactly:\n\n{TEXT}"}]
 
 
-def test_server_with_speculative_config(smollm2: Any) -> None:
+@pytest.mark.parametrize("spec", [SPEC, {"method": "draft_model", "num_speculative_tokens": 3,
+                                          "adaptive": False}], ids=["ngram", "draft_model"])
+def test_server_with_speculative_config(smollm2: Any, spec: dict) -> None:
     ref = LLM(smollm2, num_blocks=256).generate(MESSAGES, SamplingParams(temperature=0,
                                                                        max_tokens=48))[0]
-    engine = LLMEngine(smollm2, num_blocks=256, speculative_config=SPEC)
+    if spec["method"] == "draft_model":  # the default model drafting for itself
+        spec = {**spec, "model": str(default_model_path())}
+    engine = LLMEngine(smollm2, num_blocks=256, speculative_config=spec)
     app = build_app(engine, served_model_name="smollm2")
     with ServerThread(app) as thread:
         server = Running(thread.url, engine, app)
