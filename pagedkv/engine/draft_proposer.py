@@ -42,7 +42,7 @@ import torch
 from pagedkv.attention.metadata import AttentionMetadata
 from pagedkv.engine.draft_model import DraftModel
 from pagedkv.engine.sampler import Sampler
-from pagedkv.engine.spec_decode import DECAY, StepCost, _Rate
+from pagedkv.engine.spec_decode import DECAY, MARGIN, StepCost, _Rate
 from pagedkv.engine.step_plan import ScheduledPrefill, StepPlan, build_plan
 from pagedkv.errors import OutOfBlocksError
 
@@ -66,6 +66,7 @@ class DraftProposer:
         self.rate = _Rate()  # the engine's decayed acceptance: each sequence's prior
         self.probs: dict[int, torch.Tensor] = {}  # seq id -> q rows [k, V] (sampled drafts)
         self.forward_seconds = 0.0
+        self._step_seconds = 0.0  # since take_step_seconds
         self.forwards = 0
         self.failures = 0
 
@@ -88,44 +89,45 @@ class DraftProposer:
     def _plan(self, spec, decodes: list, ks: list[int], rows: int,  # noqa: ANN001
               budget: int) -> list[int]:
         """How many drafts each sequence proposes: SpecDecoder's rule (the j-th draft of a
-        sequence accepted at rate a is worth a**j tokens, taken best first while tokens per
-        predicted second rise), the seconds being the target's rows plus the draft's forward
-        passes: draft j of any sequence opens forward j (a + b seconds), each more sequence in
-        it adds b (the draft's measured line; until measured, the target's scaled by the
-        weight ratio), and a sequence's first draft also pays the draft's catch-up over the
-        context it has not computed (b per token, spread over the tokens it has left to
-        generate: a prompt is caught up once). Judged against the decode rows alone (`rows`,
-        which counts this step's prefill chunks too, is not used): the draft's cost is the
-        same whatever else the step computes, and must pay in the steps that decode only."""
+        sequence accepted at rate a is worth a**j tokens, taken best first while each one's
+        tokens per second beat the step's by the batch's margin), its seconds being a verify
+        row of the target (c of the target's fit) plus the draft's forward passes: draft j of
+        any sequence opens forward j (a + b seconds), each more sequence in it adds b (the
+        draft's measured line; until measured, the target's scaled by the weight ratio), and a
+        sequence's first draft also pays the draft's catch-up over the context it has not
+        computed (b per token, spread over the tokens it has left to generate: a prompt is
+        caught up once). Judged against the decode rows alone (`rows`, which counts this
+        step's prefill chunks too, is not used): the draft's cost is the same whatever else
+        the step computes, and must pay in the steps that decode only."""
         keep = [0] * len(decodes)
         if budget <= 0 or not any(ks):
             return keep
-        rows = len(decodes)
-        target = spec.cost.predict
+        a, b, c = spec.cost.coef()
+        step = a + b * len(decodes)  # the step's predicted seconds so far (draft passes too)
+        bar = 1 + MARGIN * (1 - 1 / len(decodes))
         a_d, b_d = self.line(spec.cost)
         prior = self.rate.value
         cands = []
         for i, (s, k) in enumerate(zip(decodes, ks, strict=True)):
             if k > 0:
-                a = spec.state(s).rate(prior)
-                cands.extend((a ** (j + 1), j, i) for j in range(k))
-        cands.sort(key=lambda c: (-c[0], c[1]))
+                r = spec.state(s).rate(prior)
+                cands.extend((r ** (j + 1), j, i) for j in range(k))
+        cands.sort(key=lambda x: (-x[0], x[1]))
         opened = [False] * max(ks)
-        tokens, spent, taken = float(len(decodes)), 0.0, 0
+        tokens, taken = float(len(decodes)), 0
         for g, j, i in cands:
             if taken >= budget:
                 break
             if j != keep[i]:
                 continue
-            more = b_d + (0.0 if opened[j] else a_d)
+            more = c + b_d + (0.0 if opened[j] else a_d)
             if j == 0:
                 more += b_d * self._lag(decodes[i])
-            if (tokens + g) * (target(rows) + spent) <= tokens * (target(rows + 1) + spent + more):
+            if g * step <= bar * tokens * more:
                 continue
             keep[i] += 1
             tokens += g
-            rows += 1
-            spent += more
+            step += more
             opened[j] = True
             taken += 1
         for i, k in enumerate(ks):
@@ -144,15 +146,16 @@ class DraftProposer:
 
     def line(self, target: StepCost) -> tuple[float, float]:
         """(a, b): one draft forward pass of r rows takes a + b * r seconds."""
-        if self.cost.s[0] > 0:
+        if self.cost.xx[0] > 1e-9:
             return self.cost.line()
         a, b = target.line()
         return a * self.ratio, b * self.ratio
 
-    def observe(self, drafted: int, accepted: int) -> None:
-        r = self.rate
-        r.accepted = DECAY * r.accepted + accepted
-        r.tried = DECAY * r.tried + accepted + (accepted < drafted)
+    def take_step_seconds(self) -> float:
+        """The draft's forward seconds since the last call (taken out of the step's, for the
+        target's cost fit)."""
+        dt, self._step_seconds = self._step_seconds, 0.0
+        return dt
 
     # --- proposing ------------------------------------------------------------------------------
 
@@ -271,6 +274,7 @@ class DraftProposer:
         logits = self.runner.run(plan)
         dt = time.perf_counter() - t0
         self.forward_seconds += dt
+        self._step_seconds += dt
         self.forwards += 1
         if observe:
             self.cost.observe(plan.num_tokens, dt)
