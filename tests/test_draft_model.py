@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_spec_decode import PARAMS, PROMPTS
+from test_spec_decode import PARAMS, PROMPTS, _chi2
 from tiny_gguf import TinySpec, write_tiny_gguf
 
 from pagedkv.engine import LLM, SamplingParams
@@ -286,14 +286,6 @@ def test_a_failing_draft_never_fails_the_step(tiny_pair) -> None:  # noqa: ANN00
 
 
 # --- sampled output ---------------------------------------------------------------------------
-
-
-def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    n = counts.sum()
-    expected = probs * n
-    keep = expected > 0
-    assert counts[~keep].sum() == 0  # a token of probability 0 is never emitted
-    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
 
 
 def test_rejection_sampling_with_a_draft_distribution() -> None:
