@@ -23,7 +23,8 @@
 //   matmul(xq, xd, xs, w [N, rb] u8, qtype, out [T, >= col0 + N] f32, col0, impl)
 //   linear(x [T, K] f32, ws [w_i [N_i, rb_i] u8], qtypes, out [T, sum N_i] f32, impl): quantize
 //     once, then every segment into its columns, in one parallel loop (one op call per Linear)
-// impl: 0 = fastest available, 1 = scalar.
+// impl: 0 = fastest available, 1 = scalar, 2 = AVX2 (the super-block types' AVX-512 VNNI path
+// off; same results as every impl).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -369,7 +370,7 @@ void range_avx2(int64_t qt, const uint8_t* w, int64_t rb, int64_t n0, int64_t n1
 
 bool use_avx2(int64_t impl) {
 #ifdef A8_AVX2
-  return impl == 0;
+  return impl == 0 || impl == 2;
 #else
   (void)impl;
   return false;
