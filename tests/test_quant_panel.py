@@ -144,3 +144,23 @@ def test_panel_rejects_bad_arguments() -> None:
         op(torch.zeros(2, 32), [w], [], torch.zeros(2, 3), 0)
     out = torch.full((0, 3), 1.0)
     op(torch.zeros(0, 32), [w], [int(Q.Q4_1)], out, 0)  # no rows: nothing to do
+
+
+@needs_vnni
+def test_k_quant_weights_take_the_panel_from_panel_sb_rows() -> None:
+    """int8 mode, a Q4_K / Q5_K weight: the row kernel (its VNNI tiles, 4 activation rows per
+    pass) below PANEL_SB_ROWS rows, the panel from there on."""
+    k = 512
+    for qtype in (Q.Q4_K, Q.Q5_K):
+        data = _blocks(qtype, 19, k, 4)
+        w = QWeight(k, [(qtype, torch.from_numpy(data.copy()))])
+        w.set_activations("int8")
+        for t in (1, 5, quant.PANEL_SB_ROWS - 1, quant.PANEL_SB_ROWS, 41):
+            x = _acts(t, k, t)
+            got = w.linear(torch.from_numpy(x)).numpy()
+            if t >= quant.PANEL_SB_ROWS:
+                assert np.array_equal(got, _panel(x, [(qtype, data)], 0)), (qtype.name, t)
+            else:
+                row = torch.empty(t, 19)
+                torch.ops.pagedkv_a8.linear(torch.from_numpy(x), [torch.from_numpy(data)], [int(qtype)], row, 0)
+                assert np.array_equal(got, row.numpy()), (qtype.name, t)

@@ -538,6 +538,8 @@ template <int64_t QT, int W>
 void rows(const uint8_t* row, int64_t rb, int64_t nsb, int64_t T, const int8_t* xq, const float* xd,
           const int16_t* bs, int64_t K, float* res, int64_t ldr) {
   int64_t t = 0;
+  for (; t + 4 <= T; t += 4)
+    tile<QT, W, 4>(row, rb, nsb, xq + t * K, xd + t * nsb, bs + 16 * t * nsb, K, res + t * ldr, ldr);
   for (; t + 2 <= T; t += 2)
     tile<QT, W, 2>(row, rb, nsb, xq + t * K, xd + t * nsb, bs + 16 * t * nsb, K, res + t * ldr, ldr);
   if (t < T) tile<QT, W, 1>(row, rb, nsb, xq + t * K, xd + t * nsb, bs + 16 * t * nsb, K, res + t * ldr, ldr);

@@ -105,10 +105,19 @@ A8_IMPL = 0  # qmatmul_a8.cpp impl: 0 the fastest built, 1 scalar (same results)
 # (bench decode's a8_crossover_ms): panel vs the int8 row kernel 6.5 vs 3.7 at 1 row, 6.7 vs 5.0
 # at 2, 6.2-7.6 vs 7.3 at 4, 7.8 vs 12.7 at 8; at 40 rows 17.9 vs 51 (tiles), at 256 83 vs 198.
 PANEL_ROWS = 4
+# Weights with a K-quant panel segment (Q4_K, Q5_K, IQ4_XS) take the panel from this many rows:
+# below it the int8 row kernel (AVX-512 VNNI, 4 activation rows per pass) is faster. Q4_K,
+# 8960x1536, 2 threads (Zen 4 EPYC), ns per weight per call, panel vs row kernel: 0.160 vs 0.053
+# at 4 rows, 0.145 vs 0.096 at 8, 0.207 vs 0.204 at 16, 0.235 vs 0.264 at 20, 0.282 vs 0.506 at 40.
+PANEL_SB_ROWS = 16
 # Up to this many rows, weights with a super-block segment that the panel does not take (Q6_K,
 # Q3_K, Q2_K) use the int8 row kernel; above, the exact path is faster: Q6_K, 4096x4096, 2
-# threads, ns per weight, int8 row kernel vs exact: 0.133 vs 0.174 at 8 rows, 0.468 vs 0.387 at 28.
+# threads, ns per weight, AVX2 int8 row kernel vs exact: 0.133 vs 0.174 at 8 rows, 0.468 vs
+# 0.387 at 28. Where the CPU has AVX-512 VNNI (the row kernel's VNNI tiles), A8_SB_VNNI_ROWS:
+# 8960x1536, 2 threads, row kernel vs exact: Q6_K 0.185 vs 0.411 at 16 rows, 0.447 vs 0.698 at
+# 40, 0.730 vs 1.019 at 64, 1.556 vs 1.608 at 128 (Q3_K, Q2_K alike).
 A8_SB_ROWS = 12
+A8_SB_VNNI_ROWS = 64
 
 
 def _gemm_rows(capability: str) -> tuple[int, int]:
@@ -174,6 +183,7 @@ class QWeight:
         self.a8 = False  # activations="int8": see set_activations
         self._a8_all = False
         self._panel = False
+        self._panel_from = PANEL_ROWS
         self._sb_cap = False
         self._a8_args = ([d for _, d in self.parts], [int(q) for q, _ in self.parts])
 
@@ -184,7 +194,9 @@ class QWeight:
         self.a8 = mode == "int8" and any(q in A8_TYPES for q, _ in self.parts) and self.k % 32 == 0
         self._a8_all = all(q in A8_TYPES for q, _ in self.parts)  # one op call per linear
         self._panel = self._a8_all and all(q in PANEL_TYPES for q, _ in self.parts)
-        self._sb_cap = not self._panel and any(q in A8_SB_TYPES for q, _ in self.parts)  # A8_SB_ROWS
+        sb = any(q in A8_SB_TYPES for q, _ in self.parts)
+        self._panel_from = PANEL_SB_ROWS if sb else PANEL_ROWS
+        self._sb_cap = not self._panel and sb  # A8_SB_ROWS
 
     def set_batch_weights(self, mode: str) -> None:
         """"quantized" (the default): calls above the kernels' rows multiply dequantized tiles.
@@ -240,11 +252,10 @@ class QWeight:
         if out is None:
             out = torch.empty(t, self.n, dtype=torch.float32)
         packed = self._batch is not None
-        if self.a8 and self._panel and t >= PANEL_ROWS and (panel := qkernel.panel()) is not None:
+        if self.a8 and self._panel and t >= self._panel_from and (panel := qkernel.panel()) is not None:
             panel(x, *self._a8_args, out, A8_IMPL)
             return out
-        if self.a8 and 0 < t <= min(PACKED_A8_ROWS if packed else A8_ROWS,
-                                    A8_SB_ROWS if self._sb_cap else t):
+        if self.a8 and 0 < t <= self._a8_rows(packed):
             if self._a8_all:  # the common case: one op quantizes x and fills every segment
                 qkernel.a8()[2](x, *self._a8_args, out, A8_IMPL)
             else:
@@ -263,6 +274,14 @@ class QWeight:
         for data, qtype, col in self._calls:
             op(x, data, qtype, out, col)
         return out
+
+    def _a8_rows(self, packed: bool) -> int:
+        """Up to how many rows int8 mode takes the int8 row kernel (the panel aside)."""
+        if packed:  # against the float32 copy
+            return min(PACKED_A8_ROWS, A8_SB_ROWS) if self._sb_cap else PACKED_A8_ROWS
+        if self._sb_cap:  # a super-block segment the panel does not take
+            return A8_SB_VNNI_ROWS if qkernel.panel() is not None else min(A8_ROWS, A8_SB_ROWS)
+        return A8_ROWS  # (from PANEL_ROWS / PANEL_SB_ROWS on, the panel where the CPU has VNNI)
 
     def _linear_a8(self, x: torch.Tensor, out: torch.Tensor, op) -> None:  # noqa: ANN001
         """out = x W^T in int8 for the A8_TYPES segments (x quantized to 32-element blocks once
