@@ -117,7 +117,8 @@ def test_matmul_matches_int8_reference(qtype: Q, n: int, k: int) -> None:
     for t in ROWS:
         x = _acts(t, k, seed=t)
         fast, scalar = _run(qtype, data, x, 0), _run(qtype, data, x, 1)
-        assert np.array_equal(fast, scalar), f"T={t}: AVX2 and scalar paths differ"
+        assert np.array_equal(fast, scalar), f"T={t}: the fastest and scalar paths differ"
+        assert np.array_equal(_run(qtype, data, x, 2), scalar), f"T={t}: AVX2 and scalar paths differ"
         ref, mag = ref_matmul(qtype, data, x)
         err = np.abs(fast - ref)
         assert (err <= 2e-6 * mag + 1e-30).all(), f"T={t}: max err {err.max()} (mag {mag.max()})"
@@ -157,8 +158,8 @@ def test_other_types_match_int8_reference(qtype: Q) -> None:
             x = _acts(t, k, seed=t)
             fast, scalar = _run_linear(qtype, data, x, 0), _run_linear(qtype, data, x, 1)
             assert np.array_equal(fast, scalar), f"T={t}: the fastest and scalar paths differ"
-            if sb:  # impl 2: AVX2 where impl 0 takes AVX-512 VNNI
-                assert np.array_equal(_run_linear(qtype, data, x, 2), scalar), f"T={t}: AVX2 != scalar"
+            # impl 2: AVX2 where impl 0 takes AVX-512 VNNI
+            assert np.array_equal(_run_linear(qtype, data, x, 2), scalar), f"T={t}: AVX2 != scalar"
             if not sb:  # the matmul op (activations quantized beforehand) gives the same
                 assert np.array_equal(fast, _run(qtype, data, x, 0))
             ref, mag = ref_matmul_deq(qtype, data, x, 256 if sb else 32)

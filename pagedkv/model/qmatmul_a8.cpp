@@ -23,8 +23,8 @@
 //   matmul(xq, xd, xs, w [N, rb] u8, qtype, out [T, >= col0 + N] f32, col0, impl)
 //   linear(x [T, K] f32, ws [w_i [N_i, rb_i] u8], qtypes, out [T, sum N_i] f32, impl): quantize
 //     once, then every segment into its columns, in one parallel loop (one op call per Linear)
-// impl: 0 = fastest available, 1 = scalar, 2 = AVX2 (the super-block types' AVX-512 VNNI path
-// off; same results as every impl).
+// impl: 0 = fastest available (AVX-512 VNNI for 1-3 rows where the CPU has it), 1 = scalar,
+// 2 = AVX2 (the VNNI paths off); every impl gives the same results.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -328,11 +328,135 @@ __attribute__((always_inline)) inline void tile_late(const uint8_t* row, int64_t
       res[v + r * ldr] = hsum(acc[v][r]) + (signed_type(QT) ? 0.f : offset_dot_avx2(mb + v * nb, xs + r * nb, nb));
 }
 
+}  // namespace a8
+
+// --- AVX-512 VNNI: two blocks per instruction (1-3 activation rows) ------------------------------
+//
+// tile_inline's arithmetic with blocks b and b + 1 in one register: their 64 bytes unpacked at
+// once (Q5's high bits by one mask), the integer sums by one vpdpbusd (maddubs + madd(ones) never
+// saturates here: |w| <= 128, |q| <= 127, so the sums of 4 are the same int32), and the float
+// steps block by block in tile_inline's order: bit-identical results.
+
+#ifdef A8_AVX2
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
+namespace a8::zb {
+
+using namespace ggml;
+
+PQ_INLINE int h16(const uint8_t* p) {  // a block's half d, as the low 16 bits
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return h;
+}
+PQ_INLINE __m512i two(__m256i a, __m256i b) { return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1); }
+PQ_INLINE __m256i bcast16(const uint8_t* p) {
+  return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+// the 2 x 16 bytes at p0, p1 -> their 64 nibbles in element order (block p0's, then p1's)
+PQ_INLINE __m512i nibbles2(const uint8_t* p0, const uint8_t* p1) {
+  return _mm512_and_si512(_mm512_srlv_epi64(two(bcast16(p0), bcast16(p1)), _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4)),
+                          _mm512_set1_epi8(0x0F));
+}
+
+// blocks b0, b1 -> w (signed types: signed values; the others: 0..15 / 0..31) and [d, m, 0, 0] each
+template <int64_t QT>
+PQ_INLINE __m512i load2(const uint8_t* b0, const uint8_t* b1, __m128& dm0, __m128& dm1) {
+  if constexpr (QT == Q8_0) {
+    dm0 = _mm_cvtph_ps(_mm_cvtsi32_si128(h16(b0))), dm1 = _mm_cvtph_ps(_mm_cvtsi32_si128(h16(b1)));
+    return two(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + 2)), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b1 + 2)));
+  } else if constexpr (QT == IQ4_NL) {
+    dm0 = _mm_cvtph_ps(_mm_cvtsi32_si128(h16(b0))), dm1 = _mm_cvtph_ps(_mm_cvtsi32_si128(h16(b1)));
+    const __m512i lev = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_LEVELS)));
+    return _mm512_shuffle_epi8(lev, nibbles2(b0 + 2, b1 + 2));
+  } else {
+    constexpr int o = QT == Q4_0 ? 2 : QT == Q4_1 ? 4 : QT == Q5_0 ? 6 : 8;  // the quants' offset
+    __m512i u = nibbles2(b0 + o, b1 + o);
+    if constexpr (QT == Q5_0 || QT == Q5_1) {  // bit i of qh: element i's 0x10
+      const uint64_t hb = u32(b0 + o - 4) | (static_cast<uint64_t>(u32(b1 + o - 4)) << 32);
+      u = _mm512_mask_add_epi8(u, _cvtu64_mask64(hb), u, _mm512_set1_epi8(0x10));
+    }
+    if constexpr (QT == Q4_1 || QT == Q5_1) {
+      dm0 = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(u32(b0))));
+      dm1 = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(u32(b1))));
+    } else {
+      const __m128 off = _mm_setr_ps(1.f, QT == Q4_0 ? -8.f : -16.f, 0.f, 0.f);
+      dm0 = _mm_mul_ps(_mm_cvtph_ps(_mm_set1_epi16(static_cast<short>(h16(b0)))), off);
+      dm1 = _mm_mul_ps(_mm_cvtph_ps(_mm_set1_epi16(static_cast<short>(h16(b1)))), off);
+    }
+    return u;
+  }
+}
+
+template <int64_t QT, int W, int R>
+__attribute__((noinline)) void tile_inline(const uint8_t* row, int64_t rb, int64_t nb, const int8_t* xq,
+                                           const float* xp, int64_t K, float* res, int64_t ldr) {
+  constexpr int64_t bb = QT == Q4_0 || QT == IQ4_NL ? 18 : QT == Q4_1 ? 20 : QT == Q5_0 ? 22 : QT == Q5_1 ? 24 : 34;
+  constexpr bool SG = signed_type(QT);
+  __m256 acc[W][R];
+  __m128 summ[W][R];
+  for (int v = 0; v < W; ++v)
+    for (int r = 0; r < R; ++r) acc[v][r] = _mm256_setzero_ps(), summ[v][r] = _mm_setzero_ps();
+  // one block's float steps, as tile_inline
+  auto step = [&](int v, int r, __m256i p, __m128 dm, const float* xpb) __attribute__((always_inline)) {
+    const __m128 ds = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(xpb)));
+    const __m128 prod = _mm_mul_ps(dm, ds);
+    acc[v][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcastss_ps(prod), acc[v][r]);
+    if (!SG) summ[v][r] = _mm_add_ps(summ[v][r], prod);
+  };
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    __m512i w[W], aw[W];
+    __mmask64 neg[W];
+    __m128 dm[W][2];
+    _mm_prefetch(reinterpret_cast<const char*>(row + PF_TILES * W * rb + W * bb * b), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(row + PF_TILES * W * rb + W * bb * (b + 1)), _MM_HINT_T0);
+    for (int v = 0; v < W; ++v) {
+      const uint8_t* b0 = row + v * rb + bb * b;
+      w[v] = load2<QT>(b0, b0 + bb, dm[v][0], dm[v][1]);
+      if constexpr (SG) neg[v] = _mm512_movepi8_mask(w[v]), aw[v] = _mm512_abs_epi8(w[v]);
+      else aw[v] = w[v];
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512i x = _mm512_loadu_si512(xq + r * K + QK * b);
+      for (int v = 0; v < W; ++v) {
+        const __m512i xv = SG ? _mm512_mask_sub_epi8(x, neg[v], _mm512_setzero_si512(), x) : x;
+        const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aw[v], xv);
+        step(v, r, _mm512_castsi512_si256(p), dm[v][0], xp + 2 * (r * nb + b));
+        step(v, r, _mm512_extracti64x4_epi64(p, 1), dm[v][1], xp + 2 * (r * nb + b + 1));
+      }
+    }
+  }
+  if (b < nb) {  // the last block of an odd count: the same sums in 256 bits
+    for (int v = 0; v < W; ++v) {
+      const uint8_t* b0 = row + v * rb + bb * b;
+      __m128 dm0, dm1;
+      const __m512i w2 = load2<QT>(b0, b0, dm0, dm1);  // the block twice; the lower half used
+      const __m256i wv = _mm512_castsi512_si256(w2);
+      const __m256i awv = SG ? _mm256_abs_epi8(wv) : wv;
+      for (int r = 0; r < R; ++r) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + QK * b));
+        const __m256i xv = SG ? _mm256_sign_epi8(x, wv) : x;
+        step(v, r, _mm256_dpbusd_epi32(_mm256_setzero_si256(), awv, xv), dm0, xp + 2 * (r * nb + b));
+      }
+    }
+  }
+  for (int v = 0; v < W; ++v)
+    for (int r = 0; r < R; ++r)
+      res[v + r * ldr] = simd::hsum(acc[v][r]) + _mm_cvtss_f32(_mm_movehdup_ps(summ[v][r]));
+}
+
+}  // namespace a8::zb
+#pragma GCC pop_options
+#endif
+
+namespace a8 {
+
 // W weight rows against all T activation rows, 4 at a time (the weight rows stay in L1)
 template <int64_t QT, int W>
 void rows_avx2(const uint8_t* row, int64_t rb, int64_t nb, int64_t T, const int8_t* xq,
                const float* xd, const float* xs, const float* xp, int64_t K, float* res, int64_t ldr,
-               float* mb) {
+               float* mb, bool vnni) {
   int64_t t = 0;
   for (; t + 4 <= T; t += 4)
     tile_late<QT, W, 4>(row, rb, nb, xq + t * K, xd + t * nb, xs + t * nb, K, res + t * ldr, ldr, mb);
@@ -340,6 +464,12 @@ void rows_avx2(const uint8_t* row, int64_t rb, int64_t nb, int64_t T, const int8
   const int8_t* q = xq + t * K;
   const float* p = xp + 2 * t * nb;
   float* o = res + t * ldr;
+  if (vnni) {
+    if (m == 3) zb::tile_inline<QT, W, 3>(row, rb, nb, q, p, K, o, ldr);
+    else if (m == 2) zb::tile_inline<QT, W, 2>(row, rb, nb, q, p, K, o, ldr);
+    else if (m == 1) zb::tile_inline<QT, W, 1>(row, rb, nb, q, p, K, o, ldr);
+    return;
+  }
   if (m == 3) tile_inline<QT, W, 3>(row, rb, nb, q, p, K, o, ldr);
   else if (m == 2) tile_inline<QT, W, 2>(row, rb, nb, q, p, K, o, ldr);
   else if (m == 1) tile_inline<QT, W, 1>(row, rb, nb, q, p, K, o, ldr);
@@ -349,22 +479,31 @@ void rows_avx2(const uint8_t* row, int64_t rb, int64_t nb, int64_t T, const int8
 template <int64_t QT>
 void range_avx2(const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, int64_t nb, int64_t T,
                 const int8_t* xq, const float* xd, const float* xs, const float* xp, int64_t K,
-                float* out, int64_t ldo) {
+                float* out, int64_t ldo, bool vnni) {
   std::vector<float> mb(T >= 4 ? 2 * nb : 0);  // the offsets of the current weight rows (tile_late)
   int64_t n = n0;
-  for (; !signed_type(QT) && n + 2 <= n1; n += 2) rows_avx2<QT, 2>(w + n * rb, rb, nb, T, xq, xd, xs, xp, K, out + n, ldo, mb.data());
-  for (; n < n1; ++n) rows_avx2<QT, 1>(w + n * rb, rb, nb, T, xq, xd, xs, xp, K, out + n, ldo, mb.data());
+  for (; !signed_type(QT) && n + 2 <= n1; n += 2)
+    rows_avx2<QT, 2>(w + n * rb, rb, nb, T, xq, xd, xs, xp, K, out + n, ldo, mb.data(), vnni);
+  for (; n < n1; ++n) rows_avx2<QT, 1>(w + n * rb, rb, nb, T, xq, xd, xs, xp, K, out + n, ldo, mb.data(), vnni);
 }
 
+bool has_vnni512() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  return ok;
+}
+
+// vnni: 1-3 activation rows by zb::tile_inline (impl 0 on a CPU with AVX-512 VNNI)
 void range_avx2(int64_t qt, const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, int64_t nb,
                 int64_t T, const int8_t* xq, const float* xd, const float* xs, const float* xp,
-                int64_t K, float* out, int64_t ldo) {
-  if (qt == Q4_0) range_avx2<Q4_0>(w, rb, n0, n1, nb, T, xq, xd, xs, xp, K, out, ldo);
-  else if (qt == Q4_1) range_avx2<Q4_1>(w, rb, n0, n1, nb, T, xq, xd, xs, xp, K, out, ldo);
-  else if (qt == Q5_0) range_avx2<Q5_0>(w, rb, n0, n1, nb, T, xq, xd, xs, xp, K, out, ldo);
-  else if (qt == Q5_1) range_avx2<Q5_1>(w, rb, n0, n1, nb, T, xq, xd, xs, xp, K, out, ldo);
-  else if (qt == IQ4_NL) range_avx2<IQ4_NL>(w, rb, n0, n1, nb, T, xq, xd, xs, xp, K, out, ldo);
-  else range_avx2<Q8_0>(w, rb, n0, n1, nb, T, xq, xd, xs, xp, K, out, ldo);
+                int64_t K, float* out, int64_t ldo, int64_t impl) {
+  const bool z = impl == 0 && has_vnni512();
+  if (qt == Q4_0) range_avx2<Q4_0>(w, rb, n0, n1, nb, T, xq, xd, xs, xp, K, out, ldo, z);
+  else if (qt == Q4_1) range_avx2<Q4_1>(w, rb, n0, n1, nb, T, xq, xd, xs, xp, K, out, ldo, z);
+  else if (qt == Q5_0) range_avx2<Q5_0>(w, rb, n0, n1, nb, T, xq, xd, xs, xp, K, out, ldo, z);
+  else if (qt == Q5_1) range_avx2<Q5_1>(w, rb, n0, n1, nb, T, xq, xd, xs, xp, K, out, ldo, z);
+  else if (qt == IQ4_NL) range_avx2<IQ4_NL>(w, rb, n0, n1, nb, T, xq, xd, xs, xp, K, out, ldo, z);
+  else range_avx2<Q8_0>(w, rb, n0, n1, nb, T, xq, xd, xs, xp, K, out, ldo, z);
 }
 #endif
 
@@ -448,7 +587,7 @@ void matmul(const at::Tensor& xq, const at::Tensor& xd, const at::Tensor& xs, co
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
 #ifdef A8_AVX2
     if (fast) {
-      range_avx2(qtype, wp, rb, n0, n1, nb, T, qp, dp, sp, pp.data(), K, op, ldo);
+      range_avx2(qtype, wp, rb, n0, n1, nb, T, qp, dp, sp, pp.data(), K, op, ldo, impl);
       return;
     }
 #endif
@@ -521,7 +660,7 @@ void linear(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, at::
       }
 #ifdef A8_AVX2
       if (fast) {
-        range_avx2(qtypes[i], wp, rb, a - c, b - c, nb, T, qp, dp, sp, pp.data(), K, oc, N);
+        range_avx2(qtypes[i], wp, rb, a - c, b - c, nb, T, qp, dp, sp, pp.data(), K, oc, N, impl);
         continue;
       }
 #endif
