@@ -487,7 +487,7 @@ void range_avx2(const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, int64_t nb
   for (; n < n1; ++n) rows_avx2<QT, 1>(w + n * rb, rb, nb, T, xq, xd, xs, xp, K, out + n, ldo, mb.data(), vnni);
 }
 
-bool has_vnni512() {
+bool vnni512() {
   static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
   return ok;
@@ -497,7 +497,7 @@ bool has_vnni512() {
 void range_avx2(int64_t qt, const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, int64_t nb,
                 int64_t T, const int8_t* xq, const float* xd, const float* xs, const float* xp,
                 int64_t K, float* out, int64_t ldo, int64_t impl) {
-  const bool z = impl == 0 && has_vnni512();
+  const bool z = impl == 0 && vnni512();
   if (qt == Q4_0) range_avx2<Q4_0>(w, rb, n0, n1, nb, T, xq, xd, xs, xp, K, out, ldo, z);
   else if (qt == Q4_1) range_avx2<Q4_1>(w, rb, n0, n1, nb, T, xq, xd, xs, xp, K, out, ldo, z);
   else if (qt == Q5_0) range_avx2<Q5_0>(w, rb, n0, n1, nb, T, xq, xd, xs, xp, K, out, ldo, z);

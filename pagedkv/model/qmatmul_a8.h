@@ -17,6 +17,9 @@ int64_t block_bytes(int64_t t);
 // scale per 32 (Q4_K, Q5_K, IQ4_XS)
 bool panel_type(int64_t t);
 
+// whether this CPU runs the row kernels' AVX-512 VNNI tiles (impl 0): AVX-512 F/BW/VL + VNNI
+bool vnni512();
+
 // the super-block types of the int8 row kernel (qmatmul_a8x.cpp): Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
 // IQ4_XS
 bool x_type(int64_t t);

@@ -558,18 +558,12 @@ void range(const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, int64_t nsb, in
 
 namespace {
 
-bool has_vnni512() {
-  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-  return ok;
-}
-
 // impl 0: AVX-512 VNNI where the CPU has it, else AVX2; 2: AVX2; 1 (or anything else): scalar
 template <int64_t QT>
 void range(const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, int64_t nsb, int64_t T,
            const int8_t* xq, const float* xd, const int16_t* bs, int64_t K, float* out, int64_t ldo,
            int64_t impl) {
-  if (impl == 0 && has_vnni512()) return zv::range<QT>(w, rb, n0, n1, nsb, T, xq, xd, bs, K, out, ldo);
+  if (impl == 0 && vnni512()) return zv::range<QT>(w, rb, n0, n1, nsb, T, xq, xd, bs, K, out, ldo);
   if (impl == 0 || impl == 2) {
     int64_t n = n0;
     for (; n + 2 <= n1; n += 2) rows<QT, 2>(w + n * rb, rb, nsb, T, xq, xd, bs, K, out + n, ldo);
