@@ -29,6 +29,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "ggml_blocks.h"
@@ -346,6 +347,38 @@ PQ_INLINE __m256i chunk_scales(__m256i sc16, int j) {
                                                     2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3));
 }
 
+// one super-block's exact int32 lane sums I of a weight row and an activation row folded into
+// its 8 float lanes y: fma(I, d dx), then (types with mins) fma(MK * mn * bs, -(dmin dx))
+template <int64_t QT>
+PQ_INLINE __m256 fold(__m256 y, __m256i I, __m128i mn8, __m256i b16, float d, float dmin, float dx) {
+  y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_set1_ps(d * dx), y);
+  if constexpr (has_min(QT)) {
+    __m256i m = _mm256_madd_epi16(_mm256_cvtepi8_epi16(mn8), b16);
+    if constexpr (min_mult(QT) == 32) m = _mm256_slli_epi32(m, 5);
+    if constexpr (min_mult(QT) == 4) m = _mm256_slli_epi32(m, 2);
+    y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(-(dmin * dx)), y);
+  }
+  return y;
+}
+
+// the 16 per-16 sums bs of activation row r's super-block sb (zero for a type without mins)
+template <int64_t QT>
+PQ_INLINE __m256i sums16(const int16_t* bs, int64_t r, int64_t nsb, int64_t sb) {
+  if constexpr (has_min(QT)) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs + 16 * (r * nsb + sb)));
+  return _mm256_setzero_si256();
+}
+
+// f(std::integral_constant<int, R>{}, t) for the activation rows t .. t + R - 1, in groups of
+// MAXR (2 or 4), then 2, then 1
+template <int MAXR, class F>
+PQ_INLINE void by_rows(int64_t T, const F& f) {
+  int64_t t = 0;
+  if constexpr (MAXR >= 4)
+    for (; t + 4 <= T; t += 4) f(std::integral_constant<int, 4>{}, t);
+  for (; t + 2 <= T; t += 2) f(std::integral_constant<int, 2>{}, t);
+  if (t < T) f(std::integral_constant<int, 1>{}, t);
+}
+
 // W weight rows (W <= 2) x R activation rows (R <= 2), the whole row: res[v + r * ldr]
 template <int64_t QT, int W, int R>
 PQ_INLINE void tile(const uint8_t* row, int64_t rb, int64_t nsb, const int8_t* xq, const float* xd,
@@ -380,18 +413,8 @@ PQ_INLINE void tile(const uint8_t* row, int64_t rb, int64_t nsb, const int8_t* x
       }
     }
     for (int r = 0; r < R; ++r) {
-      const float dx = xd[r * nsb + sb];
-      __m256i b16 = _mm256_setzero_si256();
-      if constexpr (has_min(QT)) b16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs + 16 * (r * nsb + sb)));
-      for (int v = 0; v < W; ++v) {
-        y[v][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[v][r]), _mm256_set1_ps(d[v] * dx), y[v][r]);
-        if constexpr (has_min(QT)) {
-          __m256i m = _mm256_madd_epi16(_mm256_cvtepi8_epi16(mn8[v]), b16);
-          if constexpr (min_mult(QT) == 32) m = _mm256_slli_epi32(m, 5);
-          if constexpr (min_mult(QT) == 4) m = _mm256_slli_epi32(m, 2);
-          y[v][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(-(dmin[v] * dx)), y[v][r]);
-        }
-      }
+      const __m256i b16 = sums16<QT>(bs, r, nsb, sb);
+      for (int v = 0; v < W; ++v) y[v][r] = fold<QT>(y[v][r], acc[v][r], mn8[v], b16, d[v], dmin[v], xd[r * nsb + sb]);
     }
   }
   for (int v = 0; v < W; ++v)
@@ -401,10 +424,9 @@ PQ_INLINE void tile(const uint8_t* row, int64_t rb, int64_t nsb, const int8_t* x
 template <int64_t QT, int W>
 void rows(const uint8_t* row, int64_t rb, int64_t nsb, int64_t T, const int8_t* xq, const float* xd,
           const int16_t* bs, int64_t K, float* res, int64_t ldr) {
-  int64_t t = 0;
-  for (; t + 2 <= T; t += 2)
-    tile<QT, W, 2>(row, rb, nsb, xq + t * K, xd + t * nsb, bs + 16 * t * nsb, K, res + t * ldr, ldr);
-  if (t < T) tile<QT, W, 1>(row, rb, nsb, xq + t * K, xd + t * nsb, bs + 16 * t * nsb, K, res + t * ldr, ldr);
+  by_rows<2>(T, [&](auto R, int64_t t) {
+    tile<QT, W, decltype(R)::value>(row, rb, nsb, xq + t * K, xd + t * nsb, bs + 16 * t * nsb, K, res + t * ldr, ldr);
+  });
 }
 
 }  // namespace
@@ -515,18 +537,10 @@ PQ_INLINE void tile(const uint8_t* row, int64_t rb, int64_t nsb, const int8_t* x
       }
     }
     for (int r = 0; r < R; ++r) {
-      const float dx = xd[r * nsb + sb];
-      __m256i b16 = _mm256_setzero_si256();
-      if constexpr (has_min(QT)) b16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs + 16 * (r * nsb + sb)));
-      for (int v = 0; v < W; ++v) {
+      const __m256i b16 = sums16<QT>(bs, r, nsb, sb);
+      for (int v = 0; v < W; ++v) {  // chunk 2i's lanes + chunk 2i+1's: AVX2's I
         const __m256i I = _mm256_add_epi32(_mm512_castsi512_si256(acc[v][r]), _mm512_extracti64x4_epi64(acc[v][r], 1));
-        y[v][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_set1_ps(d[v] * dx), y[v][r]);
-        if constexpr (has_min(QT)) {
-          __m256i m = _mm256_madd_epi16(_mm256_cvtepi8_epi16(mn8[v]), b16);
-          if constexpr (min_mult(QT) == 32) m = _mm256_slli_epi32(m, 5);
-          if constexpr (min_mult(QT) == 4) m = _mm256_slli_epi32(m, 2);
-          y[v][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(-(dmin[v] * dx)), y[v][r]);
-        }
+        y[v][r] = fold<QT>(y[v][r], I, mn8[v], b16, d[v], dmin[v], xd[r * nsb + sb]);
       }
     }
   }
@@ -537,12 +551,9 @@ PQ_INLINE void tile(const uint8_t* row, int64_t rb, int64_t nsb, const int8_t* x
 template <int64_t QT, int W>
 void rows(const uint8_t* row, int64_t rb, int64_t nsb, int64_t T, const int8_t* xq, const float* xd,
           const int16_t* bs, int64_t K, float* res, int64_t ldr) {
-  int64_t t = 0;
-  for (; t + 4 <= T; t += 4)
-    tile<QT, W, 4>(row, rb, nsb, xq + t * K, xd + t * nsb, bs + 16 * t * nsb, K, res + t * ldr, ldr);
-  for (; t + 2 <= T; t += 2)
-    tile<QT, W, 2>(row, rb, nsb, xq + t * K, xd + t * nsb, bs + 16 * t * nsb, K, res + t * ldr, ldr);
-  if (t < T) tile<QT, W, 1>(row, rb, nsb, xq + t * K, xd + t * nsb, bs + 16 * t * nsb, K, res + t * ldr, ldr);
+  by_rows<4>(T, [&](auto R, int64_t t) {  // 4 activation rows per pass: 32 zmm hold them
+    tile<QT, W, decltype(R)::value>(row, rb, nsb, xq + t * K, xd + t * nsb, bs + 16 * t * nsb, K, res + t * ldr, ldr);
+  });
 }
 
 template <int64_t QT>
