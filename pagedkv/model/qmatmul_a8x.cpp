@@ -22,8 +22,14 @@
 // from one madd of the mins with bs. The scalar path (impl=1, or a build without AVX2) computes
 // the same integers and float steps lane by lane: both give bit-identical results.
 //
-// Each weight row is read once per call: up to 2 weight rows x 2 activation rows per pass over
-// the row (the rows stay in L1 for the next pass); threads split the weight rows (the caller).
+// With AVX-512 VNNI (impl 0 where the CPU has it) two chunks go through one maddubs and one
+// vpdpwssd (= madd + add, exact), the same int32 lanes (chunk 2i's and 2i+1's halves added once
+// per super-block), so all three paths agree bit for bit (impl 2 = AVX2, tested). The tile is
+// written once over the unit (qmatmul_a8x_tile.inc: Y = a chunk, Z = two).
+//
+// Each weight row is read once per call: up to 2 weight rows x 2 activation rows (4 with VNNI)
+// per pass over the row (the rows stay in L1 for the next pass); threads split the weight rows
+// (the caller).
 
 #include <algorithm>
 #include <cmath>
@@ -379,55 +385,32 @@ PQ_INLINE void by_rows(int64_t T, const F& f) {
   if (t < T) f(std::integral_constant<int, 1>{}, t);
 }
 
-// W weight rows (W <= 2) x R activation rows (R <= 2), the whole row: res[v + r * ldr]
-template <int64_t QT, int W, int R>
-PQ_INLINE void tile(const uint8_t* row, int64_t rb, int64_t nsb, const int8_t* xq, const float* xd,
-                    const int16_t* bs, int64_t K, float* res, int64_t ldr) {
-  constexpr bool SG = QT == IQ4_XS;
-  constexpr int64_t bb = sb_bytes(QT);
-  __m256 y[W][R];
-  for (int v = 0; v < W; ++v)
-    for (int r = 0; r < R; ++r) y[v][r] = _mm256_setzero_ps();
-  for (int64_t sb = 0; sb < nsb; ++sb) {
-    __m256i sc16[W], acc[W][R];
-    __m128i mn8[W];
-    float d[W], dmin[W];
-    for (int v = 0; v < W; ++v) {
-      const uint8_t* b = row + v * rb + bb * sb;
-      prefetch_sb<QT>(b + PF_TILES * W * rb);
-      __m128i sc8;
-      scales_v<QT>(b, sc8, mn8[v], d[v], dmin[v]);
-      sc16[v] = _mm256_cvtepi8_epi16(sc8);
-      for (int r = 0; r < R; ++r) acc[v][r] = _mm256_setzero_si256();
-    }
-    for (int j = 0; j < 8; ++j) {
-      __m256i u[W], scj[W];
-      for (int v = 0; v < W; ++v) u[v] = chunk<QT>(row + v * rb + bb * sb, j), scj[v] = chunk_scales(sc16[v], j);
-      for (int r = 0; r < R; ++r) {
-        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + QK_K * sb + 32 * j));
-        for (int v = 0; v < W; ++v) {
-          const __m256i p = SG ? _mm256_maddubs_epi16(_mm256_abs_epi8(u[v]), _mm256_sign_epi8(x, u[v]))
-                               : _mm256_maddubs_epi16(u[v], x);
-          acc[v][r] = _mm256_add_epi32(acc[v][r], _mm256_madd_epi16(p, scj[v]));
-        }
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m256i b16 = sums16<QT>(bs, r, nsb, sb);
-      for (int v = 0; v < W; ++v) y[v][r] = fold<QT>(y[v][r], acc[v][r], mn8[v], b16, d[v], dmin[v], xd[r * nsb + sb]);
-    }
+// the AVX2 unit: one 32-element chunk (maddubs, then madd by the chunk's int16 scales)
+struct Y {
+  using I = __m256i;
+  static constexpr int BYTES = 32, UNITS = 8, MAXR = 2;
+  template <bool SG>
+  struct Unit {
+    __m256i u;
+  };
+  static PQ_INLINE I zero() { return _mm256_setzero_si256(); }
+  static PQ_INLINE I scales(__m128i sc8) { return _mm256_cvtepi8_epi16(sc8); }
+  static PQ_INLINE I unit_scales(I sc16, int j) { return chunk_scales(sc16, j); }
+  template <int64_t QT>
+  static PQ_INLINE Unit<QT == IQ4_XS> weights(const uint8_t* b, int j) { return {chunk<QT>(b, j)}; }
+  static PQ_INLINE I load(const int8_t* x) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)); }
+  template <bool SG>
+  static PQ_INLINE I dot(I acc, const Unit<SG>& w, I x, I s) {  // IQ4_XS: the sign trick |u| x sign(x, u)
+    const __m256i p = SG ? _mm256_maddubs_epi16(_mm256_abs_epi8(w.u), _mm256_sign_epi8(x, w.u)) : _mm256_maddubs_epi16(w.u, x);
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, s));
   }
-  for (int v = 0; v < W; ++v)
-    for (int r = 0; r < R; ++r) res[v + r * ldr] = simd::hsum(y[v][r]);
-}
+  static PQ_INLINE __m256i lanes(I acc) { return acc; }
+};
 
-template <int64_t QT, int W>
-void rows(const uint8_t* row, int64_t rb, int64_t nsb, int64_t T, const int8_t* xq, const float* xd,
-          const int16_t* bs, int64_t K, float* res, int64_t ldr) {
-  by_rows<2>(T, [&](auto R, int64_t t) {
-    tile<QT, W, decltype(R)::value>(row, rb, nsb, xq + t * K, xd + t * nsb, bs + 16 * t * nsb, K, res + t * ldr, ldr);
-  });
-}
+namespace y {
+using U = Y;
+#include "qmatmul_a8x_tile.inc"
+}  // namespace y
 
 }  // namespace
 
@@ -499,62 +482,37 @@ PQ_INLINE __m512i pair_scales(__m512i sc16, int i) {
   return _mm512_permutexvar_epi16(idx, sc16);
 }
 
-template <int64_t QT, int W, int R>
-PQ_INLINE void tile(const uint8_t* row, int64_t rb, int64_t nsb, const int8_t* xq, const float* xd,
-                    const int16_t* bs, int64_t K, float* res, int64_t ldr) {
-  constexpr bool SG = QT == IQ4_XS;
-  constexpr int64_t bb = sb_bytes(QT);
-  __m256 y[W][R];
-  for (int v = 0; v < W; ++v)
-    for (int r = 0; r < R; ++r) y[v][r] = _mm256_setzero_ps();
-  for (int64_t sb = 0; sb < nsb; ++sb) {
-    __m512i sc16[W], acc[W][R];
-    __m128i mn8[W];
-    float d[W], dmin[W];
-    for (int v = 0; v < W; ++v) {
-      const uint8_t* b = row + v * rb + bb * sb;
-      prefetch_sb<QT>(b + PF_TILES * W * rb);
-      __m128i sc8;
-      scales_v<QT>(b, sc8, mn8[v], d[v], dmin[v]);
-      sc16[v] = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(sc8));
-      for (int r = 0; r < R; ++r) acc[v][r] = _mm512_setzero_si512();
-    }
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) {
-      __m512i u[W], au[W], scp[W];
-      __mmask64 neg[W];
-      for (int v = 0; v < W; ++v) {
-        u[v] = pair<QT>(row + v * rb + bb * sb, i), scp[v] = pair_scales(sc16[v], i);
-        if constexpr (SG) neg[v] = _mm512_movepi8_mask(u[v]), au[v] = _mm512_abs_epi8(u[v]);
-      }
-      for (int r = 0; r < R; ++r) {
-        const __m512i x = _mm512_loadu_si512(xq + r * K + QK_K * sb + 64 * i);
-        for (int v = 0; v < W; ++v) {
-          const __m512i p = SG ? _mm512_maddubs_epi16(au[v], _mm512_mask_sub_epi8(x, neg[v], _mm512_setzero_si512(), x))
-                               : _mm512_maddubs_epi16(u[v], x);
-          acc[v][r] = _mm512_dpwssd_epi32(acc[v][r], p, scp[v]);
-        }
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m256i b16 = sums16<QT>(bs, r, nsb, sb);
-      for (int v = 0; v < W; ++v) {  // chunk 2i's lanes + chunk 2i+1's: AVX2's I
-        const __m256i I = _mm256_add_epi32(_mm512_castsi512_si256(acc[v][r]), _mm512_extracti64x4_epi64(acc[v][r], 1));
-        y[v][r] = fold<QT>(y[v][r], I, mn8[v], b16, d[v], dmin[v], xd[r * nsb + sb]);
-      }
-    }
+// the VNNI unit: chunks 2i and 2i+1 (maddubs, then vpdpwssd by their int16 scales)
+struct Z {
+  using I = __m512i;
+  static constexpr int BYTES = 64, UNITS = 4, MAXR = 4;  // 4 activation rows: 32 zmm hold them
+  template <bool SG>
+  struct Unit {
+    __m512i u;  // IQ4_XS: |u|, and the mask of the negative ones
+    __mmask64 neg;
+  };
+  static PQ_INLINE I zero() { return _mm512_setzero_si512(); }
+  static PQ_INLINE I scales(__m128i sc8) { return _mm512_castsi256_si512(_mm256_cvtepi8_epi16(sc8)); }
+  static PQ_INLINE I unit_scales(I sc16, int i) { return pair_scales(sc16, i); }
+  template <int64_t QT>
+  static PQ_INLINE Unit<QT == IQ4_XS> weights(const uint8_t* b, int i) {
+    const __m512i u = pair<QT>(b, i);
+    if constexpr (QT == IQ4_XS) return {_mm512_abs_epi8(u), _mm512_movepi8_mask(u)};
+    else return {u, 0};
   }
-  for (int v = 0; v < W; ++v)
-    for (int r = 0; r < R; ++r) res[v + r * ldr] = simd::hsum(y[v][r]);
-}
+  static PQ_INLINE I load(const int8_t* x) { return _mm512_loadu_si512(x); }
+  template <bool SG>
+  static PQ_INLINE I dot(I acc, const Unit<SG>& w, I x, I s) {
+    const __m512i xv = SG ? _mm512_mask_sub_epi8(x, w.neg, _mm512_setzero_si512(), x) : x;
+    return _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(w.u, xv), s);
+  }
+  static PQ_INLINE __m256i lanes(I acc) {  // chunk 2i's lanes + chunk 2i+1's: AVX2's I
+    return _mm256_add_epi32(_mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1));
+  }
+};
 
-template <int64_t QT, int W>
-void rows(const uint8_t* row, int64_t rb, int64_t nsb, int64_t T, const int8_t* xq, const float* xd,
-          const int16_t* bs, int64_t K, float* res, int64_t ldr) {
-  by_rows<4>(T, [&](auto R, int64_t t) {  // 4 activation rows per pass: 32 zmm hold them
-    tile<QT, W, decltype(R)::value>(row, rb, nsb, xq + t * K, xd + t * nsb, bs + 16 * t * nsb, K, res + t * ldr, ldr);
-  });
-}
+using U = Z;
+#include "qmatmul_a8x_tile.inc"
 
 template <int64_t QT>
 void range(const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, int64_t nsb, int64_t T,
@@ -577,8 +535,8 @@ void range(const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, int64_t nsb, in
   if (impl == 0 && vnni512()) return zv::range<QT>(w, rb, n0, n1, nsb, T, xq, xd, bs, K, out, ldo);
   if (impl == 0 || impl == 2) {
     int64_t n = n0;
-    for (; n + 2 <= n1; n += 2) rows<QT, 2>(w + n * rb, rb, nsb, T, xq, xd, bs, K, out + n, ldo);
-    for (; n < n1; ++n) rows<QT, 1>(w + n * rb, rb, nsb, T, xq, xd, bs, K, out + n, ldo);
+    for (; n + 2 <= n1; n += 2) y::rows<QT, 2>(w + n * rb, rb, nsb, T, xq, xd, bs, K, out + n, ldo);
+    for (; n < n1; ++n) y::rows<QT, 1>(w + n * rb, rb, nsb, T, xq, xd, bs, K, out + n, ldo);
     return;
   }
   for (int64_t n = n0; n < n1; ++n) row_scalar<QT>(w + n * rb, nsb, T, xq, xd, bs, K, out + n, ldo);
