@@ -449,6 +449,23 @@ PARAMS = [
 ]  # greedy; logprobs; stop strings; penalties; max_tokens; n > 1 with min_tokens
 
 
+def assert_same_outputs(want, got, logprob_abs: float | None = None) -> None:  # noqa: ANN001
+    """Request by request: the same tokens, text, finish reasons and logprob tokens; with
+    `logprob_abs`, logprob values within it."""
+    for w, g in zip(want, got, strict=True):
+        assert [o.token_ids for o in g.outputs] == [o.token_ids for o in w.outputs]
+        assert [o.text for o in g.outputs] == [o.text for o in w.outputs]
+        assert [o.finish_reason for o in g.outputs] == [o.finish_reason for o in w.outputs]
+        for ow, og in zip(w.outputs, g.outputs, strict=True):
+            if ow.logprobs is None:
+                continue
+            assert [list(d) for d in og.logprobs] == [list(d) for d in ow.logprobs]
+            if logprob_abs is not None:
+                for dw, dg in zip(ow.logprobs, og.logprobs, strict=True):
+                    for t in dw:
+                        assert dg[t] == pytest.approx(dw[t], abs=logprob_abs)
+
+
 def test_greedy_output_is_unchanged(engines) -> None:  # noqa: ANN001
     """Every prompt under every params, in one batch each way: tokens, text, finish reasons
     and logprobs as without speculation."""
@@ -457,16 +474,8 @@ def test_greedy_output_is_unchanged(engines) -> None:  # noqa: ANN001
     params = PARAMS * len(PROMPTS)
     want = base.generate(prompts, params)
     got = spec.generate(prompts, params)
-    for w, g in zip(want, got, strict=True):
-        assert [o.token_ids for o in g.outputs] == [o.token_ids for o in w.outputs]
-        assert [o.text for o in g.outputs] == [o.text for o in w.outputs]
-        assert [o.finish_reason for o in g.outputs] == [o.finish_reason for o in w.outputs]
-        for ow, og in zip(w.outputs, g.outputs, strict=True):
-            if ow.logprobs is not None:
-                assert [list(d) for d in og.logprobs] == [list(d) for d in ow.logprobs]
-                for dw, dg in zip(ow.logprobs, og.logprobs, strict=True):
-                    for t in dw:
-                        assert dg[t] == pytest.approx(dw[t], abs=1e-4)
+    assert_same_outputs(want, got, logprob_abs=1e-4)
+    for g in got:
         assert g.num_draft_tokens >= g.num_accepted_tokens
     stats = spec.engine.stats()
     assert stats.spec_decode_num_accepted_tokens > 0  # it did speculate
