@@ -89,21 +89,21 @@ def test_rows_and_products_match_gguf(qtype: Q, path: str, monkeypatch: pytest.M
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda q: q.name)
 def test_exact_rows_do_not_depend_on_the_batch(qtype: Q, monkeypatch: pytest.MonkeyPatch) -> None:
     """Through the streaming kernel, each row gets the bits it gets alone at every row count
-    (weight-row pairs for one row, groups of 4 and their remainders), on the AVX2 path and on
+    (weight-row pairs for one row, groups of 4 or 8 and their remainders), on the AVX2 path and on
     the AVX-512 one where the CPU has it (pagedkv_q.limit_isa); the two agree up to summation
     order, and both dequantize rows (qrows: the tiles) bit for bit."""
     if not qkernel.load():
         pytest.skip(f"kernel unavailable: {qkernel.info()['error']}")
     qw, ref = _case(qtype)
     monkeypatch.setattr(quant, "TILED_ROWS", 1 << 30)
-    x = torch.randn(9, qw.k, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(12, qw.k, generator=torch.Generator().manual_seed(4))
     limit, alone = torch.ops.pagedkv_q.limit_isa, {}
     try:
         for level in (1, 2):
             limit(level)
             assert torch.equal(qw.rows(torch.arange(qw.n)), ref)  # the tiles' dequantizer
-            alone[level] = torch.cat([qw.linear(x[i : i + 1]) for i in range(9)])
-            for t in (2, 3, 4, 5, 9):
+            alone[level] = torch.cat([qw.linear(x[i : i + 1]) for i in range(12)])
+            for t in (2, 3, 4, 5, 7, 8, 9, 12):  # groups of 4 (AVX2) / 8 (AVX-512), remainders
                 assert torch.equal(qw.linear(x[:t]), alone[level][:t]), (level, t)
     finally:
         limit(2)

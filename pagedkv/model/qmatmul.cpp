@@ -111,6 +111,8 @@ void fused_pair_rows(int64_t qtype, const uint8_t* row, int64_t rb, int64_t K, c
   else y::pair_rows(qtype, row, rb, K, x, r0, r1);
 }
 
+int64_t fused_group() { return has_avx512() ? z::row_group() : y::row_group(); }
+
 void fused_row(int64_t qtype, const uint8_t* row, int64_t rb, int64_t T, int64_t K, const float* x, float* res) {
   if (has_avx512()) z::row(qtype, row, rb, T, K, x, res);
   else y::row(qtype, row, rb, T, K, x, res);
@@ -126,6 +128,7 @@ void deq_row_fast(const uint8_t* row, int64_t qtype, int64_t K, float* out) {
 int64_t limit_isa(int64_t level) { return level; }  // nothing to limit: the scalar path
 void deq_row_fast(const uint8_t* row, int64_t qtype, int64_t K, float* out) { deq_row(row, qtype, K, out); }
 bool fused_ok(int64_t, int64_t) { return false; }
+int64_t fused_group() { return 4; }
 void fused_row(int64_t, const uint8_t*, int64_t, int64_t, int64_t, const float*, float*) {}
 void fused_pair_rows(int64_t, const uint8_t*, int64_t, int64_t, const float*, float*, float*) {}
 #endif
@@ -138,17 +141,18 @@ __attribute__((noinline)) void pair_range(int64_t qtype, const uint8_t* wp, int6
   if (n < n1) fused_row(qtype, wp + n * rb, rb, 1, K, xp, op + n);
 }
 
-// weight rows [n0, n1) against T activation rows: the fused path in groups of 4 rows while the
-// weight row stays in L1, or (K not a multiple of 32) the row dequantized into a scratch first
+// weight rows [n0, n1) against T activation rows: the fused path in groups of fused_group() rows
+// (8 with AVX-512, 4 with AVX2) while the weight row stays in L1, or (K not a multiple of 32) the row dequantized into a scratch first
 __attribute__((noinline)) void row_range(int64_t qtype, const uint8_t* wp, int64_t rb, int64_t n0, int64_t n1,
                                          int64_t T, int64_t K, const float* xp, float* op, int64_t ldo,
                                          bool fused) {
   std::vector<float> buf(fused ? 0 : K);
-  float r[4];
+  float r[8];
+  const int64_t group = fused_group();
   for (int64_t n = n0; n < n1; ++n) {
     if (fused) {
-      for (int64_t t = 0; t < T; t += 4) {
-        const int64_t m = std::min<int64_t>(4, T - t);
+      for (int64_t t = 0; t < T; t += group) {
+        const int64_t m = std::min<int64_t>(group, T - t);
         fused_row(qtype, wp + n * rb, rb, m, K, xp + t * K, r);
         for (int64_t i = 0; i < m; ++i) op[(t + i) * ldo + n] = r[i];
       }

@@ -8,9 +8,11 @@
   /* weight rows `row` and `row + rb` against one activation row x */                                 \
   void pair_rows(int64_t qtype, const uint8_t* row, int64_t rb, int64_t K, const float* x, float* r0,  \
                  float* r1);                                                                           \
-  /* one weight row against T <= 4 activation rows (ldx = K) */                                        \
+  /* one weight row against T <= row_group() activation rows (ldx = K) */                             \
   void row(int64_t qtype, const uint8_t* row, int64_t rb, int64_t T, int64_t K, const float* x,        \
            float* res);                                                                                \
+  /* how many activation rows `row` takes at once (4 or 8) */                                          \
+  int64_t row_group();                                                                                 \
   /* one weight row -> K floats */                                                                     \
   void deq_row(const uint8_t* row, int64_t qtype, int64_t K, float* y);                                \
   /* out[t * ldo + n] = x[t] . W[n] for n < N, t < T (T > 0) */                                        \
