@@ -196,11 +196,11 @@ def test_int8_products_are_close_to_exact() -> None:
 
 @needs_kernel
 def test_qweight_routes_segments_and_rows() -> None:
-    """Q4_1 / Q6_K / Q8_0 segments of one weight, all int8 (one op call quantizes x for all);
-    above A8_SB_ROWS rows (A8_SB_VNNI_ROWS with AVX-512 VNNI; a Q6_K segment: no panel), and in float32 mode, the whole product is
-    the exact path's."""
+    """Q4_1 / Q3_K / Q8_0 segments of one weight, all int8 (one op call quantizes x for all);
+    above A8_SB_ROWS rows (A8_SB_VNNI_ROWS with AVX-512 VNNI; a Q3_K segment: no panel), and in
+    float32 mode, the whole product is the exact path's."""
     k = 512
-    parts = [(Q.Q4_1, _weights(Q.Q4_1, 24, k, 1)), (Q.Q6_K, _blocks(Q.Q6_K, 8, k, 3)),
+    parts = [(Q.Q4_1, _weights(Q.Q4_1, 24, k, 1)), (Q.Q3_K, _blocks(Q.Q3_K, 8, k, 3)),
              (Q.Q8_0, _weights(Q.Q8_0, 5, k, 2))]
     w = QWeight(k, [(q, torch.from_numpy(d.copy())) for q, d in parts])
     cap = quant.A8_SB_VNNI_ROWS if qkernel.panel() is not None else min(quant.A8_ROWS, quant.A8_SB_ROWS)
@@ -214,7 +214,7 @@ def test_qweight_routes_segments_and_rows() -> None:
         if t > cap:
             assert torch.equal(mixed, exact)
             continue
-        assert np.array_equal(mixed[:, 24:32].numpy(), _run_linear(Q.Q6_K, parts[1][1], x, 0))
+        assert np.array_equal(mixed[:, 24:32].numpy(), _run_linear(Q.Q3_K, parts[1][1], x, 0))
         assert np.array_equal(mixed[:, :24].numpy(), _run(Q.Q4_1, parts[0][1], x, 0))
         assert np.array_equal(mixed[:, 32:].numpy(), _run(Q.Q8_0, parts[2][1], x, 0))
 

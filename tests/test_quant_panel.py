@@ -70,15 +70,16 @@ def test_vnni_panel_equals_scalar_bit_for_bit(n: int, k: int) -> None:
         assert np.array_equal(fast, scalar), f"T={t}"
 
 
-OTHER = [Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.Q4_K, Q.Q5_K, Q.IQ4_XS]  # the rest of quant.PANEL_TYPES
+OTHER = [Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS]  # the rest of quant.PANEL_TYPES
 
 
 @needs_kernel
 @pytest.mark.parametrize("qtype", OTHER, ids=lambda q: q.name)
 def test_other_types_on_the_panel(qtype: Q) -> None:
-    """Every other type with one scale per 32 elements (random valid blocks: scales of either
-    sign, subnormal, a zero block): the scalar path against gguf's dequantized weights x int8
-    activations per 32, and the VNNI path equal to it bit for bit (rows ending mid-panel)."""
+    """Every other type with one scale per 32 elements, and Q6_K (one per 16; random valid blocks:
+    scales of either sign, subnormal, a zero block): the scalar path against gguf's dequantized
+    weights x int8 activations per 32, and the VNNI path equal to it bit for bit (rows ending
+    mid-panel)."""
     k = 512
     data = _blocks(qtype, 37, k, 11)
     for t in (1, 4, 9, 40):
@@ -121,7 +122,7 @@ def test_qweight_uses_the_panel_from_panel_rows() -> None:
             torch.ops.pagedkv_a8.linear(torch.from_numpy(x), ws, qt, row, 0)
             assert np.array_equal(got, row.numpy())
     mixed = QWeight(256, [(Q.Q4_1, torch.from_numpy(_weights(Q.Q4_1, 8, 256, 0))),
-                          (Q.Q6_K, torch.from_numpy(_blocks(Q.Q6_K, 8, 256, 3)))])
+                          (Q.Q3_K, torch.from_numpy(_blocks(Q.Q3_K, 8, 256, 3)))])
     mixed.set_activations("int8")
     x = _acts(40, 256, 9)
     y = mixed.linear(torch.from_numpy(x))
@@ -135,7 +136,7 @@ def test_panel_rejects_bad_arguments() -> None:
     with pytest.raises(RuntimeError, match="multiple of 32"):
         op(torch.zeros(2, 48), [w], [int(Q.Q4_1)], torch.zeros(2, 3), 0)
     with pytest.raises(RuntimeError, match="unsupported ggml type"):
-        op(torch.zeros(2, 32), [w], [int(Q.Q6_K)], torch.zeros(2, 3), 0)
+        op(torch.zeros(2, 32), [w], [int(Q.Q3_K)], torch.zeros(2, 3), 0)
     with pytest.raises(RuntimeError, match="weight must be"):
         op(torch.zeros(2, 32), [w], [int(Q.Q8_0)], torch.zeros(2, 3), 0)
     with pytest.raises(RuntimeError, match="out must be"):
@@ -148,10 +149,10 @@ def test_panel_rejects_bad_arguments() -> None:
 
 @needs_vnni
 def test_k_quant_weights_take_the_panel_from_panel_sb_rows() -> None:
-    """int8 mode, a Q4_K / Q5_K weight: the row kernel (its VNNI tiles, 4 activation rows per
-    pass) below PANEL_SB_ROWS rows, the panel from there on."""
+    """int8 mode, a Q4_K / Q5_K / Q6_K weight: the row kernel (its VNNI tiles, 4 activation rows
+    per pass) below PANEL_SB_ROWS rows, the panel from there on."""
     k = 512
-    for qtype in (Q.Q4_K, Q.Q5_K):
+    for qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
         data = _blocks(qtype, 19, k, 4)
         w = QWeight(k, [(qtype, torch.from_numpy(data.copy()))])
         w.set_activations("int8")

@@ -106,6 +106,18 @@ void chunk_scalar(int64_t qt, const uint8_t* row, int64_t c, uint8_t u[QK], floa
       m = -(half(h.dmin) * static_cast<float>(mn));
       return;
     }
+    case Q6_K: {  // u = the 6-bit q (w = d sc (q - 32)); m: the second half's scale
+      const auto& b = reinterpret_cast<const BlockQ6_K*>(row)[c / 8];
+      const int h = j / 4, k = j % 4;
+      for (int i = 0; i < QK; ++i) {
+        const int lo = (b.ql[64 * h + 32 * (k % 2) + i] >> (4 * (k / 2))) & 0x0F;
+        const int hi = (b.qh[32 * h + i] >> (2 * k)) & 0x03;
+        u[i] = static_cast<uint8_t>(lo | hi << 4);
+      }
+      d = half(b.d) * static_cast<float>(b.scales[2 * j]);
+      m = half(b.d) * static_cast<float>(b.scales[2 * j + 1]);
+      return;
+    }
     default: {  // IQ4_XS
       const auto& b = reinterpret_cast<const BlockIQ4_XS*>(row)[c / 8];
       for (int i = 0; i < QK; ++i) u[i] = static_cast<uint8_t>(IQ4_LEVELS[nibble(b.qs + 16 * j, i)] ^ 0x80);
@@ -127,6 +139,15 @@ struct Buf {
   }
 };
 
+// the activations' quantized blocks and sums (x16: per 16 elements, for Q6_K), T rows
+struct Acts {
+  const int8_t* q;
+  const float *d, *s;
+  const int32_t *sum, *x16;
+  int64_t K, nb;
+  Acts at(int64_t t) const { return {q + t * K, d + t * nb, s + t * nb, sum + t * nb, x16 + t * 2 * nb, K, nb}; }
+};
+
 void unpack_scalar(int64_t qt, const uint8_t* w, int64_t rb, int64_t rows, int64_t nb, Buf& p) {
   std::fill(p.u.begin(), p.u.end(), 0);
   std::fill(p.d.begin(), p.d.end(), 0.f);
@@ -140,12 +161,22 @@ void unpack_scalar(int64_t qt, const uint8_t* w, int64_t rb, int64_t rows, int64
 }
 
 void rows_scalar(int64_t qt, const Buf& p, int64_t nb, int64_t T, const int8_t* xq, const float* xd,
-                 const float* xs, const int32_t* xsum, int64_t K, float* out, int64_t ldo, int64_t cols) {
+                 const float* xs, const int32_t* xsum, const int32_t* x16, int64_t K, float* out, int64_t ldo,
+                 int64_t cols) {
   const int32_t bi = bias(qt);
   for (int64_t r = 0; r < T; ++r)
     for (int64_t n = 0; n < cols; ++n) {
       float y = 0.f;
       for (int64_t b = 0; b < nb; ++b) {
+        if (qt == Q6_K) {  // a sum per 16-element half: w = scale * (q - 32)
+          const int8_t* x = xq + r * K + QK * b;
+          for (int h = 0; h < 2; ++h) {
+            int32_t i = -32 * x16[r * 2 * nb + 2 * b + h];
+            for (int e = 0; e < 16; ++e) i += p.u[((b * 8 + 4 * h + e / 4) * NR + n) * 4 + e % 4] * x[16 * h + e];
+            y = std::fmaf(static_cast<float>(i), (h ? p.m : p.d)[b * NR + n] * xd[r * nb + b], y);
+          }
+          continue;
+        }
         int32_t i = -bi * xsum[r * nb + b];
         const int8_t* x = xq + r * K + QK * b;
         for (int j = 0; j < 8; ++j)
@@ -217,6 +248,13 @@ inline __m256i chunk_v(const uint8_t* row, int64_t c, float& d, float& m) {
     if constexpr (QT == Q5_K)
       q = _mm256_or_si256(q, _mm256_and_si256(vec::bit_of_bytes(b.qh, j), _mm256_set1_epi8(0x10)));
     return q;
+  } else if constexpr (QT == Q6_K) {
+    const auto& b = reinterpret_cast<const BlockQ6_K*>(row)[c / 8];
+    const int h = j / 4, k = j % 4;
+    d = half(b.d) * static_cast<float>(b.scales[2 * j]);
+    m = half(b.d) * static_cast<float>(b.scales[2 * j + 1]);
+    const __m256i lo = vec::bits(b.ql + 64 * h + 32 * (k % 2), 4 * (k / 2), 0x0F);
+    return _mm256_or_si256(lo, _mm256_slli_epi16(vec::bits(b.qh + 32 * h, 2 * k, 0x03), 4));
   } else {
     static_assert(QT == IQ4_XS, "a type without a staged panel decoder");
     const auto& b = reinterpret_cast<const BlockIQ4_XS*>(row)[c / 8];
@@ -277,13 +315,35 @@ void unpack_vnni(const uint8_t* const* p, int64_t nb, Buf& buf) {
 // R activation rows x the panel: out[r * ldo + n] for the first `cols` of its NR rows
 template <int64_t QT, int R>
 void rows_vnni(const Buf& p, int64_t nb, const int8_t* xq, const float* xd, const float* xs,
-               const int32_t* xsum, int64_t K, float* out, int64_t ldo, __mmask16 mask) {
+               const int32_t* xsum, const int32_t* x16, int64_t K, float* out, int64_t ldo, __mmask16 mask) {
   const int32_t bi = bias(QT);
   __m512 y[R];
   for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const __m512i* u = reinterpret_cast<const __m512i*>(p.u.data() + b * 8 * NR * 4);
     const int8_t* x = xq + QK * b;
+    if constexpr (QT == Q6_K) {  // quads 0-3 and 4-7: a scale each (d, m), q - 32 by the half's sum
+      __m512i lo[R], hi[R];
+      for (int r = 0; r < R; ++r)
+        lo[r] = _mm512_set1_epi32(-32 * x16[r * 2 * nb + 2 * b]), hi[r] = _mm512_set1_epi32(-32 * x16[r * 2 * nb + 2 * b + 1]);
+      for (int j = 0; j < 4; ++j) {
+        const __m512i w0 = _mm512_loadu_si512(u + j), w1 = _mm512_loadu_si512(u + 4 + j);
+        for (int r = 0; r < R; ++r) {
+          int32_t q0, q1;
+          std::memcpy(&q0, x + r * K + 4 * j, 4);
+          std::memcpy(&q1, x + r * K + 16 + 4 * j, 4);
+          lo[r] = _mm512_dpbusd_epi32(lo[r], w0, _mm512_set1_epi32(q0));
+          hi[r] = _mm512_dpbusd_epi32(hi[r], w1, _mm512_set1_epi32(q1));
+        }
+      }
+      const __m512 d = _mm512_loadu_ps(p.d.data() + b * NR), m = _mm512_loadu_ps(p.m.data() + b * NR);
+      for (int r = 0; r < R; ++r) {
+        const __m512 dx = _mm512_set1_ps(xd[r * nb + b]);
+        y[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[r]), _mm512_mul_ps(d, dx), y[r]);
+        y[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[r]), _mm512_mul_ps(m, dx), y[r]);
+      }
+      continue;
+    }
     // two sums per row (even and odd quads): twice the independent dpbusd chains
     __m512i acc[R], odd[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_set1_epi32(-bi * xsum[r * nb + b]), odd[r] = _mm512_setzero_si512();
@@ -311,41 +371,39 @@ void rows_vnni(const Buf& p, int64_t nb, const int8_t* xq, const float* xd, cons
 
 constexpr int RB = 4;  // activation rows per register block
 
+template <int64_t QT, int R>
+void rows_at(const Buf& buf, const Acts& a, float* out, int64_t ldo, __mmask16 mask) {
+  rows_vnni<QT, R>(buf, a.nb, a.q, a.d, a.s, a.sum, a.x16, a.K, out, ldo, mask);
+}
+
 template <int64_t QT>
-void panel_vnni(const uint8_t* const* rows, int64_t nb, int64_t T, const int8_t* xq, const float* xd,
-                const float* xs, const int32_t* xsum, int64_t K, float* out, int64_t ldo, int64_t cols,
+void panel_vnni(const uint8_t* const* rows, int64_t T, const Acts& a, float* out, int64_t ldo, int64_t cols,
                 Buf& buf) {
-  unpack_vnni<QT>(rows, nb, buf);
+  unpack_vnni<QT>(rows, a.nb, buf);
   const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
   int64_t t = 0;
-  for (; t + RB <= T; t += RB)
-    rows_vnni<QT, RB>(buf, nb, xq + t * K, xd + t * nb, xs + t * nb, xsum + t * nb, K, out + t * ldo, ldo, mask);
-  const int64_t left = T - t;
-  const int8_t* q = xq + t * K;
-  const float *d = xd + t * nb, *s = xs + t * nb;
-  const int32_t* c = xsum + t * nb;
-  float* o = out + t * ldo;
-  switch (left) {
-    case 3: rows_vnni<QT, 3>(buf, nb, q, d, s, c, K, o, ldo, mask); break;
-    case 2: rows_vnni<QT, 2>(buf, nb, q, d, s, c, K, o, ldo, mask); break;
-    case 1: rows_vnni<QT, 1>(buf, nb, q, d, s, c, K, o, ldo, mask); break;
+  for (; t + RB <= T; t += RB) rows_at<QT, RB>(buf, a.at(t), out + t * ldo, ldo, mask);
+  switch (T - t) {
+    case 3: rows_at<QT, 3>(buf, a.at(t), out + t * ldo, ldo, mask); break;
+    case 2: rows_at<QT, 2>(buf, a.at(t), out + t * ldo, ldo, mask); break;
+    case 1: rows_at<QT, 1>(buf, a.at(t), out + t * ldo, ldo, mask); break;
     default: break;
   }
 }
 
-void panel_vnni(int64_t qt, const uint8_t* const* rows, int64_t nb, int64_t T, const int8_t* xq,
-                const float* xd, const float* xs, const int32_t* xsum, int64_t K, float* out, int64_t ldo,
+void panel_vnni(int64_t qt, const uint8_t* const* rows, int64_t T, const Acts& a, float* out, int64_t ldo,
                 int64_t cols, Buf& buf) {
   switch (qt) {
-    case Q4_0: panel_vnni<Q4_0>(rows, nb, T, xq, xd, xs, xsum, K, out, ldo, cols, buf); return;
-    case Q4_1: panel_vnni<Q4_1>(rows, nb, T, xq, xd, xs, xsum, K, out, ldo, cols, buf); return;
-    case Q5_0: panel_vnni<Q5_0>(rows, nb, T, xq, xd, xs, xsum, K, out, ldo, cols, buf); return;
-    case Q5_1: panel_vnni<Q5_1>(rows, nb, T, xq, xd, xs, xsum, K, out, ldo, cols, buf); return;
-    case IQ4_NL: panel_vnni<IQ4_NL>(rows, nb, T, xq, xd, xs, xsum, K, out, ldo, cols, buf); return;
-    case Q4_K: panel_vnni<Q4_K>(rows, nb, T, xq, xd, xs, xsum, K, out, ldo, cols, buf); return;
-    case Q5_K: panel_vnni<Q5_K>(rows, nb, T, xq, xd, xs, xsum, K, out, ldo, cols, buf); return;
-    case IQ4_XS: panel_vnni<IQ4_XS>(rows, nb, T, xq, xd, xs, xsum, K, out, ldo, cols, buf); return;
-    default: panel_vnni<Q8_0>(rows, nb, T, xq, xd, xs, xsum, K, out, ldo, cols, buf); return;
+    case Q4_0: panel_vnni<Q4_0>(rows, T, a, out, ldo, cols, buf); return;
+    case Q4_1: panel_vnni<Q4_1>(rows, T, a, out, ldo, cols, buf); return;
+    case Q5_0: panel_vnni<Q5_0>(rows, T, a, out, ldo, cols, buf); return;
+    case Q5_1: panel_vnni<Q5_1>(rows, T, a, out, ldo, cols, buf); return;
+    case IQ4_NL: panel_vnni<IQ4_NL>(rows, T, a, out, ldo, cols, buf); return;
+    case Q4_K: panel_vnni<Q4_K>(rows, T, a, out, ldo, cols, buf); return;
+    case Q5_K: panel_vnni<Q5_K>(rows, T, a, out, ldo, cols, buf); return;
+    case Q6_K: panel_vnni<Q6_K>(rows, T, a, out, ldo, cols, buf); return;
+    case IQ4_XS: panel_vnni<IQ4_XS>(rows, T, a, out, ldo, cols, buf); return;
+    default: panel_vnni<Q8_0>(rows, T, a, out, ldo, cols, buf); return;
   }
 }
 
@@ -381,6 +439,14 @@ void panel(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, at::T
   std::vector<int32_t> xsum(T * nb);  // each block's integer sum
   a8::quantize_blocks(x.data_ptr<float>(), xq.data(), xds.data(), xds.data() + T * nb, T * nb, impl, xsum.data());
   const float *dp = xds.data(), *sp = xds.data() + T * nb;
+  std::vector<int32_t> x16(T * 2 * nb);  // each 16-element half's sum (Q6_K)
+  if (std::find(qtypes.begin(), qtypes.end(), Q6_K) != qtypes.end())
+    for (int64_t i = 0; i < T * 2 * nb; ++i) {
+      int32_t v = 0;
+      for (int e = 0; e < 16; ++e) v += xq[16 * i + e];
+      x16[i] = v;
+    }
+  const Acts acts{xq.data(), dp, sp, xsum.data(), x16.data(), K, nb};
   // the panels: (segment, first row), never across segments
   std::vector<std::pair<int64_t, int64_t>> panels;
   for (size_t i = 0; i < ws.size(); ++i)
@@ -404,12 +470,12 @@ void panel(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, at::T
         if (pi + 1 < p1) prefetch_panel(ws, panels[pi + 1]);  // from memory while this one computes
         const uint8_t* rows[NR];
         for (int64_t n = 0; n < NR; ++n) rows[n] = n < cols ? base + (n0 + n) * rb : zrow.data();
-        panel_vnni(qtypes[seg], rows, nb, T, xq.data(), dp, sp, xsum.data(), K, o, N, cols, buf);
+        panel_vnni(qtypes[seg], rows, T, acts, o, N, cols, buf);
         continue;
       }
 #endif
       unpack_scalar(qtypes[seg], base + n0 * rb, rb, cols, nb, buf);
-      rows_scalar(qtypes[seg], buf, nb, T, xq.data(), dp, sp, xsum.data(), K, o, N, cols);
+      rows_scalar(qtypes[seg], buf, nb, T, xq.data(), dp, sp, xsum.data(), x16.data(), K, o, N, cols);
     }
   });
 }

@@ -66,8 +66,8 @@ KERNEL_TYPES = frozenset({
 TILE_ELEMS = 1 << 20  # float32 elements per dequantized tile (4 MiB)
 ACTIVATIONS = ("float32", "int8")  # activation modes; "int8" is the approximate, opt-in one
 BATCH_WEIGHTS = ("quantized", "float32")  # what calls above the kernels' rows multiply by
-# the int8 panel kernel's types (many rows): every type with one scale per 32 elements
-PANEL_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.Q4_K, Q.Q5_K, Q.IQ4_XS})
+# the int8 panel kernel's types (many rows): every type with one scale per 32 elements, and Q6_K (two)
+PANEL_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS})
 # segment types the int8 row kernel multiplies: 32-element blocks (qmatmul_a8.cpp, activations
 # quantized per 32) and super-blocks (qmatmul_a8x.cpp, activations quantized per 256)
 A8_SB_TYPES = frozenset({Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS})
@@ -105,19 +105,23 @@ A8_IMPL = 0  # qmatmul_a8.cpp impl: 0 the fastest built, 1 scalar (same results)
 # (bench decode's a8_crossover_ms): panel vs the int8 row kernel 6.5 vs 3.7 at 1 row, 6.7 vs 5.0
 # at 2, 6.2-7.6 vs 7.3 at 4, 7.8 vs 12.7 at 8; at 40 rows 17.9 vs 51 (tiles), at 256 83 vs 198.
 PANEL_ROWS = 4
-# Weights with a K-quant panel segment (Q4_K, Q5_K, IQ4_XS) take the panel from this many rows:
-# below it the int8 row kernel (AVX-512 VNNI, 4 activation rows per pass) is faster. Q4_K,
+# Weights with a K-quant panel segment (Q4_K, Q5_K, Q6_K, IQ4_XS) take the panel from this many
+# rows: below it the int8 row kernel (AVX-512 VNNI, 4 activation rows per pass) is faster. Q4_K,
 # 8960x1536, 2 threads (Zen 4 EPYC), ns per weight per call, panel vs row kernel: 0.160 vs 0.053
 # at 4 rows, 0.145 vs 0.096 at 8, 0.207 vs 0.204 at 16, 0.235 vs 0.264 at 20, 0.282 vs 0.506 at 40.
+# Q6_K, same shape: 0.137 vs 0.102 at 12, 0.148 vs 0.135-0.143 at 16, 0.175 vs 0.206-0.240 at
+# 24, 0.229-0.231 vs 0.333-0.360 at 40.
 PANEL_SB_ROWS = 16
-# Up to this many rows, weights with a super-block segment that the panel does not take (Q6_K,
-# Q3_K, Q2_K) use the int8 row kernel; above, the exact path is faster: Q6_K, 4096x4096, 2
+# Up to this many rows, weights with a super-block segment that the panel does not take (Q3_K,
+# Q2_K; Q6_K before its panel) use the int8 row kernel; above, the exact path is faster: Q6_K, 4096x4096, 2
 # threads, ns per weight, AVX2 int8 row kernel vs exact: 0.133 vs 0.174 at 8 rows, 0.468 vs
 # 0.387 at 28. Where the CPU has AVX-512 VNNI (the row kernel's VNNI tiles), A8_SB_VNNI_ROWS:
 # 8960x1536, 2 threads, row kernel vs exact: Q6_K 0.185 vs 0.411 at 16 rows, 0.447 vs 0.698 at
 # 40, 0.730 vs 1.019 at 64, 1.556 vs 1.608 at 128 (Q3_K, Q2_K alike).
 A8_SB_ROWS = 12
 A8_SB_VNNI_ROWS = 64
+# the super-block types those caps apply to (Q6_K: where the CPU has no panel kernel)
+A8_SB_CAP_TYPES = frozenset({Q.Q2_K, Q.Q3_K, Q.Q6_K})
 
 
 def _gemm_rows(capability: str) -> tuple[int, int]:
@@ -196,7 +200,7 @@ class QWeight:
         self._panel = self._a8_all and all(q in PANEL_TYPES for q, _ in self.parts)
         sb = any(q in A8_SB_TYPES for q, _ in self.parts)
         self._panel_from = PANEL_SB_ROWS if sb else PANEL_ROWS
-        self._sb_cap = not self._panel and sb  # A8_SB_ROWS
+        self._sb_cap = sb and (not self._panel or any(q in A8_SB_CAP_TYPES for q, _ in self.parts))
 
     def set_batch_weights(self, mode: str) -> None:
         """"quantized" (the default): calls above the kernels' rows multiply dequantized tiles.
@@ -279,7 +283,7 @@ class QWeight:
         """Up to how many rows int8 mode takes the int8 row kernel (the panel aside)."""
         if packed:  # against the float32 copy
             return min(PACKED_A8_ROWS, A8_SB_ROWS) if self._sb_cap else PACKED_A8_ROWS
-        if self._sb_cap:  # a super-block segment the panel does not take
+        if self._sb_cap:  # a super-block segment the panel does not take (Q6_K: no panel kernel)
             return A8_SB_VNNI_ROWS if qkernel.panel() is not None else min(A8_ROWS, A8_SB_ROWS)
         return A8_ROWS  # (from PANEL_ROWS / PANEL_SB_ROWS on, the panel where the CPU has VNNI)
 
