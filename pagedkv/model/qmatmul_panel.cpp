@@ -18,6 +18,8 @@
 //   y  = fma(m, sx, y)                                  (Q4_1 only: the block's m, sx = dx * sum xq)
 // so Q4_0 and Q8_0 blocks are dotted exactly in integers (their offsets -8 and -128 folded into
 // i), and the result differs from qmatmul_a8's (which sums lanes in float) only by rounding.
+// Q6_K (a scale per 16 elements): the same per half h of a block, i_h = sum_k q[k] * xq[k] -
+// 32 * sum_k xq[k] over its 16 elements (q the 6-bit values), y = fma(float(i_h), d sc_h * dx, y).
 //
 // Op (torch.ops.pagedkv_a8.*, fragment of qmatmul_a8.cpp's library):
 //   panel(x [T, K] f32, ws [w_i [N_i, rb_i] u8], qtypes, out [T, sum N_i] f32, impl): as
