@@ -314,6 +314,17 @@ void unpack_vnni(const uint8_t* const* p, int64_t nb, Buf& buf) {
   }
 }
 
+// acc + the dpbusd of u (16 rows' quads) by the 4 activation bytes at p, broadcast from memory by
+// the instruction itself (an embedded broadcast; from the intrinsic, GCC 12 emits a vpbroadcastd
+// before each). 1 thread, 4096x1536, 40 rows, ns per weight and row, medians of 7 alternated
+// runs, separate broadcast -> embedded: Q4_K 0.0125 -> 0.0116, Q6_K 0.0160 -> 0.0144, Q4_1
+// 0.0101 -> 0.0090, Q8_0 0.0112 -> 0.0105, Q5_0 0.0105 -> 0.0103.
+typedef int32_t quad_t __attribute__((may_alias, aligned(1)));
+inline __m512i dp(__m512i acc, __m512i u, const int8_t* p) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*reinterpret_cast<const quad_t*>(p)));
+  return acc;
+}
+
 // R activation rows x the panel: out[r * ldo + n] for the first `cols` of its NR rows
 template <int64_t QT, int R>
 void rows_vnni(const Buf& p, int64_t nb, const int8_t* xq, const float* xd, const float* xs,
@@ -331,11 +342,8 @@ void rows_vnni(const Buf& p, int64_t nb, const int8_t* xq, const float* xd, cons
       for (int j = 0; j < 4; ++j) {
         const __m512i w0 = _mm512_loadu_si512(u + j), w1 = _mm512_loadu_si512(u + 4 + j);
         for (int r = 0; r < R; ++r) {
-          int32_t q0, q1;
-          std::memcpy(&q0, x + r * K + 4 * j, 4);
-          std::memcpy(&q1, x + r * K + 16 + 4 * j, 4);
-          lo[r] = _mm512_dpbusd_epi32(lo[r], w0, _mm512_set1_epi32(q0));
-          hi[r] = _mm512_dpbusd_epi32(hi[r], w1, _mm512_set1_epi32(q1));
+          lo[r] = dp(lo[r], w0, x + r * K + 4 * j);
+          hi[r] = dp(hi[r], w1, x + r * K + 16 + 4 * j);
         }
       }
       const __m512 d = _mm512_loadu_ps(p.d.data() + b * NR), m = _mm512_loadu_ps(p.m.data() + b * NR);
@@ -352,11 +360,8 @@ void rows_vnni(const Buf& p, int64_t nb, const int8_t* xq, const float* xd, cons
     for (int j = 0; j < 8; j += 2) {
       const __m512i w0 = _mm512_loadu_si512(u + j), w1 = _mm512_loadu_si512(u + j + 1);
       for (int r = 0; r < R; ++r) {
-        int32_t q0, q1;
-        std::memcpy(&q0, x + r * K + 4 * j, 4);
-        std::memcpy(&q1, x + r * K + 4 * j + 4, 4);
-        acc[r] = _mm512_dpbusd_epi32(acc[r], w0, _mm512_set1_epi32(q0));
-        odd[r] = _mm512_dpbusd_epi32(odd[r], w1, _mm512_set1_epi32(q1));
+        acc[r] = dp(acc[r], w0, x + r * K + 4 * j);
+        odd[r] = dp(odd[r], w1, x + r * K + 4 * j + 4);
       }
     }
     for (int r = 0; r < R; ++r) acc[r] = _mm512_add_epi32(acc[r], odd[r]);
