@@ -142,7 +142,8 @@ __attribute__((noinline)) void pair_range(int64_t qtype, const uint8_t* wp, int6
 }
 
 // weight rows [n0, n1) against T activation rows: the fused path in groups of fused_group() rows
-// (8 with AVX-512, 4 with AVX2) while the weight row stays in L1, or (K not a multiple of 32) the row dequantized into a scratch first
+// (8 with AVX-512, 4 with AVX2) while the weight row stays in L1, or (K not a multiple of 32)
+// the row dequantized into a scratch first
 __attribute__((noinline)) void row_range(int64_t qtype, const uint8_t* wp, int64_t rb, int64_t n0, int64_t n1,
                                          int64_t T, int64_t K, const float* xp, float* op, int64_t ldo,
                                          bool fused) {
