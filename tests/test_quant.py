@@ -114,6 +114,33 @@ def test_exact_rows_do_not_depend_on_the_batch(qtype: Q, monkeypatch: pytest.Mon
         limit(3)
 
 
+SUPER_TYPES = [q for q in KERNEL_TYPES if GGML_QUANT_SIZES[q][0] == 256]
+
+
+@pytest.mark.parametrize("blocks", [1, 3], ids=["1sb", "3sb"])
+@pytest.mark.parametrize("qtype", SUPER_TYPES, ids=lambda q: q.name)
+def test_rows_of_one_and_three_super_blocks(qtype: Q, blocks: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The row kernel unpacks a super-block's scales one super-block ahead: rows of one (nothing
+    ahead) and three (the buffers' parity comes round) give gguf's products on both ISAs."""
+    if not qkernel.load():
+        pytest.skip(f"kernel unavailable: {qkernel.info()['error']}")
+    k, n = 256 * blocks, 37
+    data = _blocks(qtype, n, k, seed=blocks)
+    ref = torch.from_numpy(dequantize(data, qtype).astype(np.float32)).reshape(n, k)
+    qw = QWeight(k, [(qtype, torch.from_numpy(data.copy()))])
+    monkeypatch.setattr(quant, "TILED_ROWS", 1 << 30)
+    x = torch.randn(8, k, generator=torch.Generator().manual_seed(9))
+    want = x @ ref.t()
+    try:
+        for level in (1, 2):
+            torch.ops.pagedkv_q.limit_isa(level)
+            for t in (1, 2, 8):
+                got = qw.linear(x[:t])
+                assert float((got - want[:t]).abs().max()) <= 1e-5 * float(want.abs().max()) + 1e-6, (level, t)
+    finally:
+        torch.ops.pagedkv_q.limit_isa(2)
+
+
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda q: q.name)
 def test_gemm_for_many_rows(qtype: Q) -> None:
     """qgemm (QWeight's path from GEMM_MIN_ROWS to GEMM_MAX_ROWS rows), on its AVX2 path and on
