@@ -111,7 +111,14 @@ void fused_pair_rows(int64_t qtype, const uint8_t* row, int64_t rb, int64_t K, c
   else y::pair_rows(qtype, row, rb, K, x, r0, r1);
 }
 
-int64_t fused_group() { return has_avx512() ? z::row_group() : y::row_group(); }
+// activation rows a weight row is dequantized once for: the kernel's group (8 with AVX-512, 4
+// with AVX2) while those rows of x fit in L1 (32 KiB), else 4. Past L1 each weight row reads the
+// group's x from L2, which halves the FMA rate: 1 thread, ns per weight, 8 rows in one group /
+// two of 4: K = 1536 0.33 / 0.27, K = 896 0.25-0.32 / 0.29-0.30, K = 8960 0.35 / 0.35-0.38.
+int64_t fused_group(int64_t K) {
+  const int64_t g = has_avx512() ? z::row_group() : y::row_group();
+  return g * K * 4 <= 32 * 1024 ? g : std::min<int64_t>(g, 4);
+}
 
 void fused_row(int64_t qtype, const uint8_t* row, int64_t rb, int64_t T, int64_t K, const float* x, float* res) {
   if (has_avx512()) z::row(qtype, row, rb, T, K, x, res);
@@ -128,7 +135,7 @@ void deq_row_fast(const uint8_t* row, int64_t qtype, int64_t K, float* out) {
 int64_t limit_isa(int64_t level) { return level; }  // nothing to limit: the scalar path
 void deq_row_fast(const uint8_t* row, int64_t qtype, int64_t K, float* out) { deq_row(row, qtype, K, out); }
 bool fused_ok(int64_t, int64_t) { return false; }
-int64_t fused_group() { return 4; }
+int64_t fused_group(int64_t) { return 4; }
 void fused_row(int64_t, const uint8_t*, int64_t, int64_t, int64_t, const float*, float*) {}
 void fused_pair_rows(int64_t, const uint8_t*, int64_t, int64_t, const float*, float*, float*) {}
 #endif
@@ -141,7 +148,7 @@ __attribute__((noinline)) void pair_range(int64_t qtype, const uint8_t* wp, int6
   if (n < n1) fused_row(qtype, wp + n * rb, rb, 1, K, xp, op + n);
 }
 
-// weight rows [n0, n1) against T activation rows: the fused path in groups of fused_group() rows
+// weight rows [n0, n1) against T activation rows: the fused path in groups of fused_group(K) rows
 // (8 with AVX-512, 4 with AVX2) while the weight row stays in L1, or (K not a multiple of 32)
 // the row dequantized into a scratch first
 __attribute__((noinline)) void row_range(int64_t qtype, const uint8_t* wp, int64_t rb, int64_t n0, int64_t n1,
@@ -149,7 +156,7 @@ __attribute__((noinline)) void row_range(int64_t qtype, const uint8_t* wp, int64
                                          bool fused) {
   std::vector<float> buf(fused ? 0 : K);
   float r[8];
-  const int64_t group = fused_group();
+  const int64_t group = fused_group(K);
   for (int64_t n = n0; n < n1; ++n) {
     if (fused) {
       for (int64_t t = 0; t < T; t += group) {
