@@ -52,8 +52,8 @@ def _blocks(qtype: Q, n: int, k: int, seed: int) -> np.ndarray:
     return raw.reshape(n, -1)
 
 
-def _case(qtype: Q, n: int = 72, seed: int = 0) -> tuple[QWeight, torch.Tensor]:
-    k = 512 if GGML_QUANT_SIZES[qtype][0] == 256 else 160
+def _case(qtype: Q, n: int = 72, seed: int = 0, k: int = 0) -> tuple[QWeight, torch.Tensor]:
+    k = k or (512 if GGML_QUANT_SIZES[qtype][0] == 256 else 160)
     data = _blocks(qtype, n, k, seed)
     ref = torch.from_numpy(dequantize(data, qtype).astype(np.float32)).reshape(n, k)
     return QWeight(k, [(qtype, torch.from_numpy(data.copy()))]), ref
@@ -86,15 +86,17 @@ def test_rows_and_products_match_gguf(qtype: Q, path: str, monkeypatch: pytest.M
             assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max()) + 1e-6
 
 
+@pytest.mark.parametrize("k", [0, 1280], ids=["small-k", "k1280"])
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda q: q.name)
-def test_exact_rows_do_not_depend_on_the_batch(qtype: Q, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_exact_rows_do_not_depend_on_the_batch(qtype: Q, k: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Through the streaming kernel, each row gets the bits it gets alone at every row count
     (weight-row pairs for one row, groups of 4 or 8 and their remainders), on the AVX2 path and on
     the AVX-512 one where the CPU has it (pagedkv_q.limit_isa); the two agree up to summation
-    order, and both dequantize rows (qrows: the tiles) bit for bit."""
+    order, and both dequantize rows (qrows: the tiles) bit for bit. K = 1280: 8 rows of x pass
+    L1, so AVX-512 takes groups of 4 there too."""
     if not qkernel.load():
         pytest.skip(f"kernel unavailable: {qkernel.info()['error']}")
-    qw, ref = _case(qtype)
+    qw, ref = _case(qtype, k=k)
     monkeypatch.setattr(quant, "TILED_ROWS", 1 << 30)
     x = torch.randn(12, qw.k, generator=torch.Generator().manual_seed(4))
     limit, alone = torch.ops.pagedkv_q.limit_isa, {}
