@@ -13,8 +13,8 @@ namespace a8 {
 // Q5_0, Q5_1, IQ4_NL), 0 for any other type
 int64_t block_bytes(int64_t t);
 
-// the panel kernel's types (qmatmul_panel.cpp): the 32-element types and the K-quants with one
-// scale per 32 (Q4_K, Q5_K, IQ4_XS)
+// the panel kernel's types (qmatmul_panel.cpp): the 32-element types, the K-quants with one
+// scale per 32 (Q4_K, Q5_K, IQ4_XS) and Q6_K (one per 16)
 bool panel_type(int64_t t);
 
 // whether this CPU runs the row kernels' AVX-512 VNNI tiles (impl 0): AVX-512 F/BW/VL + VNNI

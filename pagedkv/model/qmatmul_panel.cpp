@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "ggml_blocks.h"
+#include "kquant_values.h"
 #include "qmatmul_a8.h"
 #include "vec.h"
 
@@ -98,32 +99,25 @@ void chunk_scalar(int64_t qt, const uint8_t* row, int64_t c, uint8_t u[QK], floa
       const auto& h = *reinterpret_cast<const BlockQ4_K*>(b);  // d, dmin, scales at the same offsets
       int sc, mn;
       scale_min_k4(h.scales, j, sc, mn);
-      const uint8_t* qs = qt == Q4_K ? h.qs : reinterpret_cast<const BlockQ5_K*>(b)->qs;
-      for (int i = 0; i < QK; ++i) {
-        int v = (qs[32 * (j / 2) + i] >> (4 * (j % 2))) & 0x0F;
-        if (qt == Q5_K) v |= ((reinterpret_cast<const BlockQ5_K*>(b)->qh[i] >> j) & 1) << 4;
-        u[i] = static_cast<uint8_t>(v);
-      }
+      for (int i = 0; i < QK; ++i)
+        u[i] = static_cast<uint8_t>(qt == Q4_K ? kq::u_of<Q4_K>(b, QK * j + i) : kq::u_of<Q5_K>(b, QK * j + i));
       d = half(h.d) * static_cast<float>(sc);
       m = -(half(h.dmin) * static_cast<float>(mn));
       return;
     }
     case Q6_K: {  // u = the 6-bit q (w = d sc (q - 32)); m: the second half's scale
-      const auto& b = reinterpret_cast<const BlockQ6_K*>(row)[c / 8];
-      const int h = j / 4, k = j % 4;
-      for (int i = 0; i < QK; ++i) {
-        const int lo = (b.ql[64 * h + 32 * (k % 2) + i] >> (4 * (k / 2))) & 0x0F;
-        const int hi = (b.qh[32 * h + i] >> (2 * k)) & 0x03;
-        u[i] = static_cast<uint8_t>(lo | hi << 4);
-      }
-      d = half(b.d) * static_cast<float>(b.scales[2 * j]);
-      m = half(b.d) * static_cast<float>(b.scales[2 * j + 1]);
+      const uint8_t* b = row + sizeof(BlockQ6_K) * (c / 8);
+      for (int i = 0; i < QK; ++i) u[i] = static_cast<uint8_t>(kq::u_of<Q6_K>(b, QK * j + i));
+      const auto& h = *reinterpret_cast<const BlockQ6_K*>(b);
+      d = half(h.d) * static_cast<float>(h.scales[2 * j]);
+      m = half(h.d) * static_cast<float>(h.scales[2 * j + 1]);
       return;
     }
     default: {  // IQ4_XS
-      const auto& b = reinterpret_cast<const BlockIQ4_XS*>(row)[c / 8];
-      for (int i = 0; i < QK; ++i) u[i] = static_cast<uint8_t>(IQ4_LEVELS[nibble(b.qs + 16 * j, i)] ^ 0x80);
-      d = half(b.d) * static_cast<float>(scale_iq4_xs(b, j));
+      const uint8_t* b = row + sizeof(BlockIQ4_XS) * (c / 8);
+      for (int i = 0; i < QK; ++i) u[i] = static_cast<uint8_t>(kq::u_of<IQ4_XS>(b, QK * j + i) ^ 0x80);
+      const auto& h = *reinterpret_cast<const BlockIQ4_XS*>(b);
+      d = half(h.d) * static_cast<float>(scale_iq4_xs(h, j));
       return;
     }
   }
@@ -246,22 +240,18 @@ inline __m256i chunk_v(const uint8_t* row, int64_t c, float& d, float& m) {
     scale_min_k4(b.scales, j, sc, mn);
     d = half(b.d) * static_cast<float>(sc);
     m = -(half(b.dmin) * static_cast<float>(mn));
-    __m256i q = vec::bits(b.qs + 32 * (j / 2), 4 * (j % 2), 0x0F);
-    if constexpr (QT == Q5_K)
-      q = _mm256_or_si256(q, _mm256_and_si256(vec::bit_of_bytes(b.qh, j), _mm256_set1_epi8(0x10)));
-    return q;
+    return kq::chunk<QT>(reinterpret_cast<const uint8_t*>(&b), j);
   } else if constexpr (QT == Q6_K) {
     const auto& b = reinterpret_cast<const BlockQ6_K*>(row)[c / 8];
-    const int h = j / 4, k = j % 4;
     d = half(b.d) * static_cast<float>(b.scales[2 * j]);
     m = half(b.d) * static_cast<float>(b.scales[2 * j + 1]);
-    const __m256i lo = vec::bits(b.ql + 64 * h + 32 * (k % 2), 4 * (k / 2), 0x0F);
-    return _mm256_or_si256(lo, _mm256_slli_epi16(vec::bits(b.qh + 32 * h, 2 * k, 0x03), 4));
+    return kq::chunk<Q6_K>(reinterpret_cast<const uint8_t*>(&b), j);
   } else {
     static_assert(QT == IQ4_XS, "a type without a staged panel decoder");
     const auto& b = reinterpret_cast<const BlockIQ4_XS*>(row)[c / 8];
     d = half(b.d) * static_cast<float>(scale_iq4_xs(b, j));
-    return _mm256_xor_si256(vec::lookup16(IQ4_LEVELS, vec::nibbles(b.qs + 16 * j)), _mm256_set1_epi8(static_cast<char>(0x80)));
+    return _mm256_xor_si256(kq::chunk<IQ4_XS>(reinterpret_cast<const uint8_t*>(&b), j),
+                            _mm256_set1_epi8(static_cast<char>(0x80)));
   }
 }
 #endif
