@@ -90,22 +90,24 @@ def test_rows_and_products_match_gguf(qtype: Q, path: str, monkeypatch: pytest.M
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda q: q.name)
 def test_exact_rows_do_not_depend_on_the_batch(qtype: Q, k: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Through the streaming kernel, each row gets the bits it gets alone at every row count
-    (weight-row pairs for one row, groups of 4 or 8 and their remainders), on the AVX2 path and on
+    (weight-row pairs for one row, groups of 4 or 8 and their remainders; with AVX-512 weight-row
+    pairs against groups of up to 4 rows, an odd weight row left alone), on the AVX2 path and on
     the AVX-512 one where the CPU has it (pagedkv_q.limit_isa); the two agree up to summation
     order, and both dequantize rows (qrows: the tiles) bit for bit. K = 1280: 8 rows of x pass
-    L1, so AVX-512 takes groups of 4 there too."""
+    L1, so AVX-512 pairs weight rows at every row count there."""
     if not qkernel.load():
         pytest.skip(f"kernel unavailable: {qkernel.info()['error']}")
-    qw, ref = _case(qtype, k=k)
+    qw, ref = _case(qtype, n=73, k=k)
     monkeypatch.setattr(quant, "TILED_ROWS", 1 << 30)
-    x = torch.randn(12, qw.k, generator=torch.Generator().manual_seed(4))
+    monkeypatch.setattr(quant, "GEMM_MIN_ROWS", 1 << 30)
+    x = torch.randn(16, qw.k, generator=torch.Generator().manual_seed(4))
     limit, alone = torch.ops.pagedkv_q.limit_isa, {}
     try:
         for level in (1, 2):
             limit(level)
             assert torch.equal(qw.rows(torch.arange(qw.n)), ref)  # the tiles' dequantizer
-            alone[level] = torch.cat([qw.linear(x[i : i + 1]) for i in range(12)])
-            for t in (2, 3, 4, 5, 7, 8, 9, 12):  # groups of 4 (AVX2) / 8 (AVX-512), remainders
+            alone[level] = torch.cat([qw.linear(x[i : i + 1]) for i in range(16)])
+            for t in (2, 3, 4, 5, 7, 8, 9, 12, 15, 16):  # groups of 4 / 8, pairs of 4, remainders
                 assert torch.equal(qw.linear(x[:t]), alone[level][:t]), (level, t)
     finally:
         limit(2)
@@ -145,7 +147,7 @@ def test_rows_of_one_and_three_super_blocks(qtype: Q, blocks: int, monkeypatch: 
 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda q: q.name)
 def test_gemm_for_many_rows(qtype: Q) -> None:
-    """qgemm (QWeight's path from GEMM_MIN_ROWS to GEMM_MAX_ROWS rows), on its AVX2 path and on
+    """qgemm (QWeight's path from gemm_min_rows(k) to GEMM_MAX_ROWS rows), on its AVX2 path and on
     its AVX-512 one where the CPU has it (pagedkv_q.limit_isa): gguf's values up to summation
     order, only its columns written, each row the same bits at every row count, and QWeight
     routes those calls to it."""
@@ -168,7 +170,7 @@ def test_gemm_for_many_rows(qtype: Q) -> None:
                 assert out[:, :2].isnan().all() and out[:, -1].isnan().all()
                 if qkernel.gemm() is not None:
                     assert torch.equal(out[:, 2:-1], full[:t]), (level, t)
-                if quant.GEMM_MIN_ROWS <= t <= quant.GEMM_MAX_ROWS and qkernel.gemm() is not None:
+                if quant.gemm_min_rows(qw.k) <= t <= quant.GEMM_MAX_ROWS and qkernel.gemm() is not None:
                     assert torch.equal(qw.linear(x[:t]), full[:t])
     finally:
         limit(2)

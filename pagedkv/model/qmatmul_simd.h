@@ -11,6 +11,10 @@
   /* one weight row against T <= row_group() activation rows (ldx = K) */                             \
   void row(int64_t qtype, const uint8_t* row, int64_t rb, int64_t T, int64_t K, const float* x,        \
            float* res);                                                                                \
+  /* weight rows `row` and `row + rb` against T <= pair_group_rows() activation rows (ldx = K) */     \
+  void pair_row(int64_t qtype, const uint8_t* row, int64_t rb, int64_t T, int64_t K, const float* x,   \
+                float* r0, float* r1);                                                                 \
+  int64_t pair_group_rows();                                                                           \
   /* how many activation rows `row` takes at once (4 or 8) */                                          \
   int64_t row_group();                                                                                 \
   /* one weight row -> K floats */                                                                     \

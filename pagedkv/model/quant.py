@@ -23,7 +23,7 @@ for the stored blocks; only the summation order differs.
   Opt-in `set_batch_weights("float32")`: those calls multiply a float32 copy pre-packed for
   oneDNN instead (the memory of a float32 model on top of the quantized one; no per-call
   dequantizing, so large batches and prefill run at float32 speed).
-  Calls of GEMM_MIN_ROWS to GEMM_MAX_ROWS rows (many users decoding at once; not with the
+  Calls of gemm_min_rows(k) to GEMM_MAX_ROWS rows (many users decoding at once; not with the
   float32 copy) go to the kernel's qgemm instead (AVX-512 or AVX2): no float32 tile in memory,
   no oneDNN repacking, and each output one sequential FMA chain over K (the same bits whatever
   the row count).
@@ -139,6 +139,17 @@ def _gemm_rows(capability: str) -> tuple[int, int]:
 
 
 GEMM_MIN_ROWS, GEMM_MAX_ROWS = _gemm_rows(torch.backends.cpu.get_cpu_capability())
+# With AVX-512, rows longer than PAIRED_K (where 8 activation rows pass L1) take the row kernel's
+# weight-row pairs (qmatmul.cpp: pair_group), which beat qgemm up to 16 rows: 2 threads, ns per
+# weight, pairs / qgemm, 8960 x 1536 Q4_K 0.261 / 0.324 at 12, 0.352 / 0.374 at 16, 0.718 / 0.408
+# at 20; Q6_K 0.331 / 0.398 at 16; 1536 x 8960 Q5_0 0.291 / 0.393 at 16, 0.466 / 0.447 at 20.
+PAIRED_K = 1024
+GEMM_MIN_ROWS_PAIRED = 17 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else GEMM_MIN_ROWS
+
+
+def gemm_min_rows(k: int) -> int:
+    """The fewest activation rows of length k that `linear` sends to qgemm."""
+    return GEMM_MIN_ROWS if k <= PAIRED_K else max(GEMM_MIN_ROWS, GEMM_MIN_ROWS_PAIRED)
 
 
 def row_bytes(qtype: GGMLQuantizationType, k: int) -> int:
@@ -265,7 +276,7 @@ class QWeight:
             else:
                 self._linear_a8(x, out, op)
             return out
-        if (not packed and GEMM_MIN_ROWS <= t <= GEMM_MAX_ROWS and self.k % 32 == 0
+        if (not packed and gemm_min_rows(self.k) <= t <= GEMM_MAX_ROWS and self.k % 32 == 0
                 and (gemm := qkernel.gemm()) is not None):
             for data, qtype, col in self._calls:
                 gemm(x, data, qtype, out, col)
