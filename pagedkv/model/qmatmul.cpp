@@ -177,8 +177,7 @@ __attribute__((noinline)) void row_range(int64_t qtype, const uint8_t* wp, int64
                                          bool fused) {
   std::vector<float> buf(fused ? 0 : K);
   float r[8];
-  // (Q8_0's one row stays unpaired: see qmatmul)
-  const int64_t group = fused_group(K), pg = fused && (T > 1 || qtype != Q8_0) ? pair_group(T, K) : 0;
+  const int64_t group = fused_group(K), pg = fused ? pair_group(T, K) : 0;
   int64_t n = n0;
   if (pg > 0) {  // weight rows in pairs, each x vector loaded once for both
     float r1[8];
@@ -233,9 +232,10 @@ void qmatmul(const at::Tensor& x, const at::Tensor& w, int64_t qtype, at::Tensor
   // grain: enough rows that a chunk is worth a thread wake-up, few enough to balance two cores
   const int64_t grain = std::max<int64_t>(16, N / (8 * std::max<int64_t>(1, at::get_num_threads())));
   const bool fused = fused_ok(T, K);
-  // one activation row: weight rows in pairs (see fused_pair), except Q8_0, where pairs
-  // measured 3-4x slower on a large matrix streamed from memory (SmolLM2's LM head)
-  const bool pairs = fused && T == 1 && qtype != Q8_0;
+  // one activation row: weight rows in pairs (see fused_pair), Q8_0 too: an early build measured
+  // its pairs 3-4x slower on SmolLM2's LM head; this one, 2 threads, ns per weight, one row /
+  // pairs, min of 9: 49152 x 576 0.036 / 0.032, 151936 x 896 0.060 / 0.055, x 1536 0.044 / 0.041
+  const bool pairs = fused && T == 1;
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     if (pairs) pair_range(qtype, wp, rb, n0, n1, K, xp, op);
     else row_range(qtype, wp, rb, n0, n1, T, K, xp, op, ldo, fused);
