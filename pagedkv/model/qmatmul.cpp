@@ -105,12 +105,6 @@ bool has_avx512() {
 
 bool fused_ok(int64_t, int64_t K) { return K % 32 == 0; }
 
-void fused_pair_rows(int64_t qtype, const uint8_t* row, int64_t rb, int64_t K, const float* x, float* r0,
-                     float* r1) {
-  if (has_avx512()) z::pair_rows(qtype, row, rb, K, x, r0, r1);
-  else y::pair_rows(qtype, row, rb, K, x, r0, r1);
-}
-
 // activation rows a weight row is dequantized once for: the kernel's group (8 with AVX-512, 4
 // with AVX2) while those rows of x fit in L1 (32 KiB), else 4. Past L1 each weight row reads the
 // group's x from L2, which halves the FMA rate: 1 thread, ns per weight, 8 rows in one group /
@@ -133,9 +127,11 @@ int64_t pair_group(int64_t T, int64_t K) {
   return T <= pg || fused_group(K) < z::row_group() ? pg : 0;
 }
 
+// weight rows `row`, `row + rb` against T <= pair_group(T, K) activation rows (T = 1 on any width)
 void fused_pair_row(int64_t qtype, const uint8_t* row, int64_t rb, int64_t T, int64_t K, const float* x, float* r0,
                     float* r1) {
-  z::pair_row(qtype, row, rb, T, K, x, r0, r1);
+  if (has_avx512()) z::pair_row(qtype, row, rb, T, K, x, r0, r1);
+  else y::pair_row(qtype, row, rb, T, K, x, r0, r1);
 }
 
 void fused_row(int64_t qtype, const uint8_t* row, int64_t rb, int64_t T, int64_t K, const float* x, float* res) {
@@ -157,14 +153,13 @@ int64_t fused_group(int64_t) { return 4; }
 int64_t pair_group(int64_t, int64_t) { return 0; }
 void fused_pair_row(int64_t, const uint8_t*, int64_t, int64_t, int64_t, const float*, float*, float*) {}
 void fused_row(int64_t, const uint8_t*, int64_t, int64_t, int64_t, const float*, float*) {}
-void fused_pair_rows(int64_t, const uint8_t*, int64_t, int64_t, const float*, float*, float*) {}
 #endif
 
 // weight rows [n0, n1) against one activation row, two rows at a time
 __attribute__((noinline)) void pair_range(int64_t qtype, const uint8_t* wp, int64_t rb, int64_t n0, int64_t n1,
                                           int64_t K, const float* xp, float* op) {
   int64_t n = n0;
-  for (; n + 2 <= n1; n += 2) fused_pair_rows(qtype, wp + n * rb, rb, K, xp, op + n, op + n + 1);
+  for (; n + 2 <= n1; n += 2) fused_pair_row(qtype, wp + n * rb, rb, 1, K, xp, op + n, op + n + 1);
   if (n < n1) fused_row(qtype, wp + n * rb, rb, 1, K, xp, op + n);
 }
 
@@ -232,7 +227,7 @@ void qmatmul(const at::Tensor& x, const at::Tensor& w, int64_t qtype, at::Tensor
   // grain: enough rows that a chunk is worth a thread wake-up, few enough to balance two cores
   const int64_t grain = std::max<int64_t>(16, N / (8 * std::max<int64_t>(1, at::get_num_threads())));
   const bool fused = fused_ok(T, K);
-  // one activation row: weight rows in pairs (see fused_pair), Q8_0 too: an early build measured
+  // one activation row: weight rows in pairs (fused_pair_row), Q8_0 too: an early build measured
   // its pairs 3-4x slower on SmolLM2's LM head; this one, 2 threads, ns per weight, one row /
   // pairs, min of 9: 49152 x 576 0.036 / 0.032, 151936 x 896 0.060 / 0.055, x 1536 0.044 / 0.041
   const bool pairs = fused && T == 1;

@@ -5,9 +5,6 @@
 #include <cstdint>
 
 #define PQ_SIMD_ENTRY_POINTS                                                                           \
-  /* weight rows `row` and `row + rb` against one activation row x */                                 \
-  void pair_rows(int64_t qtype, const uint8_t* row, int64_t rb, int64_t K, const float* x, float* r0,  \
-                 float* r1);                                                                           \
   /* one weight row against T <= row_group() activation rows (ldx = K) */                             \
   void row(int64_t qtype, const uint8_t* row, int64_t rb, int64_t T, int64_t K, const float* x,        \
            float* res);                                                                                \
