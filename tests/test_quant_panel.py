@@ -7,8 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
-from test_quant import _blocks
+from test_quant import F16_FIELDS, _blocks, _f16_bytes
 from test_quant_a8 import A8, _acts, _weight_ints, _weights, ref_matmul_deq, ref_quantize
 
 from pagedkv.model import qkernel, quant
@@ -93,6 +94,30 @@ def test_other_types_on_the_panel(qtype: Q) -> None:
     assert qtype in quant.PANEL_TYPES
 
 
+@needs_vnni
+@pytest.mark.parametrize("k", [256, 768])
+def test_every_panel_type_in_one_call_bit_for_bit(k: int) -> None:
+    """Every panel type as one segment of one call (odd lengths: the last panel of each is short,
+    its missing rows repeat the segment's last row in the VNNI unpacking), raw random bytes
+    (every field's bits) and valid blocks: the VNNI path equals the scalar path bit for bit."""
+    rng = np.random.default_rng(k)
+    types = sorted(quant.PANEL_TYPES, key=int)
+    parts = []
+    for i, q in enumerate(types):
+        block, size = GGML_QUANT_SIZES[q]
+        raw = rng.integers(0, 256, size=(17 + 2 * i, k // block * size), dtype=np.uint8)
+        for at in F16_FIELDS.get(q, (0, 2) if q == Q.Q4_1 else (0,)):  # finite scales: random bits can be inf/nan halves
+            raw.reshape(raw.shape[0], -1, size)[..., at : at + 2] = _f16_bytes(
+                rng.uniform(-1e-2, 1e-2, (raw.shape[0], k // block)))
+        parts.append((q, raw))
+        parts.append((q, _blocks(q, 3 + i, k, i)))
+    for t in (1, 3, 8, 17, 40):
+        x = _acts(t, k, seed=t)
+        fast, scalar = _panel(x, parts, 0), _panel(x, parts, 1)
+        assert not np.isnan(fast).any()
+        assert np.array_equal(fast, scalar), f"T={t}"
+
+
 @needs_kernel
 def test_panel_is_close_to_exact_product() -> None:
     data = _weights(Q.Q4_1, 64, 576, 1)
@@ -149,17 +174,22 @@ def test_panel_rejects_bad_arguments() -> None:
 
 @needs_vnni
 def test_k_quant_weights_take_the_panel_from_panel_sb_rows() -> None:
-    """int8 mode, a Q4_K / Q5_K / Q6_K weight: the row kernel (its VNNI tiles, 4 activation rows
-    per pass) below PANEL_SB_ROWS rows, the panel from there on."""
+    """int8 mode, a Q4_K / Q5_K / IQ4_XS / Q6_K weight: the row kernel (its VNNI tiles, 4
+    activation rows per pass) below quant.panel_rows (PANEL_SB_ROWS; Q6_K: PANEL_Q6_K_ROWS), the
+    panel from there on; a weight with a Q6_K segment beside a Q4_K one waits for Q6_K's count."""
     k = 512
-    for qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
+    assert quant.panel_rows([Q.Q4_K, Q.Q6_K]) == quant.PANEL_Q6_K_ROWS > quant.PANEL_SB_ROWS
+    assert quant.panel_rows([Q.Q4_1, Q.Q8_0]) == quant.PANEL_ROWS
+    for qtype in (Q.Q4_K, Q.Q5_K, Q.IQ4_XS, Q.Q6_K):
         data = _blocks(qtype, 19, k, 4)
         w = QWeight(k, [(qtype, torch.from_numpy(data.copy()))])
         w.set_activations("int8")
-        for t in (1, 5, quant.PANEL_SB_ROWS - 1, quant.PANEL_SB_ROWS, 41):
+        first = quant.panel_rows([qtype])
+        assert first == (quant.PANEL_Q6_K_ROWS if qtype == Q.Q6_K else quant.PANEL_SB_ROWS)
+        for t in (1, 5, first - 1, first, 41):
             x = _acts(t, k, t)
             got = w.linear(torch.from_numpy(x)).numpy()
-            if t >= quant.PANEL_SB_ROWS:
+            if t >= first:
                 assert np.array_equal(got, _panel(x, [(qtype, data)], 0)), (qtype.name, t)
             else:
                 row = torch.empty(t, 19)

@@ -5,7 +5,7 @@
 // add, per weight row and activation row) cost more than the integer products. Here a panel of
 // 16 weight rows is unpacked once per call into bytes laid out for VNNI: block b, quad j
 // (elements 4j..4j+3), row n at wq[b][j][n] (64 bytes per quad: one zmm, a lane per weight
-// row). One vpdpbusd then multiplies 4 elements of 16 weight rows by 4 elements of one
+// row), decoded 16 rows at a time from byte transposes of the file's blocks. One vpdpbusd then multiplies 4 elements of 16 weight rows by 4 elements of one
 // activation row (broadcast) and adds them into 16 int32 lanes; a block's 32 elements take 8,
 // after which one convert, one multiply and one FMA fold the block into 16 float lanes. Each
 // unpacked panel is reused by every activation row (R at a time, in registers).
@@ -58,8 +58,6 @@ constexpr int32_t bias(int64_t qt) {
   return qt == Q4_0 ? 8 : qt == Q5_0 ? 16 : qt == Q8_0 || qt == IQ4_NL || qt == IQ4_XS ? 128 : 0;
 }
 constexpr bool has_m(int64_t qt) { return qt == Q4_1 || qt == Q5_1 || qt == Q4_K || qt == Q5_K; }
-// the types whose blocks are transposed straight from the file (the others through a staging row)
-constexpr bool direct(int64_t qt) { return qt == Q4_0 || qt == Q4_1 || qt == Q8_0; }
 
 // chunk c (32 elements; K-quants: sub-block c % 8 of block c / 8) of a row -> u, d, m
 void chunk_scalar(int64_t qt, const uint8_t* row, int64_t c, uint8_t u[QK], float& d, float& m) {
@@ -193,8 +191,23 @@ bool cpu_has_vnni() {
          __builtin_cpu_supports("avx512vnni");
 }
 
+// The rows of a panel: NR pointers into one segment (rows past its end repeat its last row: their
+// lanes are computed and never stored), and each row's byte offset from the first, for gathers.
+struct Rows {
+  const uint8_t* const* p;
+  __m512i off;
+  explicit Rows(const uint8_t* const* rows) : p(rows) {
+    alignas(64) int32_t o[NR];
+    for (int n = 0; n < NR; ++n) o[n] = static_cast<int32_t>(rows[n] - rows[0]);
+    off = _mm512_load_si512(o);
+  }
+  const uint8_t* operator[](int n) const { return p[n]; }
+  // the 4 bytes at byte o of each row, lane n = row n
+  __m512i dwords(int64_t o) const { return _mm512_i32gather_epi32(off, p[0] + o, 1); }
+};
+
 // 16 rows' 16-byte pieces at p[n] + off -> 4 zmm: out[j] lane n = bytes 4j..4j+3 of row n
-inline void transpose16(const uint8_t* const* p, int64_t off, __m512i out[4]) {
+inline void transpose16(const Rows& p, int64_t off, __m512i out[4]) {
   __m512i z[4];
   for (int a = 0; a < 4; ++a) {  // z[a] 128-bit lane l = row 4l + a
     __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p[a] + off)));
@@ -210,97 +223,196 @@ inline void transpose16(const uint8_t* const* p, int64_t off, __m512i out[4]) {
   out[3] = _mm512_unpackhi_epi64(t1, t3);
 }
 
-inline __m512 halves16(const uint8_t* const* p, int64_t off) {
-  alignas(32) uint16_t h[NR];
-  for (int n = 0; n < NR; ++n) std::memcpy(&h[n], p[n] + off, 2);
-  return _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(h)));
+// the low (hi = false) or high 16 bits of each dword lane, as fp16 -> 16 floats
+inline __m512 halves(__m512i v, bool hi) {
+  return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(hi ? _mm512_srli_epi32(v, 16) : v));
 }
 
-#ifdef PQ_AVX2
-// chunk_scalar's u, d, m of one row, in registers (AVX2 unpacking, vec.h)
-template <int64_t QT>
-inline __m256i chunk_v(const uint8_t* row, int64_t c, float& d, float& m) {
-  const int j = static_cast<int>(c % 8);
-  m = 0.f;
-  if constexpr (QT == Q5_0 || QT == Q5_1) {
-    using B = std::conditional_t<QT == Q5_0, BlockQ5_0, BlockQ5_1>;
-    const auto& b = reinterpret_cast<const B*>(row)[c];
-    const __m256i hi = _mm256_and_si256(vec::bit_bytes(u32(b.qh)), _mm256_set1_epi8(0x10));
-    d = half(b.d);
-    if constexpr (QT == Q5_1) m = half(b.m);
-    return _mm256_or_si256(vec::nibbles(b.qs), hi);
-  } else if constexpr (QT == IQ4_NL) {
-    const auto& b = reinterpret_cast<const BlockIQ4_NL*>(row)[c];
-    d = half(b.d);
-    return _mm256_xor_si256(vec::lookup16(IQ4_LEVELS, vec::nibbles(b.qs)), _mm256_set1_epi8(static_cast<char>(0x80)));
-  } else if constexpr (QT == Q4_K || QT == Q5_K) {
-    using B = std::conditional_t<QT == Q4_K, BlockQ4_K, BlockQ5_K>;
-    const auto& b = reinterpret_cast<const B*>(row)[c / 8];
-    int sc, mn;
-    scale_min_k4(b.scales, j, sc, mn);
-    d = half(b.d) * static_cast<float>(sc);
-    m = -(half(b.dmin) * static_cast<float>(mn));
-    return kq::chunk<QT>(reinterpret_cast<const uint8_t*>(&b), j);
-  } else if constexpr (QT == Q6_K) {
-    const auto& b = reinterpret_cast<const BlockQ6_K*>(row)[c / 8];
-    d = half(b.d) * static_cast<float>(b.scales[2 * j]);
-    m = half(b.d) * static_cast<float>(b.scales[2 * j + 1]);
-    return kq::chunk<Q6_K>(reinterpret_cast<const uint8_t*>(&b), j);
-  } else {
-    static_assert(QT == IQ4_XS, "a type without a staged panel decoder");
-    const auto& b = reinterpret_cast<const BlockIQ4_XS*>(row)[c / 8];
-    d = half(b.d) * static_cast<float>(scale_iq4_xs(b, j));
-    return _mm256_xor_si256(kq::chunk<IQ4_XS>(reinterpret_cast<const uint8_t*>(&b), j),
-                            _mm256_set1_epi8(static_cast<char>(0x80)));
+// Unpacking straight from the file's blocks: every type's bytes are transposed 16 rows at a time
+// (transpose16) and decoded in the transposed layout, 16 rows per instruction, so a panel's
+// unpacking costs a few instructions per 64 bytes of u whatever the type. The values are
+// chunk_scalar's, operation for operation (the scales: the same float products).
+
+inline __m512i lo4() { return _mm512_set1_epi8(0x0F); }
+
+// byte k (0..3) of every dword lane, as an int32
+inline __m512i byte_of(__m512i v, int k) {
+  return _mm512_and_si512(_mm512_srli_epi32(v, 8 * k), _mm512_set1_epi32(0xFF));
+}
+
+inline __m512 cvt(__m512i v) { return _mm512_cvtepi32_ps(v); }
+inline __m512 neg(__m512 v) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32(INT32_MIN))); }
+
+// the 4 quads of u of 16 bytes (transposed) by their low (hi = false) or high nibbles
+inline void nibble_quads(const __m512i q[4], bool hi, __m512i* u) {
+  for (int j = 0; j < 4; ++j) _mm512_storeu_si512(u + j, _mm512_and_si512(hi ? _mm512_srli_epi16(q[j], 4) : q[j], lo4()));
+}
+
+// a 16-entry byte table (t[nibble] ^ 0x80) applied to the nibbles of 16 transposed bytes
+inline void lut_quads(const __m512i q[4], bool hi, __m512i tab, __m512i* u) {
+  for (int j = 0; j < 4; ++j)
+    _mm512_storeu_si512(u + j, _mm512_shuffle_epi8(tab, _mm512_and_si512(hi ? _mm512_srli_epi16(q[j], 4) : q[j], lo4())));
+}
+
+inline __m512i iq4_table() {
+  alignas(16) int8_t t[16];
+  for (int i = 0; i < 16; ++i) t[i] = static_cast<int8_t>(IQ4_LEVELS[i] ^ 0x80);
+  return _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(t)));
+}
+
+// Q4_K / Q5_K super-block at byte o of each row -> d, m of its 8 chunks (d = d sc, m = -(dmin mn))
+inline void scales_k4(const Rows& p, int64_t o, float* d, float* m) {
+  __m512i t[4];  // t[0] lane n = d | dmin << 16 of row n, t[1..3] = scales[0..3], [4..7], [8..11]
+  transpose16(p, o, t);
+  const __m512i* s = t + 1;
+  const __m512 dd = halves(t[0], false), dm = halves(t[0], true);
+  const __m512i six = _mm512_set1_epi32(0x3F), hi2 = _mm512_set1_epi32(0x30), lo = _mm512_set1_epi32(0x0F);
+  for (int j = 0; j < 8; ++j) {
+    __m512i sc, mn;
+    if (j < 4) {
+      sc = _mm512_and_si512(byte_of(s[0], j), six);
+      mn = _mm512_and_si512(byte_of(s[1], j), six);
+    } else {
+      const __m512i c = byte_of(s[2], j - 4);
+      sc = _mm512_or_si512(_mm512_and_si512(c, lo), _mm512_and_si512(_mm512_srli_epi32(byte_of(s[0], j - 4), 2), hi2));
+      mn = _mm512_or_si512(_mm512_srli_epi32(c, 4), _mm512_and_si512(_mm512_srli_epi32(byte_of(s[1], j - 4), 2), hi2));
+    }
+    _mm512_storeu_ps(d + j * NR, _mm512_mul_ps(dd, cvt(sc)));
+    _mm512_storeu_ps(m + j * NR, neg(_mm512_mul_ps(dm, cvt(mn))));
   }
 }
-#endif
+
+// *u |= v (u: a quad of the panel, not 64-byte aligned)
+inline void or_into(__m512i* u, __m512i v) { _mm512_storeu_si512(u, _mm512_or_si512(_mm512_loadu_si512(u), v)); }
+
+// bit j of each byte of h, moved to bit 4 (0x10 or 0)
+inline __m512i bit_to_4(__m512i h, int j) {
+  const __m512i b4 = _mm512_set1_epi8(0x10);
+  return _mm512_and_si512(j < 4 ? _mm512_slli_epi32(h, 4 - j) : _mm512_srli_epi32(h, j - 4), b4);
+}
+
+// Q5_0 / Q5_1: bit 4 of element 4 j + e of a row is bit 4 j + e of its qh (dword lane n of qh):
+// the byte holding those 4 bits, copied into the quad's 4 bytes, tested against 1 << (bit % 8)
+inline __m512i q5_bits(__m512i qh, int j) {
+  const int shift = 4 * (j % 2);
+  const __m128i idx = _mm_add_epi8(_mm_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12),
+                                   _mm_set1_epi8(static_cast<char>(j / 2)));
+  const __m512i rep = _mm512_shuffle_epi8(qh, _mm512_broadcast_i32x4(idx));
+  const __m512i sel = _mm512_set1_epi32(static_cast<int32_t>(0x08040201u << shift));
+  return _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(rep, sel), _mm512_set1_epi8(0x10));
+}
 
 // the same layout as unpack_scalar; p: the NR row pointers (rows past the end at a zero row)
 template <int64_t QT>
-void unpack_vnni(const uint8_t* const* p, int64_t nb, Buf& buf) {
-  if constexpr (!direct(QT)) {  // decode each row's chunk into a staging row, then transpose
-    alignas(64) uint8_t stage[NR][QK];
-    const uint8_t* srow[NR];
-    for (int n = 0; n < NR; ++n) srow[n] = stage[n];
+void unpack_vnni(const Rows& p, int64_t nb, Buf& buf) {
+  __m512i q[4], r[4];
+  auto u_of = [&](int64_t c) { return reinterpret_cast<__m512i*>(buf.u.data() + c * 8 * NR * 4); };
+  if constexpr (QT == Q4_K || QT == Q5_K) {
+    constexpr int64_t bb = QT == Q4_K ? sizeof(BlockQ4_K) : sizeof(BlockQ5_K), qs = QT == Q4_K ? 16 : 48;
+    for (int64_t sb = 0; sb < nb / 8; ++sb) {
+      const int64_t o = sb * bb;
+      scales_k4(p, o, buf.d.data() + 8 * sb * NR, buf.m.data() + 8 * sb * NR);
+      __m512i h[2][4];
+      if constexpr (QT == Q5_K) transpose16(p, o + 16, h[0]), transpose16(p, o + 32, h[1]);
+      for (int pr = 0; pr < 4; ++pr) {  // qs bytes 32 pr .. 32 pr + 31: chunks 2 pr (low), 2 pr + 1 (high)
+        transpose16(p, o + qs + 32 * pr, q);
+        transpose16(p, o + qs + 32 * pr + 16, r);
+        for (int hi = 0; hi < 2; ++hi) {
+          const int j = 2 * pr + hi;
+          __m512i* u = u_of(8 * sb + j);
+          nibble_quads(q, hi, u);
+          nibble_quads(r, hi, u + 4);
+          if constexpr (QT == Q5_K)
+            for (int k = 0; k < 8; ++k) or_into(u + k, bit_to_4(h[k / 4][k % 4], j));
+        }
+      }
+    }
+  } else if constexpr (QT == Q6_K) {  // u = the 6-bit q; d, m: the chunk's two scales times d
+    constexpr int64_t bb = sizeof(BlockQ6_K);
+    const __m512i hi2 = _mm512_set1_epi8(0x30);
+    for (int64_t sb = 0; sb < nb / 8; ++sb) {
+      const int64_t o = sb * bb;
+      __m512i s[4];  // s[i] lane n = scales[4 i .. 4 i + 3] of row n
+      transpose16(p, o + 192, s);
+      const __m512 dd = halves(p.dwords(o + 206), true);  // scales[14..15] | d << 16
+      for (int c = 0; c < 8; ++c) {
+        const __m512i v = s[c / 2];
+        const int k = 2 * (c % 2);  // scales 2c, 2c + 1: bytes k, k + 1 of v (signed)
+        const __m512i s0 = _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * k), 24);
+        const __m512i s1 = _mm512_srai_epi32(_mm512_slli_epi32(v, 16 - 8 * k), 24);
+        _mm512_storeu_ps(buf.d.data() + (8 * sb + c) * NR, _mm512_mul_ps(dd, cvt(s0)));
+        _mm512_storeu_ps(buf.m.data() + (8 * sb + c) * NR, _mm512_mul_ps(dd, cvt(s1)));
+      }
+      for (int hh = 0; hh < 2; ++hh) {  // elements 128 hh ..: ql 64 hh (a: +0, b: +32), qh 32 hh
+        __m512i a[2][4], b[2][4], h[2][4];
+        for (int x = 0; x < 2; ++x) {
+          transpose16(p, o + 64 * hh + 16 * x, a[x]);
+          transpose16(p, o + 64 * hh + 32 + 16 * x, b[x]);
+          transpose16(p, o + 128 + 32 * hh + 16 * x, h[x]);
+        }
+        for (int jj = 0; jj < 4; ++jj) {  // chunk 4 hh + jj: nibble jj / 2 of (a, b)[jj % 2], qh bits 2 jj
+          __m512i* u = u_of(8 * sb + 4 * hh + jj);
+          for (int k = 0; k < 8; ++k) {
+            const __m512i ql = (jj % 2 ? b : a)[k / 4][k % 4], qh = h[k / 4][k % 4];
+            const __m512i lo = _mm512_and_si512(jj / 2 ? _mm512_srli_epi16(ql, 4) : ql, lo4());
+            const int sh = 4 - 2 * jj;  // qh bits 2 jj, 2 jj + 1 -> bits 4, 5
+            const __m512i hb = sh > 0 ? _mm512_slli_epi16(qh, sh) : sh < 0 ? _mm512_srli_epi16(qh, -sh) : qh;
+            _mm512_storeu_si512(u + k, _mm512_or_si512(lo, _mm512_and_si512(hb, hi2)));
+          }
+        }
+      }
+    }
+  } else if constexpr (QT == IQ4_XS) {  // chunk j: the 16 bytes qs[16 j ..], nibbles through the table
+    constexpr int64_t bb = sizeof(BlockIQ4_XS);
+    const __m512i tab = iq4_table();
+    for (int64_t sb = 0; sb < nb / 8; ++sb) {
+      const int64_t o = sb * bb;
+      __m512i s[4];  // s[0] lane n = d | scales_h << 16 of row n, s[1] = scales_l[0..3]
+      transpose16(p, o, s);
+      const __m512 dd = halves(s[0], false);
+      for (int j = 0; j < 8; ++j) {
+        const __m512i l = _mm512_and_si512(_mm512_srli_epi32(s[1], 4 * j), _mm512_set1_epi32(0x0F));
+        const __m512i h = _mm512_and_si512(_mm512_srli_epi32(s[0], 16 + 2 * j), _mm512_set1_epi32(0x03));
+        const __m512i sc = _mm512_sub_epi32(_mm512_or_si512(l, _mm512_slli_epi32(h, 4)), _mm512_set1_epi32(32));
+        _mm512_storeu_ps(buf.d.data() + (8 * sb + j) * NR, _mm512_mul_ps(dd, cvt(sc)));
+        transpose16(p, o + 8 + 16 * j, q);
+        __m512i* u = u_of(8 * sb + j);
+        lut_quads(q, false, tab, u);
+        lut_quads(q, true, tab, u + 4);
+      }
+    }
+  } else {  // the 32-element types
+    constexpr int64_t bb = QT == Q4_0 ? sizeof(BlockQ4_0) : QT == Q4_1 ? sizeof(BlockQ4_1) : QT == Q8_0 ? sizeof(BlockQ8_0)
+                         : QT == Q5_0 ? sizeof(BlockQ5_0) : QT == Q5_1 ? sizeof(BlockQ5_1) : sizeof(BlockIQ4_NL);
+    constexpr bool off = has_m(QT);  // Q4_1, Q5_1: m after d
+    constexpr int64_t qh = 2 + 2 * off, qs = QT == Q5_0 || QT == Q5_1 ? qh + 4 : qh;
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    [[maybe_unused]] const __m512i tab = iq4_table();
     for (int64_t b = 0; b < nb; ++b) {
-      for (int n = 0; n < NR; ++n) {
-#ifdef PQ_AVX2
-        const __m256i u = chunk_v<QT>(p[n], b, buf.d[b * NR + n], buf.m[b * NR + n]);
-        _mm256_store_si256(reinterpret_cast<__m256i*>(stage[n]), u);
-#else  // a build without AVX2 flags: the same bytes by the scalar decoder
-        chunk_scalar(QT, p[n], b, stage[n], buf.d[b * NR + n], buf.m[b * NR + n]);
-#endif
+      __m512i* u = u_of(b);
+      if constexpr (QT == Q8_0) {
+        for (int h = 0; h < 2; ++h) {
+          transpose16(p, b * bb + 2 + 16 * h, q);
+          for (int j = 0; j < 4; ++j) _mm512_storeu_si512(u + 4 * h + j, _mm512_xor_si512(q[j], flip));
+        }
+      } else {
+        transpose16(p, b * bb + qs, q);
+        if constexpr (QT == IQ4_NL) {
+          lut_quads(q, false, tab, u);
+          lut_quads(q, true, tab, u + 4);
+        } else {
+          nibble_quads(q, false, u);
+          nibble_quads(q, true, u + 4);
+        }
+        if constexpr (QT == Q5_0 || QT == Q5_1) {
+          const __m512i h = p.dwords(b * bb + qh);
+          for (int j = 0; j < 8; ++j) or_into(u + j, q5_bits(h, j));
+        }
       }
-      __m512i* u = reinterpret_cast<__m512i*>(buf.u.data() + b * 8 * NR * 4);
-      __m512i q[4];
-      for (int h = 0; h < 2; ++h) {
-        transpose16(srow, 16 * h, q);
-        for (int j = 0; j < 4; ++j) _mm512_storeu_si512(u + 4 * h + j, q[j]);
-      }
+      const __m512i dm = p.dwords(b * bb);  // d | (Q4_1, Q5_1: m) << 16
+      _mm512_storeu_ps(buf.d.data() + b * NR, halves(dm, false));
+      if constexpr (off) _mm512_storeu_ps(buf.m.data() + b * NR, halves(dm, true));
     }
-    return;
-  } else {
-  constexpr int64_t bb = QT == Q4_0 ? 18 : QT == Q4_1 ? 20 : 34;
-  const __m512i lo = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  for (int64_t b = 0; b < nb; ++b) {
-    __m512i* u = reinterpret_cast<__m512i*>(buf.u.data() + b * 8 * NR * 4);
-    __m512i q[4];
-    if (QT == Q8_0) {
-      for (int h = 0; h < 2; ++h) {
-        transpose16(p, b * bb + 2 + 16 * h, q);
-        for (int j = 0; j < 4; ++j) _mm512_storeu_si512(u + 4 * h + j, _mm512_xor_si512(q[j], flip));
-      }
-    } else {
-      transpose16(p, b * bb + (QT == Q4_1 ? 4 : 2), q);
-      for (int j = 0; j < 4; ++j) {
-        _mm512_storeu_si512(u + j, _mm512_and_si512(q[j], lo));
-        _mm512_storeu_si512(u + 4 + j, _mm512_and_si512(_mm512_srli_epi16(q[j], 4), lo));
-      }
-    }
-    _mm512_storeu_ps(buf.d.data() + b * NR, halves16(p, b * bb));
-    if (QT == Q4_1) _mm512_storeu_ps(buf.m.data() + b * NR, halves16(p, b * bb + 2));
-  }
   }
 }
 
@@ -376,7 +488,7 @@ void rows_at(const Buf& buf, const Acts& a, float* out, int64_t ldo, __mmask16 m
 template <int64_t QT>
 void panel_vnni(const uint8_t* const* rows, int64_t T, const Acts& a, float* out, int64_t ldo, int64_t cols,
                 Buf& buf) {
-  unpack_vnni<QT>(rows, a.nb, buf);
+  unpack_vnni<QT>(Rows(rows), a.nb, buf);
   const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
   int64_t t = 0;
   for (; t + RB <= T; t += RB) rows_at<QT, RB>(buf, a.at(t), out + t * ldo, ldo, mask);
@@ -453,9 +565,6 @@ void panel(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, at::T
   at::parallel_for(0, static_cast<int64_t>(panels.size()), 1, [&](int64_t p0, int64_t p1) {
     Buf buf;
     buf.size(nb);
-    int64_t zbytes = 0;
-    for (const at::Tensor& w : ws) zbytes = std::max<int64_t>(zbytes, w.size(1));
-    const std::vector<uint8_t> zrow(zbytes, 0);  // a row past a segment's end: zeros (scale 0)
     for (int64_t pi = p0; pi < p1; ++pi) {
       const auto [seg, n0] = panels[pi];
       const at::Tensor& w = ws[seg];
@@ -463,10 +572,10 @@ void panel(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, at::T
       const uint8_t* base = w.data_ptr<uint8_t>();
       float* o = op + first[seg] + n0;
 #ifdef PANEL_X86
-      if (fast) {
+      if (fast && NR * rb <= INT32_MAX) {  // (Rows' gathers take int32 offsets)
         if (pi + 1 < p1) prefetch_panel(ws, panels[pi + 1]);  // from memory while this one computes
         const uint8_t* rows[NR];
-        for (int64_t n = 0; n < NR; ++n) rows[n] = n < cols ? base + (n0 + n) * rb : zrow.data();
+        for (int64_t n = 0; n < NR; ++n) rows[n] = base + (n0 + std::min(n, cols - 1)) * rb;
         panel_vnni(qtypes[seg], rows, T, acts, o, N, cols, buf);
         continue;
       }

@@ -37,14 +37,16 @@ A8_ROWS activation rows, `linear(x)` quantizes x once per call to int8 per 32-el
 (A8_TYPES: the 32-element types by qmatmul_a8.cpp, x quantized per 32; the K-quants and IQ4_XS by
 qmatmul_a8x.cpp, x quantized per 256 as llama.cpp's q8_K) in integers, as llama.cpp does; the invariant above then does not hold
 (the activations are rounded to 8 bits). On a CPU with AVX-512 VNNI, a weight whose segments are
-all PANEL_TYPES (Q4_0, Q4_1, Q8_0) is multiplied from PANEL_ROWS rows on (big batches, prefill)
-by the panel kernel (qmatmul_panel.cpp: 16 weight rows unpacked per panel, vpdpbusd), with no
+all PANEL_TYPES (the 32-element types, Q4_K, Q5_K, Q6_K, IQ4_XS) is multiplied from panel_rows()
+rows on (big batches, prefill) by the panel kernel (qmatmul_panel.cpp: 16 weight rows unpacked
+per panel straight from the file's blocks, vpdpbusd), with no
 upper limit. F16/BF16/F32 segments take the exact path with the float32 x, as do calls above
 A8_ROWS rows without the panel kernel (prefill: the tiled path) and every call without the kernel.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -105,13 +107,26 @@ A8_IMPL = 0  # qmatmul_a8.cpp impl: 0 the fastest built, 1 scalar (same results)
 # (bench decode's a8_crossover_ms): panel vs the int8 row kernel 6.5 vs 3.7 at 1 row, 6.7 vs 5.0
 # at 2, 6.2-7.6 vs 7.3 at 4, 7.8 vs 12.7 at 8; at 40 rows 17.9 vs 51 (tiles), at 256 83 vs 198.
 PANEL_ROWS = 4
-# Weights with a K-quant panel segment (Q4_K, Q5_K, Q6_K, IQ4_XS) take the panel from this many
-# rows: below it the int8 row kernel (AVX-512 VNNI, 4 activation rows per pass) is faster. Q4_K,
-# 8960x1536, 2 threads (Zen 4 EPYC), ns per weight per call, panel vs row kernel: 0.160 vs 0.053
-# at 4 rows, 0.145 vs 0.096 at 8, 0.207 vs 0.204 at 16, 0.235 vs 0.264 at 20, 0.282 vs 0.506 at 40.
-# Q6_K, same shape: 0.137 vs 0.102 at 12, 0.148 vs 0.135-0.143 at 16, 0.175 vs 0.206-0.240 at
-# 24, 0.229-0.231 vs 0.333-0.360 at 40.
-PANEL_SB_ROWS = 16
+# Weights with a K-quant panel segment (Q4_K, Q5_K, IQ4_XS) take the panel from PANEL_SB_ROWS
+# rows, with a Q6_K segment from PANEL_Q6_K_ROWS: below, the int8 row kernel (AVX-512 VNNI, 4
+# activation rows per pass) is faster. The panel's unpacking is a fixed cost per call (Q6_K's
+# ~1.5x Q4_K's: 13 16-row transposes a super-block against 9). 2 threads (Zen 4 EPYC), ns per
+# weight per call, interleaved min of 7, panel vs row kernel, 8960x1536: Q4_K 0.055 vs 0.037 at 4
+# rows, 0.068 vs 0.059 at 6, 0.070 vs 0.079 at 8, 0.099 vs 0.141 at 16 (1536x8960: 0.041 vs 0.040
+# at 4, 0.058 vs 0.075 at 8); Q5_K 0.080 vs 0.083 at 8, IQ4_XS 0.062 vs 0.082; Q6_K 0.113 vs 0.074
+# at 8, 0.122 vs 0.107 at 12, 0.143 vs 0.144 at 16 (1536x8960: 0.160 vs 0.169 at 16).
+PANEL_SB_ROWS = 8
+PANEL_Q6_K_ROWS = 16
+
+
+def panel_rows(qtypes: Iterable[Q]) -> int:
+    """From how many activation rows on a weight of these segment types takes the int8 panel."""
+    qtypes = set(qtypes)
+    if Q.Q6_K in qtypes:
+        return PANEL_Q6_K_ROWS
+    return PANEL_SB_ROWS if qtypes & A8_SB_TYPES else PANEL_ROWS
+
+
 # Up to this many rows, weights with a super-block segment that the panel does not take (Q3_K,
 # Q2_K; Q6_K before its panel) use the int8 row kernel; above, the exact path is faster: Q6_K, 4096x4096, 2
 # threads, ns per weight, AVX2 int8 row kernel vs exact: 0.133 vs 0.174 at 8 rows, 0.468 vs
@@ -210,7 +225,7 @@ class QWeight:
         self._a8_all = all(q in A8_TYPES for q, _ in self.parts)  # one op call per linear
         self._panel = self._a8_all and all(q in PANEL_TYPES for q, _ in self.parts)
         sb = any(q in A8_SB_TYPES for q, _ in self.parts)
-        self._panel_from = PANEL_SB_ROWS if sb else PANEL_ROWS
+        self._panel_from = panel_rows(q for q, _ in self.parts)
         self._sb_cap = sb and (not self._panel or any(q in A8_SB_CAP_TYPES for q, _ in self.parts))
 
     def set_batch_weights(self, mode: str) -> None:
@@ -296,7 +311,7 @@ class QWeight:
             return min(PACKED_A8_ROWS, A8_SB_ROWS) if self._sb_cap else PACKED_A8_ROWS
         if self._sb_cap:  # a super-block segment the panel does not take (Q6_K: no panel kernel)
             return A8_SB_VNNI_ROWS if qkernel.panel() is not None else min(A8_ROWS, A8_SB_ROWS)
-        return A8_ROWS  # (from PANEL_ROWS / PANEL_SB_ROWS on, the panel where the CPU has VNNI)
+        return A8_ROWS  # (from panel_rows() on, the panel where the CPU has VNNI)
 
     def _linear_a8(self, x: torch.Tensor, out: torch.Tensor, op) -> None:  # noqa: ANN001
         """out = x W^T in int8 for the A8_TYPES segments (x quantized to 32-element blocks once
