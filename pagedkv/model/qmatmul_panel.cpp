@@ -18,8 +18,9 @@
 //   y  = fma(m, sx, y)                                  (Q4_1 only: the block's m, sx = dx * sum xq)
 // so Q4_0 and Q8_0 blocks are dotted exactly in integers (their offsets -8 and -128 folded into
 // i), and the result differs from qmatmul_a8's (which sums lanes in float) only by rounding.
-// Q6_K (a scale per 16 elements): the same per half h of a block, i_h = sum_k q[k] * xq[k] -
-// 32 * sum_k xq[k] over its 16 elements (q the 6-bit values), y = fma(float(i_h), d sc_h * dx, y).
+// Q6_K (a scale per 16 elements): i_h per half h of a block, i_h = sum_k q[k] * xq[k] - 32 *
+// sum_k xq[k] over its 16 elements (q the 6-bit values), then t = fma(float(i_0), d sc_0,
+// float(i_1) * d sc_1) and y = fma(t, dx, y).
 //
 // Op (torch.ops.pagedkv_a8.*, fragment of qmatmul_a8.cpp's library):
 //   panel(x [T, K] f32, ws [w_i [N_i, rb_i] u8], qtypes, out [T, sum N_i] f32, impl): as
@@ -164,11 +165,13 @@ void rows_scalar(int64_t qt, const Buf& p, int64_t nb, int64_t T, const int8_t* 
       for (int64_t b = 0; b < nb; ++b) {
         if (qt == Q6_K) {  // a sum per 16-element half: w = scale * (q - 32)
           const int8_t* x = xq + r * K + QK * b;
+          int32_t i[2];
           for (int h = 0; h < 2; ++h) {
-            int32_t i = -32 * x16[r * 2 * nb + 2 * b + h];
-            for (int e = 0; e < 16; ++e) i += p.u[((b * 8 + 4 * h + e / 4) * NR + n) * 4 + e % 4] * x[16 * h + e];
-            y = std::fmaf(static_cast<float>(i), (h ? p.m : p.d)[b * NR + n] * xd[r * nb + b], y);
+            i[h] = -32 * x16[r * 2 * nb + 2 * b + h];
+            for (int e = 0; e < 16; ++e) i[h] += p.u[((b * 8 + 4 * h + e / 4) * NR + n) * 4 + e % 4] * x[16 * h + e];
           }
+          const float t = std::fmaf(static_cast<float>(i[0]), p.d[b * NR + n], static_cast<float>(i[1]) * p.m[b * NR + n]);
+          y = std::fmaf(t, xd[r * nb + b], y);
           continue;
         }
         int32_t i = -bi * xsum[r * nb + b];
@@ -449,10 +452,9 @@ void rows_vnni(const Buf& p, int64_t nb, const int8_t* xq, const float* xd, cons
         }
       }
       const __m512 d = _mm512_loadu_ps(p.d.data() + b * NR), m = _mm512_loadu_ps(p.m.data() + b * NR);
-      for (int r = 0; r < R; ++r) {
-        const __m512 dx = _mm512_set1_ps(xd[r * nb + b]);
-        y[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[r]), _mm512_mul_ps(d, dx), y[r]);
-        y[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[r]), _mm512_mul_ps(m, dx), y[r]);
+      for (int r = 0; r < R; ++r) {  // both halves' scales, then dx: 3 multiplies a block, not 4
+        const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[r]), d, _mm512_mul_ps(_mm512_cvtepi32_ps(hi[r]), m));
+        y[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(xd[r * nb + b]), y[r]);
       }
       continue;
     }
