@@ -5,8 +5,9 @@
 // add, per weight row and activation row) cost more than the integer products. Here a panel of
 // 16 weight rows is unpacked once per call into bytes laid out for VNNI: block b, quad j
 // (elements 4j..4j+3), row n at wq[b][j][n] (64 bytes per quad: one zmm, a lane per weight
-// row), decoded 16 rows at a time from byte transposes of the file's blocks. One vpdpbusd then multiplies 4 elements of 16 weight rows by 4 elements of one
-// activation row (broadcast) and adds them into 16 int32 lanes; a block's 32 elements take 8,
+// row), decoded 16 rows at a time from byte transposes of the file's blocks. One vpdpbusd then
+// multiplies 4 elements of 16 weight rows by 4 elements of one activation row (broadcast) and
+// adds them into 16 int32 lanes; a block's 32 elements take 8,
 // after which one convert, one multiply and one FMA fold the block into 16 float lanes. Each
 // unpacked panel is reused by every activation row (R at a time, in registers).
 //
@@ -305,7 +306,7 @@ inline __m512i q5_bits(__m512i qh, int j) {
   return _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(rep, sel), _mm512_set1_epi8(0x10));
 }
 
-// the same layout as unpack_scalar; p: the NR row pointers (rows past the end at a zero row)
+// the same layout as unpack_scalar (rows past the segment's end: see Rows)
 template <int64_t QT>
 void unpack_vnni(const Rows& p, int64_t nb, Buf& buf) {
   __m512i q[4], r[4];
