@@ -45,7 +45,7 @@ PQ_INLINE __m256i chunk(const uint8_t* b, int j) {
   } else if constexpr (QT == Q5_K) {
     const auto& h = *reinterpret_cast<const BlockQ5_K*>(b);
     return _mm256_or_si256(vec::bits(h.qs + 32 * (j / 2), 4 * (j % 2), 0x0F),
-                           _mm256_and_si256(vec::bit_of_bytes(h.qh, j), _mm256_set1_epi8(0x10)));
+                           vec::bit_at(h.qh, j, 4));
   } else if constexpr (QT == Q2_K) {
     return vec::bits(reinterpret_cast<const BlockQ2_K*>(b)->qs + 32 * (j / 4), 2 * (j % 4), 0x03);
   } else if constexpr (QT == Q6_K) {
@@ -56,7 +56,7 @@ PQ_INLINE __m256i chunk(const uint8_t* b, int j) {
   } else if constexpr (QT == Q3_K) {
     const auto& h = *reinterpret_cast<const BlockQ3_K*>(b);
     return _mm256_or_si256(vec::bits(h.qs + 32 * (j / 4), 2 * (j % 4), 0x03),
-                           _mm256_and_si256(vec::bit_of_bytes(h.hmask, j), _mm256_set1_epi8(4)));
+                           vec::bit_at(h.hmask, j, 2));
   } else {
     return vec::lookup16(IQ4_LEVELS, vec::nibbles(reinterpret_cast<const BlockIQ4_XS*>(b)->qs + 16 * j));
   }
