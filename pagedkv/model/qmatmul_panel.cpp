@@ -247,15 +247,12 @@ inline __m512i byte_of(__m512i v, int k) {
 inline __m512 cvt(__m512i v) { return _mm512_cvtepi32_ps(v); }
 inline __m512 neg(__m512 v) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32(INT32_MIN))); }
 
-// the 4 quads of u of 16 bytes (transposed) by their low (hi = false) or high nibbles
-inline void nibble_quads(const __m512i q[4], bool hi, __m512i* u) {
-  for (int j = 0; j < 4; ++j) _mm512_storeu_si512(u + j, _mm512_and_si512(hi ? _mm512_srli_epi16(q[j], 4) : q[j], lo4()));
-}
+// the low (hi = false) or high nibbles of transposed bytes
+inline __m512i nib(__m512i q, bool hi) { return _mm512_and_si512(hi ? _mm512_srli_epi16(q, 4) : q, lo4()); }
 
 // a 16-entry byte table (t[nibble] ^ 0x80) applied to the nibbles of 16 transposed bytes
 inline void lut_quads(const __m512i q[4], bool hi, __m512i tab, __m512i* u) {
-  for (int j = 0; j < 4; ++j)
-    _mm512_storeu_si512(u + j, _mm512_shuffle_epi8(tab, _mm512_and_si512(hi ? _mm512_srli_epi16(q[j], 4) : q[j], lo4())));
+  for (int j = 0; j < 4; ++j) _mm512_storeu_si512(u + j, _mm512_shuffle_epi8(tab, nib(q[j], hi)));
 }
 
 inline __m512i iq4_table() {
@@ -285,9 +282,6 @@ inline void scales_k4(const Rows& p, int64_t o, float* d, float* m) {
     _mm512_storeu_ps(m + j * NR, neg(_mm512_mul_ps(dm, cvt(mn))));
   }
 }
-
-// *u |= v (u: a quad of the panel, not 64-byte aligned)
-inline void or_into(__m512i* u, __m512i v) { _mm512_storeu_si512(u, _mm512_or_si512(_mm512_loadu_si512(u), v)); }
 
 // bit j of each byte of h, moved to bit 4 (0x10 or 0)
 inline __m512i bit_to_4(__m512i h, int j) {
@@ -324,10 +318,11 @@ void unpack_vnni(const Rows& p, int64_t nb, Buf& buf) {
         for (int hi = 0; hi < 2; ++hi) {
           const int j = 2 * pr + hi;
           __m512i* u = u_of(8 * sb + j);
-          nibble_quads(q, hi, u);
-          nibble_quads(r, hi, u + 4);
-          if constexpr (QT == Q5_K)
-            for (int k = 0; k < 8; ++k) or_into(u + k, bit_to_4(h[k / 4][k % 4], j));
+          for (int k = 0; k < 8; ++k) {
+            __m512i v = nib(k < 4 ? q[k] : r[k - 4], hi);
+            if constexpr (QT == Q5_K) v = _mm512_or_si512(v, bit_to_4(h[k / 4][k % 4], j));
+            _mm512_storeu_si512(u + k, v);
+          }
         }
       }
     }
@@ -405,12 +400,13 @@ void unpack_vnni(const Rows& p, int64_t nb, Buf& buf) {
           lut_quads(q, false, tab, u);
           lut_quads(q, true, tab, u + 4);
         } else {
-          nibble_quads(q, false, u);
-          nibble_quads(q, true, u + 4);
-        }
-        if constexpr (QT == Q5_0 || QT == Q5_1) {
-          const __m512i h = p.dwords(b * bb + qh);
-          for (int j = 0; j < 8; ++j) or_into(u + j, q5_bits(h, j));
+          [[maybe_unused]] __m512i h;
+          if constexpr (QT == Q5_0 || QT == Q5_1) h = p.dwords(b * bb + qh);
+          for (int j = 0; j < 8; ++j) {
+            __m512i v = nib(q[j % 4], j >= 4);
+            if constexpr (QT == Q5_0 || QT == Q5_1) v = _mm512_or_si512(v, q5_bits(h, j));
+            _mm512_storeu_si512(u + j, v);
+          }
         }
       }
       const __m512i dm = p.dwords(b * bb);  // d | (Q4_1, Q5_1: m) << 16
