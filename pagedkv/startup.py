@@ -85,6 +85,8 @@ def engine_lines(engine: Any, source: Any, dtype: str) -> list[str]:
         weights += f"; {loaded.activations} activations (approximate)"
     if getattr(loaded, "batch_weights", "quantized") != "quantized":
         weights += f"; + float32 copy for batches, {human_bytes(loaded.model.batch_weight_bytes())}"
+    if getattr(getattr(loaded, "config", None), "rope_freq_factors", None) is not None:
+        weights += "; RoPE frequency factors from the file's rope_freqs (Llama 3.1+ scaling, as llama.cpp)"
     storage, cache = engine.storage, engine.cache
     tokens = getattr(cache, "token_capacity", cache.num_blocks * cache.block_size)
     groups = getattr(cache, "groups", None)

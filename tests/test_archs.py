@@ -12,12 +12,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import gguf
 import pytest
 import torch
-from tiny_gguf import SPECS, write_tiny_gguf
+from tiny_gguf import SPECS, TinySpec, rope_freqs, write_tiny_gguf
 
 from pagedkv import LLM, SamplingParams
-from pagedkv.errors import UnsupportedModelError
+from pagedkv.errors import ModelLoadError, UnsupportedModelError
 from pagedkv.model.config import ModelConfig
 
 PROMPTS = [[5, 77, 300, 12, 900, 45, 33, 1000, 17, 8, 250, 600, 3], list(range(40, 69))]
@@ -111,6 +112,58 @@ def test_hf_checkpoint_folder(tiny: dict[str, Any], tmp_path: Path) -> None:
     llm = LLM(str(tmp_path), num_blocks=64)
     assert llm.engine.loaded.config.architecture == arch
     assert greedy(llm) == [hf_greedy(hf, p) for p in PROMPTS]
+
+
+# Llama 3.2-like heads (64 wide, RoPE base 500,000, scaling factor 32) with an original context of
+# 64 tokens instead of 8,192, so that the prompts' positions reach the scaled frequencies
+LLAMA3 = TinySpec("llama", "Llama 3.2 tiny", 512, 8, 2, 64, 1376, rope_theta=5e5, llama3=(32.0, 1.0, 4.0, 64),
+                  seed=7, qtypes={"attn": gguf.GGMLQuantizationType.Q8_0, "ffn": gguf.GGMLQuantizationType.Q4_0})
+
+
+def test_llama3_rope_freqs(tmp_path: Path) -> None:
+    """A Llama 3.1+ file's rope_freqs (its "llama3" RoPE scaling, as per-frequency divisors) is
+    applied as llama.cpp applies it: greedy equals transformers' with the model's own llama3
+    rope_parameters. (transformers' GGUF loader drops the tensor and runs plain RoPE, which
+    parts from it here.)"""
+    from transformers import AutoModelForCausalLM
+
+    path = write_tiny_gguf(LLAMA3, tmp_path / "llama3.gguf")
+    plain = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
+    d = {k: v for k, v in plain.config.to_dict().items() if k != "quantization_config"}
+    factor, low, high, ctx = LLAMA3.llama3
+    d["rope_parameters"] = {"rope_type": "llama3", "rope_theta": LLAMA3.rope_theta, "factor": factor,
+                            "low_freq_factor": low, "high_freq_factor": high,
+                            "original_max_position_embeddings": ctx}
+    scaled = type(plain)(type(plain.config).from_dict(d))
+    scaled.load_state_dict(plain.state_dict())
+    llm = LLM(str(path), num_blocks=64)
+    assert llm.engine.loaded.config.rope_freq_factors == pytest.approx(rope_freqs(LLAMA3).tolist())
+    ours = greedy(llm)
+    assert ours == [hf_greedy(scaled.eval(), p) for p in PROMPTS]
+    assert ours != [hf_greedy(plain, p) for p in PROMPTS]  # the factors change these tokens
+
+
+_LLAMA_META = {
+    "general.architecture": "llama", "llama.embedding_length": 256, "llama.attention.head_count": 4,
+    "llama.block_count": 2, "llama.feed_forward_length": 512, "llama.vocab_size": 100,
+}
+
+
+@pytest.mark.parametrize("values", [[1.0] * 31, [1.0] * 33, [1.0] * 31 + [0.0], [1.0] * 31 + [float("nan")],
+                                    [1.0] * 31 + [-2.0], [1.0] * 31 + [float("inf")]])
+def test_bad_rope_freqs_refused(values: list[float]) -> None:
+    """head_dim 64: 32 divisors, each finite and positive, or a typed error."""
+    with pytest.raises(ModelLoadError, match="rope_freq_factors"):
+        ModelConfig.from_gguf(_LLAMA_META, ["rope_freqs.weight"], rope_freqs=values)
+
+
+def test_rope_freqs_values_and_name_go_together() -> None:
+    with pytest.raises(ModelLoadError, match="rope_freqs"):
+        ModelConfig.from_gguf(_LLAMA_META, ["rope_freqs.weight"])
+    with pytest.raises(ModelLoadError, match="rope_freqs"):
+        ModelConfig.from_gguf(_LLAMA_META, [], rope_freqs=[1.0] * 32)
+    cfg = ModelConfig.from_gguf(_LLAMA_META, ["rope_freqs.weight"], rope_freqs=[2.0] * 32)
+    assert cfg.rope_freq_factors == (2.0,) * 32 and cfg.rope_scaling is None
 
 
 # --- what is refused ---------------------------------------------------------------------------

@@ -46,6 +46,9 @@ class TinySpec:
     fused: bool = False  # attn_qkv and ffn_up = gate|up (Phi-3)
     window: int | None = None  # attention.sliding_window (Gemma 3: every 6th layer is global)
     rope_theta: float = 1e6
+    # Llama 3.1+ RoPE scaling (factor, low_freq_factor, high_freq_factor, original context), written
+    # as llama.cpp's converter writes it: a rope_freqs tensor of per-frequency divisors
+    llama3: tuple[float, float, float, int] | None = None
     seed: int = 0
     qtypes: dict[str, Q] = field(default_factory=dict)
     chat: bool = False  # write SmolLM2's chat template (the whole-model specs, for `bench serve`)
@@ -135,9 +138,29 @@ def _tensors(spec: TinySpec, fast: bool = False) -> dict[str, tuple[np.ndarray, 
             out[p + "ffn_up.weight"] = mat(n, h, "ffn")
         out[p + "ffn_down.weight"] = mat(h, n, "ffn_down_odd" if i % 2 else "ffn_down")
     out["output_norm.weight"] = norm(h)
+    if spec.llama3 is not None:
+        out["rope_freqs.weight"] = (rope_freqs(spec), Q.F32)
     if not spec.tied:
         out["output.weight"] = mat(spec.vocab, h, "output", 3.0)
     return out
+
+
+def rope_freqs(spec: TinySpec) -> np.ndarray:
+    """The divisor of each rotary frequency under spec.llama3 (1 for short wavelengths, the
+    factor for long ones, the reciprocal of the linear blend of 1 / factor and 1 between)."""
+    assert spec.llama3 is not None
+    factor, low, high, ctx = spec.llama3
+    freqs = spec.rope_theta ** -(np.arange(0, spec.head_dim, 2, dtype=np.float64) / spec.head_dim)
+    out = []
+    for wavelen in 2 * np.pi / freqs:
+        if wavelen < ctx / high:
+            out.append(1.0)
+        elif wavelen > ctx / low:
+            out.append(factor)
+        else:
+            smooth = (ctx / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
 
 
 def _encode(values: np.ndarray, qtype: Q) -> np.ndarray:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -30,8 +31,10 @@ _GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
 GEMMA3_PATTERN = 6
 GEMMA3_LOCAL_THETA = 10000.0
 LAYER_TYPES = ("sliding", "full")
-# GGUF tensors of RoPE variants not implemented: Llama 3.1 frequency factors, Phi-3 LongRoPE
-_GGUF_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+# GGUF tensors of a RoPE variant not implemented: Phi-3 LongRoPE
+_GGUF_ROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+# llama.cpp's per-frequency divisors (Llama 3.1+ files store their "llama3" scaling this way)
+GGUF_ROPE_FREQS = "rope_freqs.weight"
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -49,6 +52,9 @@ class ModelConfig:
     # None (plain RoPE) or {"rope_type": "llama3", factor, low_freq_factor, high_freq_factor,
     # original_max_position_embeddings}
     rope_scaling: dict[str, Any] | None = None
+    # a GGUF file's rope_freqs: each of the head_dim / 2 rotary frequencies divided by its factor,
+    # as llama.cpp does (the "llama3" scaling, precomputed by its converter); None: none
+    rope_freq_factors: tuple[float, ...] | None = None
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q/k/v projections (Qwen2)
@@ -97,6 +103,19 @@ class ModelConfig:
                 )
             if "sliding" in self.layer_types and self.sliding_window is None:
                 raise ModelLoadError("config: sliding layers need a sliding_window")
+        if self.rope_freq_factors is not None:
+            self._check_freq_factors()
+
+    def _check_freq_factors(self) -> None:
+        f = self.rope_freq_factors
+        if self.rope_scaling is not None:
+            raise ModelLoadError("config: rope_freq_factors and rope_scaling are two scalings; give one")
+        if len(f) != self.head_dim // 2:
+            raise ModelLoadError(f"config: rope_freq_factors has {len(f)} values; head_dim "
+                                 f"{self.head_dim} has {self.head_dim // 2} rotary frequencies")
+        bad = next((v for v in f if not (math.isfinite(v) and v > 0)), None)
+        if bad is not None:
+            raise ModelLoadError(f"config: rope_freq_factors must be finite and positive, got {bad!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -191,8 +210,10 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_gguf(cls, metadata: Mapping[str, Any], tensor_names: Iterable[str]) -> ModelConfig:
-        """From GGUF key/values (`general.architecture`, `<arch>.block_count`, ...)."""
+    def from_gguf(cls, metadata: Mapping[str, Any], tensor_names: Iterable[str],
+                  rope_freqs: Sequence[float] | None = None) -> ModelConfig:
+        """From GGUF key/values (`general.architecture`, `<arch>.block_count`, ...); a file with
+        a rope_freqs tensor needs its values as `rope_freqs` (the caller reads the file)."""
         gguf_arch = metadata.get("general.architecture")
         if gguf_arch not in _GGUF_ARCHITECTURES:
             raise UnsupportedModelError(
@@ -207,6 +228,9 @@ class ModelConfig:
                 f"GGUF {rope_tensors[0].removesuffix('.weight')} (Llama 3.1 / LongRoPE style rope "
                 "scaling) is not supported; load the Hugging Face directory instead"
             )
+        if (GGUF_ROPE_FREQS in names) != (rope_freqs is not None):
+            raise ModelLoadError(f"GGUF {GGUF_ROPE_FREQS}: the file's values must come with its name"
+                                 if rope_freqs is None else f"rope_freqs given, but no {GGUF_ROPE_FREQS}")
         scaling_type = metadata.get(f"{gguf_arch}.rope.scaling.type", "none")
         if scaling_type != "none":
             raise UnsupportedModelError(f"GGUF rope scaling {scaling_type!r} is not supported")
@@ -240,6 +264,7 @@ class ModelConfig:
             num_kv_heads=int(get("attention.head_count_kv", heads)),
             head_dim=head_dim,
             rope_theta=float(get("rope.freq_base", 10000.0)),
+            rope_freq_factors=None if rope_freqs is None else tuple(float(v) for v in rope_freqs),
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
             tie_word_embeddings="output.weight" not in names,
             attention_bias="blk.0.attn_q.bias" in names,

@@ -139,12 +139,17 @@ class RotaryEmbedding(nn.Module):
 
 def _inv_freq(cfg: ModelConfig, theta: float | None = None) -> torch.Tensor:
     """[D/2] float32 rotary frequencies of base `theta` (None: cfg.rope_theta, with Llama-3
-    frequency scaling when configured; a local base is never scaled)."""
+    frequency scaling or a GGUF file's frequency factors when configured; a local base is never
+    scaled)."""
     d = cfg.head_dim
     base = cfg.rope_theta if theta is None else theta
     inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    if theta is not None:
+        return inv
+    if cfg.rope_freq_factors is not None:  # llama.cpp: theta / factor, in float32
+        return inv / torch.tensor(cfg.rope_freq_factors, dtype=torch.float32)
     s = cfg.rope_scaling
-    if s is None or theta is not None:
+    if s is None:
         return inv
     # Llama 3: long wavelengths (low frequencies) are slowed down by `factor`, short ones are
     # kept, and the band between is interpolated linearly in 1/wavelength.

@@ -38,7 +38,7 @@ import torch
 from pagedkv.cache.storage import DTYPES as _DTYPES  # one table of dtype names
 from pagedkv.errors import ModelLoadError
 from pagedkv.model import tokenizer_cache
-from pagedkv.model.config import ModelConfig
+from pagedkv.model.config import GGUF_ROPE_FREQS, ModelConfig
 from pagedkv.model.gguf_file import GGUFFile
 from pagedkv.model.llama import LlamaModel
 from pagedkv.model.quant import ACTIVATIONS, BATCH_WEIGHTS, QPart
@@ -221,7 +221,7 @@ def _load_path(path: Path, dtype: torch.dtype, tokenizer: Any | None, keep: bool
 
 def _load_gguf(path: Path, dtype: torch.dtype, tokenizer: Any | None, keep: bool) -> LoadedModel:
     g = GGUFFile(path)
-    cfg = ModelConfig.from_gguf(g.metadata, g.tensors)
+    cfg = ModelConfig.from_gguf(g.metadata, g.tensors, rope_freqs=_rope_freqs(g))
     model = LlamaModel(cfg, dtype, quantized=keep)
     # llama.cpp permutes q/k rows only for its "llama" rope layout; qwen2 files are unpermuted
     arch = g.metadata.get("general.architecture")
@@ -230,6 +230,16 @@ def _load_gguf(path: Path, dtype: torch.dtype, tokenizer: Any | None, keep: bool
         tokenizer = tokenizer_cache.load_or_build(g.tokenizer_digest(), lambda: _gguf_tokenizer(path))
     return LoadedModel(model, cfg, tokenizer, path.stem, weights="quantized" if keep else "float32",
                        path=path)
+
+
+def _rope_freqs(g: GGUFFile) -> list[float] | None:
+    """The file's rope_freqs values (one divisor per rotary frequency), None if it has none."""
+    if GGUF_ROPE_FREQS not in g.tensors:
+        return None
+    info = g.tensors[GGUF_ROPE_FREQS]
+    if len(info.shape) != 1:
+        raise ModelLoadError(f"{g.path}: {GGUF_ROPE_FREQS} has shape {list(info.shape)}, not 1-D")
+    return [float(v) for v in g.dequantize(GGUF_ROPE_FREQS)]
 
 
 def _gguf_weights(
@@ -241,6 +251,8 @@ def _gguf_weights(
     mapping too, copied once, into their parameter. `table`: the architecture's layer names.
     Gemma files store each norm as 1 + w; it comes out as transformers' w (the model adds 1)."""
     for gguf_name in g.tensors:
+        if gguf_name == GGUF_ROPE_FREQS:  # config, read into ModelConfig.rope_freq_factors
+            continue
         name = _hf_name(gguf_name, table)
         info = g.tensors[gguf_name]
         if keep and len(info.shape) == 2:
