@@ -115,32 +115,46 @@ def test_hf_checkpoint_folder(tiny: dict[str, Any], tmp_path: Path) -> None:
 
 
 # Llama 3.2-like heads (64 wide, RoPE base 500,000, scaling factor 32) with an original context of
-# 64 tokens instead of 8,192, so that the prompts' positions reach the scaled frequencies
-LLAMA3 = TinySpec("llama", "Llama 3.2 tiny", 512, 8, 2, 64, 1376, rope_theta=5e5, llama3=(32.0, 1.0, 4.0, 64),
-                  seed=7, qtypes={"attn": gguf.GGMLQuantizationType.Q8_0, "ffn": gguf.GGMLQuantizationType.Q4_0})
+# 64 tokens instead of 8,192, so that the prompts' positions reach the scaled frequencies; and
+# DeepSeek-Coder's linear scaling (factor 4, in the file's metadata)
+Q8, Q4 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0
+SCALED = {
+    "llama3": TinySpec("llama", "Llama 3.2 tiny", 512, 8, 2, 64, 1376, rope_theta=5e5,
+                       llama3=(32.0, 1.0, 4.0, 64), seed=7, qtypes={"attn": Q8, "ffn": Q4}),
+    "linear": TinySpec("llama", "DeepSeek-Coder tiny", 512, 4, 4, 128, 1376, rope_theta=1e5,
+                       linear=4.0, seed=8, qtypes={"attn": Q8, "ffn": Q4}),
+}
 
 
-def test_llama3_rope_freqs(tmp_path: Path) -> None:
-    """A Llama 3.1+ file's rope_freqs (its "llama3" RoPE scaling, as per-frequency divisors) is
-    applied as llama.cpp applies it: greedy equals transformers' with the model's own llama3
-    rope_parameters. (transformers' GGUF loader drops the tensor and runs plain RoPE, which
-    parts from it here.)"""
+def _rope_parameters(spec: TinySpec) -> dict[str, Any]:
+    if spec.linear:
+        return {"rope_type": "linear", "rope_theta": spec.rope_theta, "factor": spec.linear}
+    factor, low, high, ctx = spec.llama3
+    return {"rope_type": "llama3", "rope_theta": spec.rope_theta, "factor": factor, "low_freq_factor": low,
+            "high_freq_factor": high, "original_max_position_embeddings": ctx}
+
+
+@pytest.mark.parametrize("kind", sorted(SCALED))
+def test_gguf_rope_scaling(kind: str, tmp_path: Path) -> None:
+    """A Llama 3.1+ file's rope_freqs (its "llama3" RoPE scaling, as per-frequency divisors) and
+    a file's linear rope scaling are applied as llama.cpp applies them: greedy equals
+    transformers' with the model's own rope_parameters. (transformers' GGUF loader drops both
+    and runs plain RoPE, which parts from it here.)"""
     from transformers import AutoModelForCausalLM
 
-    path = write_tiny_gguf(LLAMA3, tmp_path / "llama3.gguf")
+    spec = SCALED[kind]
+    path = write_tiny_gguf(spec, tmp_path / f"{kind}.gguf")
     plain = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
     d = {k: v for k, v in plain.config.to_dict().items() if k != "quantization_config"}
-    factor, low, high, ctx = LLAMA3.llama3
-    d["rope_parameters"] = {"rope_type": "llama3", "rope_theta": LLAMA3.rope_theta, "factor": factor,
-                            "low_freq_factor": low, "high_freq_factor": high,
-                            "original_max_position_embeddings": ctx}
+    d["rope_parameters"] = _rope_parameters(spec)
     scaled = type(plain)(type(plain.config).from_dict(d))
     scaled.load_state_dict(plain.state_dict())
     llm = LLM(str(path), num_blocks=64)
-    assert llm.engine.loaded.config.rope_freq_factors == pytest.approx(rope_freqs(LLAMA3).tolist())
+    want = rope_freqs(spec).tolist() if spec.llama3 else [spec.linear] * (spec.head_dim // 2)
+    assert llm.engine.loaded.config.rope_freq_factors == pytest.approx(want)
     ours = greedy(llm)
     assert ours == [hf_greedy(scaled.eval(), p) for p in PROMPTS]
-    assert ours != [hf_greedy(plain, p) for p in PROMPTS]  # the factors change these tokens
+    assert ours != [hf_greedy(plain, p) for p in PROMPTS]  # the scaling changes these tokens
 
 
 _LLAMA_META = {
@@ -164,6 +178,14 @@ def test_rope_freqs_values_and_name_go_together() -> None:
         ModelConfig.from_gguf(_LLAMA_META, [], rope_freqs=[1.0] * 32)
     cfg = ModelConfig.from_gguf(_LLAMA_META, ["rope_freqs.weight"], rope_freqs=[2.0] * 32)
     assert cfg.rope_freq_factors == (2.0,) * 32 and cfg.rope_scaling is None
+    linear = {**_LLAMA_META, "llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}
+    cfg = ModelConfig.from_gguf(linear, ["rope_freqs.weight"], rope_freqs=[2.0] * 32)
+    assert cfg.rope_freq_factors == (8.0,) * 32  # both, as llama.cpp: freq_scale and the divisors
+    for bad in (0.0, -1.0, float("nan"), "four", None):
+        with pytest.raises(ModelLoadError, match="rope.scaling.factor"):
+            ModelConfig.from_gguf({**linear, "llama.rope.scaling.factor": bad}, [])
+    with pytest.raises(UnsupportedModelError, match="yarn"):
+        ModelConfig.from_gguf({**_LLAMA_META, "llama.rope.scaling.type": "yarn"}, [])
 
 
 # --- what is refused ---------------------------------------------------------------------------

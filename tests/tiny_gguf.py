@@ -49,6 +49,7 @@ class TinySpec:
     # Llama 3.1+ RoPE scaling (factor, low_freq_factor, high_freq_factor, original context), written
     # as llama.cpp's converter writes it: a rope_freqs tensor of per-frequency divisors
     llama3: tuple[float, float, float, int] | None = None
+    linear: float | None = None  # rope.scaling.type linear with this factor (DeepSeek-Coder: 4)
     seed: int = 0
     qtypes: dict[str, Q] = field(default_factory=dict)
     chat: bool = False  # write SmolLM2's chat template (the whole-model specs, for `bench serve`)
@@ -193,6 +194,9 @@ def write_tiny_gguf(spec: TinySpec, path: str | Path, fast: bool = False) -> Pat
     w.add_vocab_size(spec.vocab)
     if spec.window:
         w.add_sliding_window(spec.window)
+    if spec.linear:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(spec.linear)
     tokens, types, merges = smollm2_vocab(min(spec.vocab, 49152))  # SmolLM2's 49,152 at most
     if spec.vocab > len(tokens):  # padded to the embedding's rows (llama.cpp checks), with plain
         pad = spec.vocab - len(tokens)  # text tokens: a random model that samples one still streams text

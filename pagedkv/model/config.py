@@ -225,14 +225,14 @@ class ModelConfig:
         rope_tensors = [n for n in _GGUF_ROPE_TENSORS if n in names]
         if rope_tensors:
             raise UnsupportedModelError(
-                f"GGUF {rope_tensors[0].removesuffix('.weight')} (Llama 3.1 / LongRoPE style rope "
-                "scaling) is not supported; load the Hugging Face directory instead"
+                f"GGUF {rope_tensors[0].removesuffix('.weight')} (Phi-3 LongRoPE scaling) is not "
+                "supported; load the Hugging Face directory instead"
             )
         if (GGUF_ROPE_FREQS in names) != (rope_freqs is not None):
             raise ModelLoadError(f"GGUF {GGUF_ROPE_FREQS}: the file's values must come with its name"
                                  if rope_freqs is None else f"rope_freqs given, but no {GGUF_ROPE_FREQS}")
         scaling_type = metadata.get(f"{gguf_arch}.rope.scaling.type", "none")
-        if scaling_type != "none":
+        if scaling_type not in ("none", "linear"):
             raise UnsupportedModelError(f"GGUF rope scaling {scaling_type!r} is not supported")
 
         def get(key: str, default: Any = None) -> Any:
@@ -244,6 +244,9 @@ class ModelConfig:
         hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
         head_dim = int(get("attention.key_length", hidden // heads))
         rotary = int(get("rope.dimension_count", head_dim))
+        if scaling_type == "linear":  # positions divided by the factor: every frequency alike
+            linear = _positive(get("rope.scaling.factor"), f"{gguf_arch}.rope.scaling.factor")
+            rope_freqs = [linear * float(v) for v in (rope_freqs or [1.0] * (head_dim // 2))]
         if rotary != head_dim:
             raise UnsupportedModelError(
                 f"GGUF {gguf_arch}: RoPE over {rotary} of {head_dim} head dims (partial rotary) is "
@@ -374,6 +377,17 @@ def _gemma3_from_gguf(metadata: Mapping[str, Any], names: set[str]) -> ModelConf
         query_pre_attn_scalar=float(hidden // heads if n == 62 else head_dim),
         hidden_act="gelu_tanh",
     )
+
+
+def _positive(value: Any, what: str) -> float:
+    """A finite positive float from a file's metadata, or ModelLoadError."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        v = math.nan
+    if not (math.isfinite(v) and v > 0):
+        raise ModelLoadError(f"GGUF {what} must be a finite positive number, got {value!r}")
+    return v
 
 
 def normalize_rope_scaling(scaling: Mapping[str, Any] | None) -> dict[str, Any] | None:
