@@ -9,6 +9,7 @@ float32 greedy tokens one by one.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -123,10 +124,14 @@ SCALED = {
                        llama3=(32.0, 1.0, 4.0, 64), seed=7, qtypes={"attn": Q8, "ffn": Q4}),
     "linear": TinySpec("llama", "DeepSeek-Coder tiny", 512, 4, 4, 128, 1376, rope_theta=1e5,
                        linear=4.0, seed=8, qtypes={"attn": Q8, "ffn": Q4}),
+    # Gemma 3 4B+: the global layers' RoPE (base 1e6) scaled by 8, the local ones (1e4) not
+    "gemma3": dataclasses.replace(SPECS["gemma3"], name="Gemma 3 4B tiny", linear=8.0, seed=11),
 }
 
 
-def _rope_parameters(spec: TinySpec) -> dict[str, Any]:
+def _rope_parameters(spec: TinySpec, hf: dict[str, Any]) -> dict[str, Any]:
+    if spec.arch == "gemma3":  # per layer type
+        return {**hf, "full_attention": {**hf["full_attention"], "rope_type": "linear", "factor": spec.linear}}
     if spec.linear:
         return {"rope_type": "linear", "rope_theta": spec.rope_theta, "factor": spec.linear}
     factor, low, high, ctx = spec.llama3
@@ -146,15 +151,21 @@ def test_gguf_rope_scaling(kind: str, tmp_path: Path) -> None:
     path = write_tiny_gguf(spec, tmp_path / f"{kind}.gguf")
     plain = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
     d = {k: v for k, v in plain.config.to_dict().items() if k != "quantization_config"}
-    d["rope_parameters"] = _rope_parameters(spec)
+    d["rope_parameters"] = _rope_parameters(spec, d["rope_parameters"])
     scaled = type(plain)(type(plain.config).from_dict(d))
     scaled.load_state_dict(plain.state_dict())
     llm = LLM(str(path), num_blocks=64)
     want = rope_freqs(spec).tolist() if spec.llama3 else [spec.linear] * (spec.head_dim // 2)
     assert llm.engine.loaded.config.rope_freq_factors == pytest.approx(want)
-    ours = greedy(llm)
-    assert ours == [hf_greedy(scaled.eval(), p) for p in PROMPTS]
-    assert ours != [hf_greedy(plain, p) for p in PROMPTS]  # the scaling changes these tokens
+    assert greedy(llm) == [hf_greedy(scaled.eval(), p) for p in PROMPTS]
+    # the next token's top logprobs after the longer prompt: transformers' with the scaling,
+    # clearly not its plain RoPE's (the tiny Gemma repeats its last token either way)
+    out = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=1, logprobs=5))[0]
+    ours = out.outputs[0].logprobs[0]
+    with torch.no_grad():
+        want, other = (torch.log_softmax(m(torch.tensor([PROMPTS[1]])).logits[0, -1], -1) for m in (scaled, plain))
+    assert max(abs(lp - float(want[t])) for t, lp in ours.items()) < 1e-3
+    assert max(abs(lp - float(other[t])) for t, lp in ours.items()) > 1e-2
 
 
 _LLAMA_META = {
@@ -233,3 +244,24 @@ def test_multi_turn_chat_past_the_window_recomputes_only_the_new_turn(tiny: dict
         assert list(out.token_ids) == list(cold.generate([prompt], params)[0].token_ids)
         context = prompt + list(out.token_ids)
     assert len(context) > 8 * 16
+
+
+def test_gemma3_hf_rope_scaling() -> None:
+    """Gemma 3 4B+ checkpoints scale the global layers' RoPE linearly (transformers 5:
+    rope_parameters per layer type; 4: one rope_scaling); the local layers' never."""
+    base = {"model_type": "gemma3_text", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 6, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+            "sliding_window": 16}
+    v5 = {**base, "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                      "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
+    v4 = {**base, "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "rope_theta": 1e6}
+    for d in (v5, v4):
+        cfg = ModelConfig.from_hf(d)
+        assert cfg.rope_freq_factors == (8.0,) * 16 and cfg.rope_local_theta == 1e4
+    local = {**v5, "rope_parameters": {**v5["rope_parameters"], "sliding_attention": {"rope_type": "linear"}}}
+    with pytest.raises(UnsupportedModelError, match="linear"):
+        ModelConfig.from_hf(local)
+    with pytest.raises(UnsupportedModelError, match="yarn"):
+        ModelConfig.from_hf({**v4, "rope_scaling": {"rope_type": "yarn", "factor": 8.0}})
+    with pytest.raises(ModelLoadError, match="factor"):
+        ModelConfig.from_hf({**v4, "rope_scaling": {"rope_type": "linear", "factor": 0}})

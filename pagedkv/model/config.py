@@ -298,13 +298,21 @@ def _gemma3_from_hf(d: Mapping[str, Any]) -> ModelConfig:
         raise UnsupportedModelError(f"gemma3: hidden_activation {act!r} is not supported")
     rope = d.get("rope_parameters") or {}
     full, local = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
-    for params in (full, local):
-        if params.get("rope_type", "default") != "default":
-            raise UnsupportedModelError(f"gemma3: rope scaling {params['rope_type']!r} is not supported")
+    if not rope and d.get("rope_scaling"):  # transformers 4: one scaling, the global layers'
+        full = d["rope_scaling"]
+    full_type = full.get("rope_type", full.get("type", "default"))
+    local_type = local.get("rope_type", "default")
+    if full_type not in ("default", "linear") or local_type != "default":
+        bad = local_type if full_type in ("default", "linear") else full_type
+        raise UnsupportedModelError(f"gemma3: rope scaling {bad!r} is not supported")
+    heads = d["num_attention_heads"]
+    head_dim = d.get("head_dim") or d["hidden_size"] // heads
+    factors = None  # 4B+: the global layers' RoPE scaled linearly (the local ones never)
+    if full_type == "linear":
+        factors = (_positive(full.get("factor"), "gemma3 rope factor"),) * (head_dim // 2)
     n = d["num_hidden_layers"]
     pattern = d.get("sliding_window_pattern", GEMMA3_PATTERN)
     types = _hf_layer_types(d) or ["sliding" if (i + 1) % pattern else "full" for i in range(n)]
-    heads = d["num_attention_heads"]
     return ModelConfig(
         architecture="gemma3",
         vocab_size=d["vocab_size"],
@@ -313,8 +321,9 @@ def _gemma3_from_hf(d: Mapping[str, Any]) -> ModelConfig:
         num_layers=n,
         num_heads=heads,
         num_kv_heads=d.get("num_key_value_heads") or heads,
-        head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+        head_dim=head_dim,
         rope_theta=float(full.get("rope_theta") or d.get("rope_theta") or 1e6),
+        rope_freq_factors=factors,
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
         attention_bias=bool(d.get("attention_bias", False)),
@@ -342,10 +351,13 @@ def _gemma3_from_gguf(metadata: Mapping[str, Any], names: set[str]) -> ModelConf
         return v
 
     scaling = metadata.get("gemma3.rope.scaling.type", "none")
-    if scaling != "none":
+    if scaling not in ("none", "linear"):
         raise UnsupportedModelError(f"GGUF gemma3 rope scaling {scaling!r} is not supported")
     hidden, heads, n = int(get("embedding_length")), int(get("attention.head_count")), int(get("block_count"))
     head_dim = int(get("attention.key_length", 256))
+    factors = None  # Gemma 3 4B+: linear scaling (8) of the global layers' RoPE only
+    if scaling == "linear":
+        factors = (_positive(get("rope.scaling.factor"), "gemma3.rope.scaling.factor"),) * (head_dim // 2)
     if int(get("rope.dimension_count", head_dim)) != head_dim:
         raise UnsupportedModelError("GGUF gemma3: partial rotary embeddings are not supported")
     window = metadata.get("gemma3.attention.sliding_window")
@@ -363,6 +375,7 @@ def _gemma3_from_gguf(metadata: Mapping[str, Any], names: set[str]) -> ModelConf
         num_kv_heads=int(get("attention.head_count_kv", heads)),
         head_dim=head_dim,
         rope_theta=float(get("rope.freq_base", 1e6)),
+        rope_freq_factors=factors,
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         tie_word_embeddings="output.weight" not in names,
         qk_norm=True,
