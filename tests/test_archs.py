@@ -10,13 +10,14 @@ float32 greedy tokens one by one.
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any
 
 import gguf
 import pytest
 import torch
-from tiny_gguf import SPECS, TinySpec, rope_freqs, write_tiny_gguf
+from tiny_gguf import SPECS, TinySpec, longrope_factors, rope_freqs, write_tiny_gguf
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.errors import ModelLoadError, UnsupportedModelError
@@ -125,13 +126,19 @@ SCALED = {
     "linear": TinySpec("llama", "DeepSeek-Coder tiny", 512, 4, 4, 128, 1376, rope_theta=1e5,
                        linear=4.0, seed=8, qtypes={"attn": Q8, "ffn": Q4}),
     # Gemma 3 4B+: the global layers' RoPE (base 1e6) scaled by 8, the local ones (1e4) not
-    "gemma3": dataclasses.replace(SPECS["gemma3"], name="Gemma 3 4B tiny", linear=8.0, seed=11),
+    "gemma3": dataclasses.replace(SPECS["gemma3"], name="Gemma 3 4B tiny", linear=8.0, seed=9),
+    # Phi-3.5-mini's LongRoPE (original context 4,096 of 131,072; here 64 of 2,048)
+    "longrope": dataclasses.replace(SPECS["phi3"], name="Phi3.5 tiny", longrope=64, seed=10),
 }
 
 
 def _rope_parameters(spec: TinySpec, hf: dict[str, Any]) -> dict[str, Any]:
     if spec.arch == "gemma3":  # per layer type
         return {**hf, "full_attention": {**hf["full_attention"], "rope_type": "linear", "factor": spec.linear}}
+    if spec.longrope:
+        short, long = longrope_factors(spec)
+        return {"rope_type": "longrope", "rope_theta": spec.rope_theta, "short_factor": short.tolist(),
+                "long_factor": long.tolist(), "original_max_position_embeddings": spec.longrope}
     if spec.linear:
         return {"rope_type": "linear", "rope_theta": spec.rope_theta, "factor": spec.linear}
     factor, low, high, ctx = spec.llama3
@@ -141,10 +148,11 @@ def _rope_parameters(spec: TinySpec, hf: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.mark.parametrize("kind", sorted(SCALED))
 def test_gguf_rope_scaling(kind: str, tmp_path: Path) -> None:
-    """A Llama 3.1+ file's rope_freqs (its "llama3" RoPE scaling, as per-frequency divisors) and
-    a file's linear rope scaling are applied as llama.cpp applies them: greedy equals
-    transformers' with the model's own rope_parameters. (transformers' GGUF loader drops both
-    and runs plain RoPE, which parts from it here.)"""
+    """A Llama 3.1+ file's rope_freqs (its "llama3" RoPE scaling, as per-frequency divisors), a
+    file's linear rope scaling and Phi-3's LongRoPE (its short factors and attention factor) are
+    applied as llama.cpp applies them: greedy equals transformers' with the model's own
+    rope_parameters. (transformers' GGUF loader drops them all and runs plain RoPE, which parts
+    from it here.)"""
     from transformers import AutoModelForCausalLM
 
     spec = SCALED[kind]
@@ -152,11 +160,16 @@ def test_gguf_rope_scaling(kind: str, tmp_path: Path) -> None:
     plain = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
     d = {k: v for k, v in plain.config.to_dict().items() if k != "quantization_config"}
     d["rope_parameters"] = _rope_parameters(spec, d["rope_parameters"])
+    if spec.longrope:  # as Phi-3.5's config.json has it too (the GGUF config: Phi3Config's 4,096)
+        d["original_max_position_embeddings"] = spec.longrope
     scaled = type(plain)(type(plain.config).from_dict(d))
     scaled.load_state_dict(plain.state_dict())
     llm = LLM(str(path), num_blocks=64)
-    want = rope_freqs(spec).tolist() if spec.llama3 else [spec.linear] * (spec.head_dim // 2)
+    want = (rope_freqs(spec).tolist() if spec.llama3 else longrope_factors(spec)[0].tolist() if spec.longrope
+            else [spec.linear] * (spec.head_dim // 2))
     assert llm.engine.loaded.config.rope_freq_factors == pytest.approx(want)
+    if spec.longrope:  # the short factors' context (transformers switches to the long ones past it)
+        assert llm.engine.max_model_len == spec.longrope
     assert greedy(llm) == [hf_greedy(scaled.eval(), p) for p in PROMPTS]
     # the next token's top logprobs after the longer prompt: transformers' with the scaling,
     # clearly not its plain RoPE's (the tiny Gemma repeats its last token either way)
@@ -207,11 +220,22 @@ _META = {
 }
 
 
-def test_gguf_partial_rotary_and_longrope_refused() -> None:
+def test_gguf_partial_rotary_refused_and_longrope_config() -> None:
     with pytest.raises(UnsupportedModelError, match="partial rotary"):  # Phi-4-mini: 96 of 128
         ModelConfig.from_gguf({**_META, "phi3.rope.dimension_count": 72}, [])
-    with pytest.raises(UnsupportedModelError, match="rope_factors_long"):  # Phi-3 128k files
-        ModelConfig.from_gguf(_META, ["rope_factors_long.weight", "rope_factors_short.weight"])
+    names = ["rope_factors_long.weight", "rope_factors_short.weight"]  # Phi-3.5, Phi-3 128k
+    meta = {**_META, "phi3.context_length": 131072, "phi3.rope.scaling.original_context_length": 4096}
+    cfg = ModelConfig.from_gguf(meta, names, rope_freqs=[1.5] * 48)
+    assert (cfg.rope_freq_factors, cfg.max_position_embeddings) == ((1.5,) * 48, 4096)
+    assert cfg.rope_attention_factor == pytest.approx((1 + math.log(32) / math.log(4096)) ** 0.5)
+    cfg = ModelConfig.from_gguf({**meta, "phi3.rope.scaling.attn_factor": 1.25}, names, rope_freqs=[1.0] * 48)
+    assert cfg.rope_attention_factor == 1.25
+    for bad_meta, bad_names in (({**meta, "phi3.rope.scaling.attn_factor": -1.0}, names),
+                                (_META, names),  # no original context
+                                (meta, names[:1]),  # long factors only
+                                (meta, [*names, "rope_freqs.weight"])):
+        with pytest.raises(ModelLoadError):
+            ModelConfig.from_gguf(bad_meta, bad_names, rope_freqs=[1.0] * 48)
     cfg = ModelConfig.from_gguf({**_META, "phi3.attention.sliding_window": 2047}, ["output.weight"])
     assert (cfg.architecture, cfg.head_dim, cfg.sliding_window, cfg.fused_projections) == ("phi3", 96, 2047, True)
     with pytest.raises(UnsupportedModelError, match="supported: "):
@@ -265,3 +289,28 @@ def test_gemma3_hf_rope_scaling() -> None:
         ModelConfig.from_hf({**v4, "rope_scaling": {"rope_type": "yarn", "factor": 8.0}})
     with pytest.raises(ModelLoadError, match="factor"):
         ModelConfig.from_hf({**v4, "rope_scaling": {"rope_type": "linear", "factor": 0}})
+
+
+def test_hf_linear_and_longrope_configs() -> None:
+    """A checkpoint's linear scaling and Phi-3.5's LongRoPE (transformers 4's rope_scaling with a
+    top-level original context, or 5's rope_parameters) become the same divisors as the files'."""
+    base = {"model_type": "phi3", "vocab_size": 100, "hidden_size": 96, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 2, "max_position_embeddings": 131072}
+    long = {"short_factor": [1.0 + i / 24 for i in range(24)], "long_factor": [8.0] * 24}
+    v4 = {**base, "original_max_position_embeddings": 4096, "rope_scaling": {"type": "longrope", **long}}
+    v5 = {**base, "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, **long,
+                                      "original_max_position_embeddings": 4096}}
+    for d in (v4, v5):
+        cfg = ModelConfig.from_hf(d)
+        assert cfg.rope_freq_factors == tuple(long["short_factor"]) and cfg.max_position_embeddings == 4096
+        assert cfg.rope_attention_factor == pytest.approx((1 + math.log(32) / math.log(4096)) ** 0.5)
+        assert cfg.rope_scaling is None
+    cfg = ModelConfig.from_hf({**v4, "rope_scaling": {"type": "longrope", **long, "attention_factor": 1.1}})
+    assert cfg.rope_attention_factor == 1.1
+    with pytest.raises(ModelLoadError, match="rope_freq_factors"):  # 24 divisors for heads of 48
+        ModelConfig.from_hf({**v4, "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 23}})
+    with pytest.raises(ModelLoadError, match="original_max_position_embeddings"):
+        ModelConfig.from_hf({**base, "rope_scaling": {"type": "longrope", **long}})
+    llama = {"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+             "num_hidden_layers": 2, "num_attention_heads": 2, "rope_scaling": {"type": "linear", "factor": 4.0}}
+    assert ModelConfig.from_hf(llama).rope_freq_factors == (4.0,) * 16

@@ -50,6 +50,7 @@ class TinySpec:
     # as llama.cpp's converter writes it: a rope_freqs tensor of per-frequency divisors
     llama3: tuple[float, float, float, int] | None = None
     linear: float | None = None  # rope.scaling.type linear with this factor (DeepSeek-Coder: 4)
+    longrope: int | None = None  # Phi-3 LongRoPE from this original context (the file's: 32x it)
     seed: int = 0
     qtypes: dict[str, Q] = field(default_factory=dict)
     chat: bool = False  # write SmolLM2's chat template (the whole-model specs, for `bench serve`)
@@ -141,6 +142,10 @@ def _tensors(spec: TinySpec, fast: bool = False) -> dict[str, tuple[np.ndarray, 
     out["output_norm.weight"] = norm(h)
     if spec.llama3 is not None:
         out["rope_freqs.weight"] = (rope_freqs(spec), Q.F32)
+    if spec.longrope:
+        short, long = longrope_factors(spec)
+        out["rope_factors_long.weight"] = (long, Q.F32)
+        out["rope_factors_short.weight"] = (short, Q.F32)
     if not spec.tied:
         out["output.weight"] = mat(spec.vocab, h, "output", 3.0)
     return out
@@ -164,6 +169,13 @@ def rope_freqs(spec: TinySpec) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
+def longrope_factors(spec: TinySpec) -> tuple[np.ndarray, np.ndarray]:
+    """LongRoPE's short and long factors, one per rotary frequency (fixed random values)."""
+    rng = np.random.default_rng(spec.seed + 100)
+    n = spec.head_dim // 2
+    return (1 + 2 * rng.random(n)).astype(np.float32), (1 + 30 * rng.random(n)).astype(np.float32)
+
+
 def _encode(values: np.ndarray, qtype: Q) -> np.ndarray:
     if values.dtype == np.uint8:  # already blocks
         return values
@@ -180,7 +192,7 @@ def write_tiny_gguf(spec: TinySpec, path: str | Path, fast: bool = False) -> Pat
     path = Path(path)
     w = gguf.GGUFWriter(str(path), spec.arch)
     w.add_name(spec.name)
-    w.add_context_length(4096)
+    w.add_context_length(32 * spec.longrope if spec.longrope else 4096)
     w.add_block_count(spec.layers)
     w.add_embedding_length(spec.hidden)
     w.add_feed_forward_length(spec.intermediate)
@@ -197,6 +209,9 @@ def write_tiny_gguf(spec: TinySpec, path: str | Path, fast: bool = False) -> Pat
     if spec.linear:
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(spec.linear)
+    if spec.longrope:  # as llama.cpp's converter: the original context and the attention factor
+        w.add_rope_scaling_orig_ctx_len(spec.longrope)
+        w.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(32) / np.log(spec.longrope))))
     tokens, types, merges = smollm2_vocab(min(spec.vocab, 49152))  # SmolLM2's 49,152 at most
     if spec.vocab > len(tokens):  # padded to the embedding's rows (llama.cpp checks), with plain
         pad = spec.vocab - len(tokens)  # text tokens: a random model that samples one still streams text

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pagedkv.errors import ModelLoadError, UnsupportedModelError
+
+logger = logging.getLogger("pagedkv.model")
 
 # HF model_type / GGUF general.architecture -> our name. All share one decoder layout; Qwen3
 # adds an RMSNorm over each q and k head before RoPE (`qk_norm`), Phi-3 stores q/k/v and gate/up
@@ -31,10 +34,11 @@ _GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
 GEMMA3_PATTERN = 6
 GEMMA3_LOCAL_THETA = 10000.0
 LAYER_TYPES = ("sliding", "full")
-# GGUF tensors of a RoPE variant not implemented: Phi-3 LongRoPE
-_GGUF_ROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
-# llama.cpp's per-frequency divisors (Llama 3.1+ files store their "llama3" scaling this way)
+# llama.cpp's per-frequency divisors: Llama 3.1+ files store their "llama3" scaling this way,
+# Phi-3 LongRoPE files their short- and long-context factors (only the short ones are used)
 GGUF_ROPE_FREQS = "rope_freqs.weight"
+GGUF_ROPE_SHORT, GGUF_ROPE_LONG = "rope_factors_short.weight", "rope_factors_long.weight"
+GGUF_ROPE_TENSORS = (GGUF_ROPE_FREQS, GGUF_ROPE_SHORT, GGUF_ROPE_LONG)  # config, not weights
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -55,6 +59,8 @@ class ModelConfig:
     # a GGUF file's rope_freqs: each of the head_dim / 2 rotary frequencies divided by its factor,
     # as llama.cpp does (the "llama3" scaling, precomputed by its converter); None: none
     rope_freq_factors: tuple[float, ...] | None = None
+    # cos and sin of the RoPE tables times this (LongRoPE's attention factor; 1: none)
+    rope_attention_factor: float = 1.0
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q/k/v projections (Qwen2)
@@ -105,6 +111,9 @@ class ModelConfig:
                 raise ModelLoadError("config: sliding layers need a sliding_window")
         if self.rope_freq_factors is not None:
             self._check_freq_factors()
+        a = self.rope_attention_factor
+        if not (isinstance(a, float) and math.isfinite(a) and a > 0):
+            raise ModelLoadError(f"config: rope_attention_factor must be a finite positive float, got {a!r}")
 
     def _check_freq_factors(self) -> None:
         f = self.rope_freq_factors
@@ -179,6 +188,20 @@ class ModelConfig:
         if float(partial) != 1.0:
             raise UnsupportedModelError(f"{arch}: partial rotary embeddings ({partial}) are not supported")
         scaling = d.get("rope_scaling") or rope or None
+        head_dim = d.get("head_dim") or d["hidden_size"] // heads
+        context = d.get("max_position_embeddings", 2048)
+        factors, attention = None, 1.0
+        kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+        if kind == "linear":  # positions divided by the factor: every frequency alike
+            factors = (_positive(scaling.get("factor"), "rope scaling factor"),) * (head_dim // 2)
+            scaling = None
+        elif kind in ("longrope", "su"):  # Phi-3.5 and 128k Phi-3 (su: the old name)
+            orig = scaling.get("original_max_position_embeddings") or d.get("original_max_position_embeddings")
+            orig = int(_positive(orig, "original_max_position_embeddings"))
+            factors = tuple(_positive(v, "longrope short_factor") for v in scaling.get("short_factor") or ())
+            attn = scaling.get("attention_factor")
+            attention = longrope_attention(context, orig) if attn is None else _positive(attn, "attention_factor")
+            context, scaling = _longrope_context(context, orig), None
         window, types = d.get("sliding_window"), _hf_layer_types(d)
         if arch in ("qwen2", "qwen3") and not d.get("use_sliding_window", False):
             window = types = None
@@ -195,14 +218,16 @@ class ModelConfig:
             num_layers=d["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            head_dim=head_dim,
             rope_theta=float(theta),
             rope_scaling=scaling,
+            rope_freq_factors=factors,
+            rope_attention_factor=attention,
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=arch == "qwen2" or bool(d.get("attention_bias", False)),
             qk_norm=arch == "qwen3",
-            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            max_position_embeddings=context,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=_as_id_list(d.get("eos_token_id")),
             sliding_window=window,
@@ -222,15 +247,13 @@ class ModelConfig:
         names = set(tensor_names)
         if gguf_arch == "gemma3":
             return _gemma3_from_gguf(metadata, names)
-        rope_tensors = [n for n in _GGUF_ROPE_TENSORS if n in names]
-        if rope_tensors:
-            raise UnsupportedModelError(
-                f"GGUF {rope_tensors[0].removesuffix('.weight')} (Phi-3 LongRoPE scaling) is not "
-                "supported; load the Hugging Face directory instead"
-            )
-        if (GGUF_ROPE_FREQS in names) != (rope_freqs is not None):
-            raise ModelLoadError(f"GGUF {GGUF_ROPE_FREQS}: the file's values must come with its name"
-                                 if rope_freqs is None else f"rope_freqs given, but no {GGUF_ROPE_FREQS}")
+        longrope = GGUF_ROPE_SHORT in names or GGUF_ROPE_LONG in names
+        if longrope and (GGUF_ROPE_SHORT not in names or GGUF_ROPE_FREQS in names):
+            raise ModelLoadError(f"GGUF RoPE factors {sorted(n for n in GGUF_ROPE_TENSORS if n in names)}: "
+                                 "LongRoPE needs its short factors, and not with rope_freqs")
+        if any(n in names for n in GGUF_ROPE_TENSORS) != (rope_freqs is not None):
+            raise ModelLoadError("GGUF rope_freqs / rope_factors: the values must come with the tensor"
+                                 if rope_freqs is None else "rope_freqs given, but the file has no such tensor")
         scaling_type = metadata.get(f"{gguf_arch}.rope.scaling.type", "none")
         if scaling_type not in ("none", "linear"):
             raise UnsupportedModelError(f"GGUF rope scaling {scaling_type!r} is not supported")
@@ -247,6 +270,14 @@ class ModelConfig:
         if scaling_type == "linear":  # positions divided by the factor: every frequency alike
             linear = _positive(get("rope.scaling.factor"), f"{gguf_arch}.rope.scaling.factor")
             rope_freqs = [linear * float(v) for v in (rope_freqs or [1.0] * (head_dim // 2))]
+        context, attention = int(get("context_length", 2048)), 1.0
+        if longrope:
+            orig = int(_positive(get("rope.scaling.original_context_length"),
+                                 f"{gguf_arch}.rope.scaling.original_context_length"))
+            attn = metadata.get(f"{gguf_arch}.rope.scaling.attn_factor")
+            attention = (longrope_attention(context, orig) if attn is None
+                         else _positive(attn, f"{gguf_arch}.rope.scaling.attn_factor"))
+            context = _longrope_context(context, orig)
         if rotary != head_dim:
             raise UnsupportedModelError(
                 f"GGUF {gguf_arch}: RoPE over {rotary} of {head_dim} head dims (partial rotary) is "
@@ -268,11 +299,12 @@ class ModelConfig:
             head_dim=head_dim,
             rope_theta=float(get("rope.freq_base", 10000.0)),
             rope_freq_factors=None if rope_freqs is None else tuple(float(v) for v in rope_freqs),
+            rope_attention_factor=attention,
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
             tie_word_embeddings="output.weight" not in names,
             attention_bias="blk.0.attn_q.bias" in names,
             qk_norm="blk.0.attn_q_norm.weight" in names,
-            max_position_embeddings=int(get("context_length", 2048)),
+            max_position_embeddings=context,
             bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=_as_id_list([e for e in eos if e is not None]),
             sliding_window=int(window) if window else None,
@@ -390,6 +422,22 @@ def _gemma3_from_gguf(metadata: Mapping[str, Any], names: set[str]) -> ModelConf
         query_pre_attn_scalar=float(hidden // heads if n == 62 else head_dim),
         hidden_act="gelu_tanh",
     )
+
+
+def longrope_attention(context: int, orig: int) -> float:
+    """LongRoPE's default attention factor, as transformers (and llama.cpp's converter) compute
+    it from the extended and the original context: sqrt(1 + ln(scale) / ln(orig))."""
+    scale = context / orig
+    return math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0
+
+
+def _longrope_context(context: int, orig: int) -> int:
+    """LongRoPE's short factors hold up to the original context; past it transformers switches
+    every position to the long factors, which is not implemented: the context stops there."""
+    if context > orig:
+        logger.warning("LongRoPE: the short-context factors are used, so the context is capped at "
+                       "the original %d tokens (of %d; the long factors are not implemented)", orig, context)
+    return min(context, orig)
 
 
 def _positive(value: Any, what: str) -> float:

@@ -87,6 +87,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = cfg.head_dim
         self.inv_freq = _inv_freq(cfg, theta)  # [D/2] float32
+        self.scale = cfg.rope_attention_factor if theta is None else 1.0  # on cos and sin
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin_signed", torch.empty(0), persistent=False)
         # start small (a 128k-context model would need 134 MB of tables); lookup() grows them
@@ -98,6 +99,8 @@ class RotaryEmbedding(nn.Module):
         t = torch.arange(num_positions, dtype=torch.float32, device=dev)
         freqs = torch.outer(t, self.inv_freq.to(dev))  # [P, D/2]
         cos, sin = freqs.cos(), freqs.sin()
+        if self.scale != 1.0:  # LongRoPE: q and k each scaled by the attention factor
+            cos, sin = cos * self.scale, sin * self.scale
         self.cos = torch.cat([cos, cos], dim=-1).to(dtype)  # [P, D]
         self.sin_signed = torch.cat([-sin, sin], dim=-1).to(dtype)  # [P, D]
 

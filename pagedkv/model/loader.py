@@ -38,7 +38,7 @@ import torch
 from pagedkv.cache.storage import DTYPES as _DTYPES  # one table of dtype names
 from pagedkv.errors import ModelLoadError
 from pagedkv.model import tokenizer_cache
-from pagedkv.model.config import GGUF_ROPE_FREQS, ModelConfig
+from pagedkv.model.config import GGUF_ROPE_FREQS, GGUF_ROPE_SHORT, GGUF_ROPE_TENSORS, ModelConfig
 from pagedkv.model.gguf_file import GGUFFile
 from pagedkv.model.llama import LlamaModel
 from pagedkv.model.quant import ACTIVATIONS, BATCH_WEIGHTS, QPart
@@ -233,13 +233,15 @@ def _load_gguf(path: Path, dtype: torch.dtype, tokenizer: Any | None, keep: bool
 
 
 def _rope_freqs(g: GGUFFile) -> list[float] | None:
-    """The file's rope_freqs values (one divisor per rotary frequency), None if it has none."""
-    if GGUF_ROPE_FREQS not in g.tensors:
+    """The file's RoPE divisors, one per rotary frequency: rope_freqs (Llama 3.1+), or LongRoPE's
+    short factors (Phi-3); None if it has neither."""
+    name = next((n for n in (GGUF_ROPE_FREQS, GGUF_ROPE_SHORT) if n in g.tensors), None)
+    if name is None:
         return None
-    info = g.tensors[GGUF_ROPE_FREQS]
+    info = g.tensors[name]
     if len(info.shape) != 1:
-        raise ModelLoadError(f"{g.path}: {GGUF_ROPE_FREQS} has shape {list(info.shape)}, not 1-D")
-    return [float(v) for v in g.dequantize(GGUF_ROPE_FREQS)]
+        raise ModelLoadError(f"{g.path}: {name} has shape {list(info.shape)}, not 1-D")
+    return [float(v) for v in g.dequantize(name)]
 
 
 def _gguf_weights(
@@ -251,7 +253,7 @@ def _gguf_weights(
     mapping too, copied once, into their parameter. `table`: the architecture's layer names.
     Gemma files store each norm as 1 + w; it comes out as transformers' w (the model adds 1)."""
     for gguf_name in g.tensors:
-        if gguf_name == GGUF_ROPE_FREQS:  # config, read into ModelConfig.rope_freq_factors
+        if gguf_name in GGUF_ROPE_TENSORS:  # config, read into ModelConfig.rope_freq_factors
             continue
         name = _hf_name(gguf_name, table)
         info = g.tensors[gguf_name]
