@@ -751,3 +751,45 @@ def test_real_load_200_streams_quarter_disconnect(real: Running, offline: Any) -
 
 def _aborts(metrics: dict[str, float]) -> float:
     return sum(v for k, v in metrics.items() if 'finished_reason="abort"' in k)
+
+
+class _HookedEngine(FakeEngine):
+    """A FakeEngine whose steps run a "forward pass": LLMEngine's before_forward hook first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.before_forward: Any = None
+        self.aengine: Any = None
+        self.held_at_forward: list[int] = []  # outputs not yet handed over, at each forward
+
+    def step(self) -> list[RequestOutput]:
+        if self.requests and self.before_forward is not None:
+            self.held_at_forward.append(len(self.aengine._held))
+            self.before_forward()
+            assert not self.aengine._held  # handed over before the pass
+        return super().step()
+
+
+def test_step_outputs_reach_the_loop_when_the_next_forward_starts() -> None:
+    """Each step's deltas wait for the next step's forward pass (the event loop's work then
+    runs beside it); the last step's go at once, as no forward follows."""
+    import asyncio
+
+    from pagedkv.server.async_engine import AsyncEngine
+
+    async def main() -> tuple[_HookedEngine, list[int], bool]:
+        engine = _HookedEngine()
+        aengine = engine.aengine = AsyncEngine(engine)
+        aengine.start()
+        params = lambda n: SamplingParams(max_tokens=5, temperature=0)  # noqa: E731
+        stream = await aengine.add("r1", "hello", params)
+        ids: list[int] = []
+        while not stream.finished:
+            update = await asyncio.wait_for(stream.get(), 5)
+            ids.extend(t for c in update.choices for t in c.token_ids)
+        await asyncio.to_thread(aengine.stop)
+        return engine, ids, bool(aengine._held)
+
+    engine, ids, left = asyncio.run(main())
+    assert len(ids) == 5 and not left
+    assert engine.held_at_forward == [0, 1, 1, 1, 1]  # the first pass had nothing to hand over

@@ -175,6 +175,9 @@ class LLMEngine:
         self._busy_s = 0.0
         self._forward_s = 0.0
         self._fork_shared = 0
+        # called on this thread right before each forward pass (the server hands the previous
+        # step's outputs to its event loop then, while the pass's kernels leave the GIL free)
+        self.before_forward: Callable[[], None] | None = None
 
     def _capture_graphs(self, c: EngineConfig, windows: Seq[int | None]) -> GraphRunner | None:
         """CUDA graphs of the decode step at c.graph_sizes(), captured now; None on the CPU,
@@ -387,6 +390,8 @@ class LLMEngine:
         tf = time.perf_counter()
         if masks and self._overlap_masks():
             self.sampler.prefetch(plan.samplers)
+        if self.before_forward is not None:
+            self.before_forward()
         try:
             logits = self.runner.run(plan)
         except BaseException:
