@@ -237,6 +237,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--threads", type=int, default=2, help="threads of the pagedkv server started")
     ap.add_argument("--weights", default=None, choices=["quantized", "float32"],
                     help="weights of the pagedkv server started for --peer")
+    ap.add_argument("--activations", default=None, choices=["float32", "int8"],
+                    help="activations of the pagedkv server started for --peer and of its "
+                         "in-process reference (default: the engine's, float32)")
     ap.add_argument("--no-in-process", action="store_true",
                     help="with --peer: skip the in-process reference (LLMEngine.step, no HTTP)")
 
@@ -246,7 +249,8 @@ def _requests_for(concurrency: int) -> int:
     return max(4, 2 * concurrency) if concurrency < 40 else concurrency
 
 
-def start_pagedkv(threads: int, weights: str | None, model: str | None) -> tuple[subprocess.Popen, str]:
+def start_pagedkv(threads: int, weights: str | None, model: str | None,
+                  activations: str | None = None) -> tuple[subprocess.Popen, str]:
     """`pagedkv serve` as its own process (as the peer is); returns it once /health answers."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -254,6 +258,7 @@ def start_pagedkv(threads: int, weights: str | None, model: str | None) -> tuple
     cmd = [sys.executable, "-m", "pagedkv.cli", "serve", "--port", str(port), "--threads", str(threads),
            "--log-level", "warning", "--max-num-seqs", "64"]
     cmd += ["--weights", weights] if weights else []
+    cmd += ["--activations", activations] if activations else []
     cmd += ["--model", model] if model else []
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
@@ -277,7 +282,8 @@ def in_process_engine(args: argparse.Namespace, prompts: list[Prompt], levels: l
     from pagedkv.engine import LLMEngine
 
     torch.set_num_threads(args.threads)
-    engine = LLMEngine(args.model, weights=args.weights, num_blocks=1, max_num_seqs=64)
+    modes = {k: v for k, v in (("weights", args.weights), ("activations", args.activations)) if v}
+    engine = LLMEngine(args.model, num_blocks=1, max_num_seqs=64, **modes)
     longest = max(len(engine.tokenize(p)) for p in prompts)
     bs = engine.cache.block_size
     blocks = max(levels) * (-(-(longest + max_tokens) // bs) + 1)
@@ -334,7 +340,8 @@ def _brief(r: dict[str, Any]) -> dict[str, Any]:
 def run_peer(args: argparse.Namespace) -> dict[str, Any]:
     """pagedkv vs args.peer at each client count, same client and prompts."""
     levels = [int(c) for c in str(args.peer_concurrency).split(",") if c.strip()]
-    proc, ours = (None, args.base_url) if args.base_url else start_pagedkv(args.threads, args.weights, args.model)
+    proc, ours = ((None, args.base_url) if args.base_url else
+                  start_pagedkv(args.threads, args.weights, args.model, args.activations))
     max_tokens = 16 if args.quick else args.peer_max_tokens
     rows = {}
     prompts = args.prompt or default_prompts()
@@ -361,7 +368,8 @@ def run_peer(args: argparse.Namespace) -> dict[str, Any]:
             proc.terminate()
             proc.wait(timeout=30)
     return {"peer": args.peer, "pagedkv_threads": args.threads, "max_tokens": max_tokens,
-            "weights": args.weights or "default", "clients": rows}
+            "weights": args.weights or "default", "activations": args.activations or "default",
+            "clients": rows}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
