@@ -232,6 +232,8 @@ def test_gguf_partial_rotary_refused_and_longrope_config() -> None:
     assert cfg.rope_attention_factor == 1.25
     for bad_meta, bad_names in (({**meta, "phi3.rope.scaling.attn_factor": -1.0}, names),
                                 (_META, names),  # no original context
+                                ({**meta, "phi3.rope.scaling.original_context_length": 1}, names),
+                                ({**meta, "phi3.rope.scaling.original_context_length": 4096.5}, names),
                                 (meta, names[:1]),  # long factors only
                                 (meta, [*names, "rope_freqs.weight"])):
         with pytest.raises(ModelLoadError):
@@ -311,6 +313,9 @@ def test_hf_linear_and_longrope_configs() -> None:
         ModelConfig.from_hf({**v4, "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 23}})
     with pytest.raises(ModelLoadError, match="original_max_position_embeddings"):
         ModelConfig.from_hf({**base, "rope_scaling": {"type": "longrope", **long}})
+    for bad in ({"short_factor": 3.0}, {"short_factor": [1.0] * 23 + [float("nan")]}):
+        with pytest.raises(ModelLoadError, match="short_factor"):
+            ModelConfig.from_hf({**v4, "rope_scaling": {"type": "longrope", **long, **bad}})
     llama = {"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
              "num_hidden_layers": 2, "num_attention_heads": 2, "rope_scaling": {"type": "linear", "factor": 4.0}}
     assert ModelConfig.from_hf(llama).rope_freq_factors == (4.0,) * 16

@@ -56,8 +56,9 @@ class ModelConfig:
     # None (plain RoPE) or {"rope_type": "llama3", factor, low_freq_factor, high_freq_factor,
     # original_max_position_embeddings}
     rope_scaling: dict[str, Any] | None = None
-    # a GGUF file's rope_freqs: each of the head_dim / 2 rotary frequencies divided by its factor,
-    # as llama.cpp does (the "llama3" scaling, precomputed by its converter); None: none
+    # each of the head_dim / 2 rotary frequencies divided by its factor, as llama.cpp does: a GGUF
+    # file's rope_freqs (Llama 3.1+'s "llama3" scaling, precomputed by its converter), a linear
+    # scaling's factor, LongRoPE's short factors; None: none
     rope_freq_factors: tuple[float, ...] | None = None
     # cos and sin of the RoPE tables times this (LongRoPE's attention factor; 1: none)
     rope_attention_factor: float = 1.0
@@ -196,10 +197,14 @@ class ModelConfig:
             factors = (_positive(scaling.get("factor"), "rope scaling factor"),) * (head_dim // 2)
             scaling = None
         elif kind in ("longrope", "su"):  # Phi-3.5 and 128k Phi-3 (su: the old name)
-            orig = scaling.get("original_max_position_embeddings") or d.get("original_max_position_embeddings")
-            orig = int(_positive(orig, "original_max_position_embeddings"))
-            factors = tuple(_positive(v, "longrope short_factor") for v in scaling.get("short_factor") or ())
+            orig = _context(scaling.get("original_max_position_embeddings")
+                            or d.get("original_max_position_embeddings"), "original_max_position_embeddings")
+            short = scaling.get("short_factor")
+            if not isinstance(short, list | tuple):
+                raise ModelLoadError(f"longrope short_factor must be a list, got {short!r}")
+            factors = tuple(_positive(v, "longrope short_factor") for v in short)
             attn = scaling.get("attention_factor")
+            context = _context(context, "max_position_embeddings")
             attention = longrope_attention(context, orig) if attn is None else _positive(attn, "attention_factor")
             context, scaling = _longrope_context(context, orig), None
         window, types = d.get("sliding_window"), _hf_layer_types(d)
@@ -272,8 +277,9 @@ class ModelConfig:
             rope_freqs = [linear * float(v) for v in (rope_freqs or [1.0] * (head_dim // 2))]
         context, attention = int(get("context_length", 2048)), 1.0
         if longrope:
-            orig = int(_positive(get("rope.scaling.original_context_length"),
-                                 f"{gguf_arch}.rope.scaling.original_context_length"))
+            context = _context(context, f"{gguf_arch}.context_length")
+            orig = _context(get("rope.scaling.original_context_length"),
+                            f"{gguf_arch}.rope.scaling.original_context_length")
             attn = metadata.get(f"{gguf_arch}.rope.scaling.attn_factor")
             attention = (longrope_attention(context, orig) if attn is None
                          else _positive(attn, f"{gguf_arch}.rope.scaling.attn_factor"))
@@ -438,6 +444,13 @@ def _longrope_context(context: int, orig: int) -> int:
         logger.warning("LongRoPE: the short-context factors are used, so the context is capped at "
                        "the original %d tokens (of %d; the long factors are not implemented)", orig, context)
     return min(context, orig)
+
+
+def _context(value: Any, what: str) -> int:
+    """A context length (an int >= 2: LongRoPE takes its log) from a file, or ModelLoadError."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+        raise ModelLoadError(f"{what} must be an int of at least 2, got {value!r}")
+    return value
 
 
 def _positive(value: Any, what: str) -> float:
