@@ -808,4 +808,5 @@ def test_step_outputs_reach_the_loop_when_the_next_forward_starts() -> None:
 
     engine, ids, left = asyncio.run(main())
     assert len(ids) == 5 and not left
+    assert engine.before_forward is None  # unhooked when the server stopped
     assert engine.held_at_forward == [0, 1, 1, 1, 1]  # the first pass had nothing to hand over

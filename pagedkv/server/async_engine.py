@@ -419,6 +419,8 @@ class AsyncEngine:
         self._close_queue()
         self._fail_all(ShuttingDownError("the server is shutting down"))
         self._hand_over()
+        if getattr(self.engine, "before_forward", None) == self._before_forward:
+            self.engine.before_forward = None  # the engine may go on without this server
 
     def _close_queue(self) -> None:
         with self._lock:
