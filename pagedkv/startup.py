@@ -86,7 +86,7 @@ def engine_lines(engine: Any, source: Any, dtype: str) -> list[str]:
     if getattr(loaded, "batch_weights", "quantized") != "quantized":
         weights += f"; + float32 copy for batches, {human_bytes(loaded.model.batch_weight_bytes())}"
     if getattr(getattr(loaded, "config", None), "rope_freq_factors", None) is not None:
-        weights += "; RoPE frequency factors from the file's rope_freqs (Llama 3.1+ scaling, as llama.cpp)"
+        weights += "; RoPE frequencies scaled as the model says (llama.cpp's per-frequency divisors)"
     storage, cache = engine.storage, engine.cache
     tokens = getattr(cache, "token_capacity", cache.num_blocks * cache.block_size)
     groups = getattr(cache, "groups", None)

@@ -194,19 +194,16 @@ class ModelConfig:
         factors, attention = None, 1.0
         kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
         if kind == "linear":  # positions divided by the factor: every frequency alike
-            factors = (_positive(scaling.get("factor"), "rope scaling factor"),) * (head_dim // 2)
-            scaling = None
+            factors, scaling = _linear(scaling.get("factor"), head_dim, "rope scaling factor"), None
         elif kind in ("longrope", "su"):  # Phi-3.5 and 128k Phi-3 (su: the old name)
-            orig = _context(scaling.get("original_max_position_embeddings")
-                            or d.get("original_max_position_embeddings"), "original_max_position_embeddings")
             short = scaling.get("short_factor")
             if not isinstance(short, list | tuple):
                 raise ModelLoadError(f"longrope short_factor must be a list, got {short!r}")
             factors = tuple(_positive(v, "longrope short_factor") for v in short)
-            attn = scaling.get("attention_factor")
-            context = _context(context, "max_position_embeddings")
-            attention = longrope_attention(context, orig) if attn is None else _positive(attn, "attention_factor")
-            context, scaling = _longrope_context(context, orig), None
+            orig = scaling.get("original_max_position_embeddings") or d.get("original_max_position_embeddings")
+            attention, context = _longrope(context, orig, scaling.get("attention_factor"), (
+                "max_position_embeddings", "original_max_position_embeddings", "attention_factor"))
+            scaling = None
         window, types = d.get("sliding_window"), _hf_layer_types(d)
         if arch in ("qwen2", "qwen3") and not d.get("use_sliding_window", False):
             window = types = None
@@ -277,13 +274,10 @@ class ModelConfig:
             rope_freqs = [linear * float(v) for v in (rope_freqs or [1.0] * (head_dim // 2))]
         context, attention = int(get("context_length", 2048)), 1.0
         if longrope:
-            context = _context(context, f"{gguf_arch}.context_length")
-            orig = _context(get("rope.scaling.original_context_length"),
-                            f"{gguf_arch}.rope.scaling.original_context_length")
-            attn = metadata.get(f"{gguf_arch}.rope.scaling.attn_factor")
-            attention = (longrope_attention(context, orig) if attn is None
-                         else _positive(attn, f"{gguf_arch}.rope.scaling.attn_factor"))
-            context = _longrope_context(context, orig)
+            keys = [f"{gguf_arch}.{k}" for k in ("context_length", "rope.scaling.original_context_length",
+                                                  "rope.scaling.attn_factor")]
+            attention, context = _longrope(context, get("rope.scaling.original_context_length"),
+                                           metadata.get(keys[2]), keys)
         if rotary != head_dim:
             raise UnsupportedModelError(
                 f"GGUF {gguf_arch}: RoPE over {rotary} of {head_dim} head dims (partial rotary) is "
@@ -347,7 +341,7 @@ def _gemma3_from_hf(d: Mapping[str, Any]) -> ModelConfig:
     head_dim = d.get("head_dim") or d["hidden_size"] // heads
     factors = None  # 4B+: the global layers' RoPE scaled linearly (the local ones never)
     if full_type == "linear":
-        factors = (_positive(full.get("factor"), "gemma3 rope factor"),) * (head_dim // 2)
+        factors = _linear(full.get("factor"), head_dim, "gemma3 rope factor")
     n = d["num_hidden_layers"]
     pattern = d.get("sliding_window_pattern", GEMMA3_PATTERN)
     types = _hf_layer_types(d) or ["sliding" if (i + 1) % pattern else "full" for i in range(n)]
@@ -395,7 +389,7 @@ def _gemma3_from_gguf(metadata: Mapping[str, Any], names: set[str]) -> ModelConf
     head_dim = int(get("attention.key_length", 256))
     factors = None  # Gemma 3 4B+: linear scaling (8) of the global layers' RoPE only
     if scaling == "linear":
-        factors = (_positive(get("rope.scaling.factor"), "gemma3.rope.scaling.factor"),) * (head_dim // 2)
+        factors = _linear(get("rope.scaling.factor"), head_dim, "gemma3.rope.scaling.factor")
     if int(get("rope.dimension_count", head_dim)) != head_dim:
         raise UnsupportedModelError("GGUF gemma3: partial rotary embeddings are not supported")
     window = metadata.get("gemma3.attention.sliding_window")
@@ -430,20 +424,25 @@ def _gemma3_from_gguf(metadata: Mapping[str, Any], names: set[str]) -> ModelConf
     )
 
 
-def longrope_attention(context: int, orig: int) -> float:
-    """LongRoPE's default attention factor, as transformers (and llama.cpp's converter) compute
-    it from the extended and the original context: sqrt(1 + ln(scale) / ln(orig))."""
+def _linear(factor: Any, head_dim: int, what: str) -> tuple[float, ...]:
+    """A linear scaling as RoPE divisors: every rotary frequency divided by the factor."""
+    return (_positive(factor, what),) * (head_dim // 2)
+
+
+def _longrope(context: Any, orig: Any, attn: Any, names: Sequence[str]) -> tuple[float, int]:
+    """(attention factor, context) of LongRoPE's short-factor regime. `attn` None: the default
+    of transformers (and llama.cpp's converter), sqrt(1 + ln(scale) / ln(orig)) for scale =
+    context / orig. The short factors hold up to the original context; past it transformers
+    switches every position to the long ones, which is not implemented: the context stops there.
+    `names`: the three values' keys, for the errors."""
+    context, orig = _context(context, names[0]), _context(orig, names[1])
     scale = context / orig
-    return math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0
-
-
-def _longrope_context(context: int, orig: int) -> int:
-    """LongRoPE's short factors hold up to the original context; past it transformers switches
-    every position to the long factors, which is not implemented: the context stops there."""
+    attention = (_positive(attn, names[2]) if attn is not None
+                 else math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0)
     if context > orig:
         logger.warning("LongRoPE: the short-context factors are used, so the context is capped at "
                        "the original %d tokens (of %d; the long factors are not implemented)", orig, context)
-    return min(context, orig)
+    return attention, min(context, orig)
 
 
 def _context(value: Any, what: str) -> int:
@@ -454,13 +453,13 @@ def _context(value: Any, what: str) -> int:
 
 
 def _positive(value: Any, what: str) -> float:
-    """A finite positive float from a file's metadata, or ModelLoadError."""
+    """A finite positive float from a file's metadata or config, or ModelLoadError."""
     try:
         v = float(value)
     except (TypeError, ValueError):
         v = math.nan
     if not (math.isfinite(v) and v > 0):
-        raise ModelLoadError(f"GGUF {what} must be a finite positive number, got {value!r}")
+        raise ModelLoadError(f"{what} must be a finite positive number, got {value!r}")
     return v
 
 
