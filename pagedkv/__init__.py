@@ -7,11 +7,18 @@ torch is only loaded when something needs it.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 from pagedkv.lazy import lazy_names
 
 __version__ = "0.1.0"
+
+# PAGEDKV_MAX_ISA=avx2 runs the process as an AVX2-only CPU would (pagedkv/model/qkernel.py caps
+# our kernels): torch's own kernels and oneDNN are capped the same way, before torch picks them
+if os.environ.get("PAGEDKV_MAX_ISA", "").strip().lower() == "avx2":
+    os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
 
 # public name -> module that defines it
 _LAZY = {

@@ -68,6 +68,16 @@ def model_format(source: Any) -> str:
     return "Hugging Face checkpoint"
 
 
+def _kernels() -> str:
+    """", AVX-512 VNNI kernels" (what the quantized matmuls run), capped by PAGEDKV_MAX_ISA."""
+    from pagedkv.model import qkernel
+
+    isa = qkernel.isa() if qkernel.info()["loaded"] else None
+    if isa is None:
+        return ""
+    return f", {isa} kernels" + (" (PAGEDKV_MAX_ISA=avx2)" if qkernel.max_isa() == "avx2" else "")
+
+
 def engine_lines(engine: Any, source: Any, dtype: str) -> list[str]:
     """The model line and the KV cache line of the start-up report."""
     loaded = engine.loaded
@@ -81,6 +91,8 @@ def engine_lines(engine: Any, source: Any, dtype: str) -> list[str]:
     else:
         weights = "dequantized to " + dtype if fmt.startswith("GGUF") else dtype
     weights += f", {human_bytes(loaded.weight_bytes)}"
+    if getattr(loaded, "weights", "") == "quantized":
+        weights += _kernels()
     if getattr(loaded, "activations", "float32") != "float32":
         weights += f"; {loaded.activations} activations (approximate)"
     if getattr(loaded, "batch_weights", "quantized") != "quantized":

@@ -326,6 +326,8 @@ def test_llama_cpp_fallback_types_stay_quantized(tmp_path: Path) -> None:
     llm = LLM(str(tmp_path / "q.gguf"), num_blocks=8)
     line = engine_lines(llm.engine, str(tmp_path / "q.gguf"), "float32")[0]
     assert "kept quantized as in the file," in line and "expanded" not in line
+    if qkernel.load():  # the vector code the matmuls run
+        assert f", {qkernel.isa()} kernels" in line
 
 
 def test_weights_option_is_validated(tmp_path: Path) -> None:

@@ -367,8 +367,11 @@ def run_peer(args: argparse.Namespace) -> dict[str, Any]:
         if proc is not None:
             proc.terminate()
             proc.wait(timeout=30)
+    from pagedkv.model import qkernel
+
     return {"peer": args.peer, "pagedkv_threads": args.threads, "max_tokens": max_tokens,
             "weights": args.weights or "default", "activations": args.activations or "default",
+            "kernels": qkernel.isa() if proc is not None else None,  # the server started here
             "clients": rows}
 
 

@@ -9,13 +9,17 @@ package's block sizes at load.
 Built like the attention kernel (same compiler flags and cache folder, from
 pagedkv/attention/kernel.py) plus -ffp-contract=off, so that the kernel dequantizes with exactly
 the float32 roundings of the `gguf` package (a fused multiply-add would round d * q + m once).
-Registered as torch.ops.pagedkv_q.{qmatmul,qgemm,qrows,has_gemm,limit_isa,types},
+Registered as torch.ops.pagedkv_q.{qmatmul,qgemm,qrows,has_gemm,limit_isa,isa,types},
 torch.ops.pagedkv_a8.{quantize,matmul,linear,panel,panel_vnni} and
 torch.ops.pagedkv_ops.{add_rms_norm,silu_mul,rope,argmax,gelu_tanh_mul,norm_add_rms_norm}.
 
 Attempted once per process; any failure is logged once and `load()` returns False, and the
 callers (quant.py) use the pure-torch fallback. `PAGEDKV_NO_KERNEL=1` in the environment at the
 first attempt forces the fallback (read once, not per call).
+
+`PAGEDKV_MAX_ISA=avx2` caps every kernel of the library at its AVX2 code (pagedkv_q.limit_isa:
+no AVX-512, no VNNI panel), so a process runs the paths an AVX2-only CPU runs; pagedkv/__init__.py
+caps torch's own kernels and oneDNN alike. Unset or `avx512`: the widest the CPU has.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from pathlib import Path
 import torch
 
 from pagedkv.attention.kernel import build_and_load_units
+from pagedkv.errors import InvalidArgumentError
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +67,20 @@ def _disabled_by_env() -> bool:
     return value.strip().lower() not in ("", "0", "false", "no")
 
 
+MAX_ISAS = ("avx512", "avx2")
+# pagedkv_q.isa()'s levels, in words
+ISA_NAMES = ("scalar (no AVX2)", "AVX2", "AVX-512", "AVX-512 VNNI")
+
+
+def max_isa() -> str:
+    """PAGEDKV_MAX_ISA: "avx512" (unset: the widest the CPU has) or "avx2"; InvalidArgumentError
+    for anything else."""
+    value = os.environ.get("PAGEDKV_MAX_ISA", "").strip().lower() or "avx512"
+    if value not in MAX_ISAS:
+        raise InvalidArgumentError(f"PAGEDKV_MAX_ISA={value!r}: choose one of {list(MAX_ISAS)}")
+    return value
+
+
 def _build() -> None:
     build_and_load_units(_SOURCES, "pagedkv_qmatmul", _EXTRA_FLAGS, [_DIR])
 
@@ -89,6 +108,7 @@ def load() -> bool:
     k = _kernel
     if k.tried:
         return k.ok
+    cap = max_isa()  # a bad value is the caller's error, not a reason to fall back
     with k.lock:
         if k.tried:
             return k.ok
@@ -104,6 +124,8 @@ def load() -> bool:
             ):
                 raise RuntimeError("the library loaded but did not register its ops")
             _check_types(list(torch.ops.pagedkv_q.types()))
+            if cap == "avx2":
+                torch.ops.pagedkv_q.limit_isa(1)
             k.qmatmul = _raw(torch.ops.pagedkv_q.qmatmul.default)
             a8 = torch.ops.pagedkv_a8
             k.a8 = tuple(_raw(o.default) for o in (a8.quantize, a8.matmul, a8.linear))
@@ -156,5 +178,11 @@ def gemm():  # noqa: ANN201
     return _kernel.gemm if (_kernel.ok or load()) else None
 
 
+def isa() -> str | None:
+    """The vector code the kernels run now, in words ("AVX-512 VNNI", "AVX2", ...), or None
+    without the kernel."""
+    return ISA_NAMES[torch.ops.pagedkv_q.isa()] if (_kernel.ok or load()) else None
+
+
 def info() -> dict[str, object]:
-    return {"loaded": _kernel.ok, "error": _kernel.error}
+    return {"loaded": _kernel.ok, "error": _kernel.error, "isa": isa() if _kernel.ok else None}

@@ -20,7 +20,10 @@
 //   qgemm(x, w, qtype, out, col0): qmatmul for many rows (the gemm of qmatmul_simd.inc, AVX-512 or
 //     AVX2; qmatmul's paths without AVX2 or with K not a multiple of 32); has_gemm() -> whether
 //     the build has a gemm
-//   limit_isa(level) -> previous: 2 = AVX-512 where available (default), 1 = AVX2 at most
+//   limit_isa(level) -> previous: 2 = AVX-512 where available (default), 1 = AVX2 at most, for
+//     every kernel of the library (isa.h)
+//   isa() -> what calls run now: 0 scalar (a build without AVX2), 1 AVX2, 2 AVX-512, 3 AVX-512
+//     with the int8 kernels' VNNI code
 //   types() -> [type, block elements, block bytes] * n: the kernel types (ggml::TYPES)
 // Built by pagedkv/model/qkernel.py with the attention kernel's build helpers.
 
@@ -35,9 +38,17 @@
 #include <vector>
 
 #include "ggml_blocks.h"
+#include "isa.h"
+#include "qmatmul_a8.h"
 #include "qmatmul_simd.h"
 #include "simd.inc"
 #include "vec.h"
+
+namespace isa {
+// the library's ISA limit (isa.h)
+std::atomic<int64_t> level{2};
+int64_t limit() { return level.load(std::memory_order_relaxed); }
+}  // namespace isa
 
 namespace {
 
@@ -88,20 +99,20 @@ inline void dot4(const float* w, const float* x, int64_t ldx, int64_t K, float* 
 }
 
 #ifdef PQ_AVX2
-// The widest path the fused kernels may take (tests and benchmarks lower it to compare paths):
-// 2 = AVX-512 where the CPU has it, 1 = AVX2. Op: pagedkv_q.limit_isa(level) -> previous level.
-std::atomic<int64_t> isa_limit{2};
-
+// Op pagedkv_q.limit_isa(level) -> the previous level: the widest path every kernel may take
+// (isa.h): 2 = AVX-512 where the CPU has it, 1 = AVX2.
 int64_t limit_isa(int64_t level) {
   TORCH_CHECK(level == 1 || level == 2, "limit_isa: level must be 1 (AVX2) or 2 (AVX-512)");
-  return isa_limit.exchange(level);
+  return isa::level.exchange(level);
 }
 
 bool has_avx512() {
   static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-  return ok && isa_limit.load(std::memory_order_relaxed) >= 2;
+  return ok && isa::limit() >= 2;
 }
+
+int64_t isa_now() { return has_avx512() ? (a8::vnni512() ? 3 : 2) : 1; }
 
 bool fused_ok(int64_t, int64_t K) { return K % 32 == 0; }
 
@@ -146,7 +157,8 @@ void deq_row_fast(const uint8_t* row, int64_t qtype, int64_t K, float* out) {
   else y::deq_row(row, qtype, K, out);
 }
 #else
-int64_t limit_isa(int64_t level) { return level; }  // nothing to limit: the scalar path
+int64_t limit_isa(int64_t level) { return isa::level.exchange(level); }  // nothing to limit: the scalar path
+int64_t isa_now() { return 0; }
 void deq_row_fast(const uint8_t* row, int64_t qtype, int64_t K, float* out) { deq_row(row, qtype, K, out); }
 bool fused_ok(int64_t, int64_t) { return false; }
 int64_t fused_group(int64_t) { return 4; }
@@ -301,6 +313,7 @@ TORCH_LIBRARY(pagedkv_q, m) {
   m.def("qgemm(Tensor x, Tensor w, int qtype, Tensor(a!) out, int col0) -> ()");
   m.def("limit_isa(int level) -> int", &limit_isa);
   m.def("has_gemm() -> bool", &has_gemm);
+  m.def("isa() -> int", &isa_now);
   m.def("types() -> int[]", &types);
 }
 

@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "ggml_blocks.h"
+#include "isa.h"
 #include "qmatmul_a8.h"
 #include "simd.inc"
 #include "vec.h"
@@ -490,7 +491,7 @@ void range_avx2(const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, int64_t nb
 bool vnni512() {
   static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-  return ok;
+  return ok && isa::limit() >= 2;
 }
 
 // vnni: 1-3 activation rows by zb::tile_inline (impl 0 on a CPU with AVX-512 VNNI)

@@ -17,7 +17,8 @@ int64_t block_bytes(int64_t t);
 // scale per 32 (Q4_K, Q5_K, IQ4_XS) and Q6_K (one per 16)
 bool panel_type(int64_t t);
 
-// whether this CPU runs the row kernels' AVX-512 VNNI tiles (impl 0): AVX-512 F/BW/VL + VNNI
+// whether the row kernels run their AVX-512 VNNI tiles (impl 0): a CPU with AVX-512 F/BW/VL +
+// VNNI, and the library's ISA limit (isa.h) at AVX-512
 bool vnni512();
 
 // the super-block types of the int8 row kernel (qmatmul_a8x.cpp): Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,

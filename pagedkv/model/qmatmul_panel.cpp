@@ -26,7 +26,8 @@
 // Op (torch.ops.pagedkv_a8.*, fragment of qmatmul_a8.cpp's library):
 //   panel(x [T, K] f32, ws [w_i [N_i, rb_i] u8], qtypes, out [T, sum N_i] f32, impl): as
 //     linear; impl 0 = VNNI where this CPU has it (else scalar), 1 = scalar.
-//   panel_vnni() -> bool: whether impl 0 runs the VNNI code on this CPU.
+//   panel_vnni() -> bool: whether impl 0 runs the VNNI code (this CPU has it, within the ISA
+//     limit of isa.h).
 // The VNNI code is compiled with a target attribute and chosen at run time, so the build flags
 // (and the build cache's name) stay those of the other kernels.
 
@@ -41,6 +42,7 @@
 #include <vector>
 
 #include "ggml_blocks.h"
+#include "isa.h"
 #include "kquant_values.h"
 #include "qmatmul_a8.h"
 #include "vec.h"
@@ -520,9 +522,9 @@ void panel_vnni(int64_t qt, const uint8_t* const* rows, int64_t T, const Acts& a
 bool cpu_has_vnni() { return false; }
 #endif
 
-bool vnni() {
+bool vnni() {  // within the library's ISA limit (isa.h)
   static const bool has = cpu_has_vnni();
-  return has;
+  return has && isa::limit() >= 2;
 }
 
 // the weight rows of a panel, towards L2 (a panel is unpacked once and computed for a while:
