@@ -25,10 +25,12 @@ def test_limit_caps_every_kernel() -> None:
         assert torch.ops.pagedkv_q.limit_isa(1) == 2
         assert qkernel.isa() == "AVX2"
         assert not torch.ops.pagedkv_a8.panel_vnni()  # the panel's VNNI code is off too
+        assert torch.ops.pagedkv_a8.panel_avx2()  # and its AVX2 code on
     finally:
         torch.ops.pagedkv_q.limit_isa(2)
     assert qkernel.isa() == widest
     assert torch.ops.pagedkv_a8.panel_vnni() == (widest == "AVX-512 VNNI")
+    assert torch.ops.pagedkv_a8.panel_avx2() == (widest != "AVX-512 VNNI")
 
 
 def test_bad_max_isa_is_a_typed_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -46,7 +48,7 @@ import json, pagedkv, torch
 from pagedkv.model import qkernel
 ok = qkernel.load()
 print(json.dumps({"ok": ok, "isa": qkernel.isa(), "panel": qkernel.panel() is not None,
-                  "torch": torch.backends.cpu.get_cpu_capability()}))
+                  "vnni": qkernel.vnni(), "torch": torch.backends.cpu.get_cpu_capability()}))
 """
 
 
@@ -58,4 +60,5 @@ def test_env_caps_a_process() -> None:
     out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True,
                          timeout=300, check=True)
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got == {"ok": True, "isa": "AVX2", "panel": False, "torch": "AVX2"}
+    # the panel runs its AVX2 code; torch's kernels are capped too
+    assert got == {"ok": True, "isa": "AVX2", "panel": True, "vnni": False, "torch": "AVX2"}

@@ -1,6 +1,6 @@
 """The int8-activation matmul for many rows (qmatmul_panel.cpp): its scalar path against an
-integer reference of the same arithmetic, the AVX-512 VNNI path against the scalar one (bit for
-bit), QWeight's routing to it, and its argument checks."""
+integer reference of the same arithmetic, the AVX-512 VNNI and the AVX2 paths against the scalar
+one (bit for bit), QWeight's routing to it, and its argument checks."""
 
 from __future__ import annotations
 
@@ -16,8 +16,10 @@ from pagedkv.model import qkernel, quant
 from pagedkv.model.quant import QWeight
 
 needs_kernel = pytest.mark.skipif(not qkernel.load(), reason="needs the compiled kernel")
-needs_vnni = pytest.mark.skipif(not qkernel.load() or qkernel.panel() is None,
+needs_vnni = pytest.mark.skipif(not qkernel.load() or not torch.ops.pagedkv_a8.panel_vnni(),
                                 reason="needs a CPU with AVX-512 VNNI")
+# the vector paths: impl 0 (VNNI where the CPU has it, else AVX2) and impl 2 (AVX2)
+VECTOR = [pytest.param(0, id="impl0"), pytest.param(2, id="avx2")]
 ROWS = [1, 2, 3, 4, 5, 8, 9, 13, 40]
 
 
@@ -58,15 +60,16 @@ def test_scalar_panel_matches_integer_reference(qtype: Q, n: int, k: int) -> Non
         assert (err <= 2e-6 * mag + 1e-30).all(), f"T={t}: max err {err.max()} (mag {mag.max()})"
 
 
-@needs_vnni
+@needs_kernel
+@pytest.mark.parametrize("impl", VECTOR)
 @pytest.mark.parametrize("n,k", [(1, 32), (37, 96), (130, 576), (16, 1536)])
-def test_vnni_panel_equals_scalar_bit_for_bit(n: int, k: int) -> None:
+def test_vector_panel_equals_scalar_bit_for_bit(n: int, k: int, impl: int) -> None:
     """Every type in one call (segments of odd lengths: panels end inside a segment), all row
-    counts: the VNNI path and the scalar path write the same bits into every column."""
+    counts: the VNNI / AVX2 path and the scalar path write the same bits into every column."""
     parts = [(q, _weights(q, n + i, k, seed=i)) for i, q in enumerate(A8)]
     for t in ROWS:
         x = _acts(t, k, seed=5 * t)
-        fast, scalar = _panel(x, parts, 0), _panel(x, parts, 1)
+        fast, scalar = _panel(x, parts, impl), _panel(x, parts, 1)
         assert not np.isnan(fast).any()
         assert np.array_equal(fast, scalar), f"T={t}"
 
@@ -80,7 +83,7 @@ def test_other_types_on_the_panel(qtype: Q) -> None:
     """Every other type with one scale per 32 elements, and Q6_K (one per 16; random valid blocks:
     scales of either sign, subnormal, a zero block): the scalar path against gguf's dequantized
     weights x int8 activations per 32, and the VNNI path equal to it bit for bit (rows ending
-    mid-panel)."""
+    mid-panel), and the VNNI and AVX2 paths equal to it bit for bit."""
     k = 512
     data = _blocks(qtype, 37, k, 11)
     for t in (1, 4, 9, 40):
@@ -89,17 +92,18 @@ def test_other_types_on_the_panel(qtype: Q) -> None:
         ref, mag = ref_matmul_deq(qtype, data, x, 32)
         err = np.abs(scalar - ref)
         assert (err <= 1e-5 * mag + 1e-30).all(), f"T={t}: max err {err.max()} (mag {mag.max()})"
-        if qkernel.panel() is not None:
-            assert np.array_equal(_panel(x, [(qtype, data)], 0), scalar), f"T={t}"
+        for impl in (0, 2):  # VNNI (where the CPU has it, else AVX2) and AVX2
+            assert np.array_equal(_panel(x, [(qtype, data)], impl), scalar), (t, impl)
     assert qtype in quant.PANEL_TYPES
 
 
-@needs_vnni
+@needs_kernel
+@pytest.mark.parametrize("impl", VECTOR)
 @pytest.mark.parametrize("k", [256, 768])
-def test_every_panel_type_in_one_call_bit_for_bit(k: int) -> None:
+def test_every_panel_type_in_one_call_bit_for_bit(k: int, impl: int) -> None:
     """Every panel type as one segment of one call (odd lengths: the last panel of each is short,
-    its missing rows repeat the segment's last row in the VNNI unpacking), raw random bytes
-    (every field's bits) and valid blocks: the VNNI path equals the scalar path bit for bit."""
+    its missing rows repeat the segment's last row in the vector unpacking), raw random bytes
+    (every field's bits) and valid blocks: the VNNI / AVX2 path equals the scalar path bit for bit."""
     rng = np.random.default_rng(k)
     types = sorted(quant.PANEL_TYPES, key=int)
     parts = []
@@ -113,7 +117,7 @@ def test_every_panel_type_in_one_call_bit_for_bit(k: int) -> None:
         parts.append((q, _blocks(q, 3 + i, k, i)))
     for t in (1, 3, 8, 17, 40):
         x = _acts(t, k, seed=t)
-        fast, scalar = _panel(x, parts, 0), _panel(x, parts, 1)
+        fast, scalar = _panel(x, parts, impl), _panel(x, parts, 1)
         assert not np.isnan(fast).any()
         assert np.array_equal(fast, scalar), f"T={t}"
 

@@ -10,7 +10,7 @@ Built like the attention kernel (same compiler flags and cache folder, from
 pagedkv/attention/kernel.py) plus -ffp-contract=off, so that the kernel dequantizes with exactly
 the float32 roundings of the `gguf` package (a fused multiply-add would round d * q + m once).
 Registered as torch.ops.pagedkv_q.{qmatmul,qgemm,qrows,has_gemm,limit_isa,isa,types},
-torch.ops.pagedkv_a8.{quantize,matmul,linear,panel,panel_vnni} and
+torch.ops.pagedkv_a8.{quantize,matmul,linear,panel,panel_vnni,panel_avx2} and
 torch.ops.pagedkv_ops.{add_rms_norm,silu_mul,rope,argmax,gelu_tanh_mul,norm_add_rms_norm}.
 
 Attempted once per process; any failure is logged once and `load()` returns False, and the
@@ -55,7 +55,8 @@ class _Kernel:
         self.a8 = None  # (quantize, matmul, linear) overloads of the activation-quantized path
         self.fused = None  # (rope, silu_mul, add_rms_norm, gelu_tanh_mul, norm_add_rms_norm)
         self.argmax = None  # fused_ops.cpp's argmax
-        self.panel = None  # qmatmul_panel.cpp's panel op, where this CPU runs its VNNI code
+        self.panel = None  # qmatmul_panel.cpp's panel op, where this CPU runs its VNNI or AVX2 code
+        self.vnni = False  # whether the int8 kernels run AVX-512 VNNI code (at load, within the ISA limit)
         self.gemm = None  # qmatmul.cpp's qgemm, where the build has its AVX2 / AVX-512 code
 
 
@@ -133,7 +134,8 @@ def load() -> bool:
             k.fused = tuple(_raw(o.default) for o in (f.rope, f.silu_mul, f.add_rms_norm,
                                                       f.gelu_tanh_mul, f.norm_add_rms_norm))
             k.argmax = _raw(f.argmax.default)
-            if hasattr(a8, "panel") and a8.panel_vnni():
+            k.vnni = bool(a8.panel_vnni())
+            if hasattr(a8, "panel") and (k.vnni or a8.panel_avx2()):
                 k.panel = _raw(a8.panel.default)
             if torch.ops.pagedkv_q.has_gemm():
                 k.gemm = _raw(torch.ops.pagedkv_q.qgemm.default)
@@ -167,9 +169,15 @@ def argmax():  # noqa: ANN201
 
 
 def panel():  # noqa: ANN201
-    """qmatmul_panel.cpp's int8-activation op for many rows, or None: no kernel, or a CPU without
-    AVX-512 VNNI (its scalar path is for tests, not speed)."""
+    """qmatmul_panel.cpp's int8-activation op for many rows, or None: no kernel, or a CPU with
+    neither AVX-512 VNNI nor AVX2 (its scalar path is for tests, not speed)."""
     return _kernel.panel if (_kernel.ok or load()) else None
+
+
+def vnni() -> bool:
+    """Whether the int8 kernels run their AVX-512 VNNI code (the CPU has it, PAGEDKV_MAX_ISA
+    allows it); the routing thresholds of quant.py differ with and without."""
+    return _kernel.vnni if (_kernel.ok or load()) else False
 
 
 def gemm():  # noqa: ANN201

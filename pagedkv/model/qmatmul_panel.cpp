@@ -1,4 +1,5 @@
-// The int8-activation matmul for many rows ("panel" path of activations=int8): AVX-512 VNNI.
+// The int8-activation matmul for many rows ("panel" path of activations=int8): AVX-512 VNNI,
+// or AVX2 on a CPU without it (the AVX2 section below).
 //
 // qmatmul_a8.cpp streams each weight row once and dots it with a few activation rows; from a
 // handful of rows on, the work is arithmetic, and its per-block float steps (convert, scale,
@@ -25,9 +26,9 @@
 //
 // Op (torch.ops.pagedkv_a8.*, fragment of qmatmul_a8.cpp's library):
 //   panel(x [T, K] f32, ws [w_i [N_i, rb_i] u8], qtypes, out [T, sum N_i] f32, impl): as
-//     linear; impl 0 = VNNI where this CPU has it (else scalar), 1 = scalar.
-//   panel_vnni() -> bool: whether impl 0 runs the VNNI code (this CPU has it, within the ISA
-//     limit of isa.h).
+//     linear; impl 0 = VNNI where this CPU has it (within the ISA limit of isa.h), else AVX2
+//     (else scalar); 1 = scalar; 2 = AVX2. Every impl gives the same bits.
+//   panel_vnni() -> bool: whether impl 0 runs the VNNI code; panel_avx2(): the AVX2 code.
 // The VNNI code is compiled with a target attribute and chosen at run time, so the build flags
 // (and the build cache's name) stay those of the other kernels.
 
@@ -56,6 +57,7 @@ namespace panel {
 
 using namespace ggml;
 constexpr int64_t NR = 16;  // weight rows per panel (a zmm lane each)
+constexpr int64_t NR2 = 8;  // the AVX2 code's (a ymm lane each)
 
 // w = d * (u - bias) + m per 32-element chunk (u unsigned bytes)
 constexpr int32_t bias(int64_t qt) {
@@ -187,6 +189,201 @@ void rows_scalar(int64_t qt, const Buf& p, int64_t nb, int64_t T, const int8_t* 
       out[r * ldo + n] = y;
     }
 }
+
+// --- AVX2 (a CPU without AVX-512 VNNI): 8 weight rows a panel, maddubs ----------------------------
+//
+// The same arithmetic with 8 weight rows per panel (a ymm lane each, NR2) and the products by
+// maddubs (u8 x s8 -> pairs in int16) and madd (-> int32 lanes): the int16 pairs of several quads
+// are added first, as many as cannot overflow (|x| <= 127: u <= 15 all 8 quads of a block, u <= 31
+// four, Q6_K's u <= 63 two), and types whose u reaches 255 (Q8_0, IQ4_NL, IQ4_XS) take their u
+// as two nibbles (u = 16 hi + lo, each summed over the block). Each block's int32 sums are
+// those of the scalar path, and the float steps the same, so the results are bit-identical.
+// Unpacking: each row's 32 values of a chunk decoded in element order (one ymm), then 8 rows
+// transposed by dwords.
+#ifdef PQ_AVX2
+
+// chunk c of one row -> its 32 u (element order), d, m: chunk_scalar's values
+template <int64_t QT>
+inline __m256i chunk_avx2(const uint8_t* row, int64_t c, float& d, float& m) {
+  m = 0.f;
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  if constexpr (QT == Q8_0) {
+    const uint8_t* b = row + sizeof(BlockQ8_0) * c;
+    d = half(b);
+    return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)), flip);
+  } else if constexpr (QT == Q4_0 || QT == Q4_1) {
+    const uint8_t* b = row + (QT == Q4_0 ? sizeof(BlockQ4_0) : sizeof(BlockQ4_1)) * c;
+    d = half(b);
+    if constexpr (QT == Q4_1) m = half(b + 2);
+    return vec::nibbles(b + (QT == Q4_1 ? 4 : 2));
+  } else if constexpr (QT == Q5_0 || QT == Q5_1) {
+    const uint8_t* b = row + (QT == Q5_0 ? sizeof(BlockQ5_0) : sizeof(BlockQ5_1)) * c;
+    const int o = QT == Q5_0 ? 2 : 4;
+    d = half(b);
+    if constexpr (QT == Q5_1) m = half(b + 2);
+    const __m256i hi = _mm256_and_si256(vec::bit_bytes(u32(b + o)), _mm256_set1_epi8(0x10));
+    return _mm256_or_si256(vec::nibbles(b + o + 4), hi);
+  } else if constexpr (QT == IQ4_NL) {
+    const uint8_t* b = row + sizeof(BlockIQ4_NL) * c;
+    d = half(b);
+    return _mm256_xor_si256(vec::lookup16(IQ4_LEVELS, vec::nibbles(b + 2)), flip);
+  } else if constexpr (QT == Q4_K || QT == Q5_K) {
+    using B = std::conditional_t<QT == Q4_K, BlockQ4_K, BlockQ5_K>;
+    const auto& b = reinterpret_cast<const B*>(row)[c / 8];
+    const int j = static_cast<int>(c % 8);
+    int sc, mn;
+    scale_min_k4(b.scales, j, sc, mn);
+    d = half(b.d) * static_cast<float>(sc);
+    m = -(half(b.dmin) * static_cast<float>(mn));
+    __m256i u = vec::bits(b.qs + 32 * (j / 2), 4 * (j % 2), 0x0F);
+    if constexpr (QT == Q5_K) u = _mm256_or_si256(u, vec::bit_at(b.qh, j, 4));
+    return u;
+  } else if constexpr (QT == Q6_K) {
+    const auto& b = reinterpret_cast<const BlockQ6_K*>(row)[c / 8];
+    const int j = static_cast<int>(c % 8), h = j / 4, k = j % 4;
+    d = half(b.d) * static_cast<float>(b.scales[2 * j]);
+    m = half(b.d) * static_cast<float>(b.scales[2 * j + 1]);
+    const __m256i lo = vec::bits(b.ql + 64 * h + 32 * (k % 2), 4 * (k / 2), 0x0F);
+    const __m256i hi = vec::bits(b.qh + 32 * h, 2 * k, 0x03);
+    return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+  } else {
+    static_assert(QT == IQ4_XS, "not a panel type");
+    const auto& b = reinterpret_cast<const BlockIQ4_XS*>(row)[c / 8];
+    const int j = static_cast<int>(c % 8);
+    d = half(b.d) * static_cast<float>(scale_iq4_xs(b, j));
+    return _mm256_xor_si256(vec::lookup16(IQ4_LEVELS, vec::nibbles(b.qs + 16 * j)), flip);
+  }
+}
+
+// rows[n] (n < NR2) -> buf: u [nb][8][NR2][4], d [nb][NR2], m [nb][NR2] (unpack_scalar's layout, 8 rows)
+template <int64_t QT>
+void unpack_avx2(const uint8_t* const* rows, int64_t nb, Buf& buf) {
+  for (int64_t c = 0; c < nb; ++c) {
+    __m256 r[8];
+    for (int n = 0; n < NR2; ++n)
+      r[n] = _mm256_castsi256_ps(chunk_avx2<QT>(rows[n], c, buf.d[c * NR2 + n], buf.m[c * NR2 + n]));
+    vec::V8::transpose(r);  // r[j] lane n = quad j of row n
+    auto* u = reinterpret_cast<__m256*>(buf.u.data() + c * 8 * NR2 * 4);
+    for (int j = 0; j < 8; ++j) _mm256_storeu_ps(reinterpret_cast<float*>(u + j), r[j]);
+  }
+}
+
+// the 4 activation bytes at p in every lane
+inline __m256i quad(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// quads [j0, j0 + n) of a block: sum of maddubs(u[j], x quad j) in int16 pairs, then int32 lanes
+inline __m256i dot_quads(const __m256i* u, const int8_t* x, int j0, int n) {
+  __m256i s = _mm256_maddubs_epi16(_mm256_loadu_si256(u + j0), quad(x + 4 * j0));
+  for (int j = j0 + 1; j < j0 + n; ++j)
+    s = _mm256_add_epi16(s, _mm256_maddubs_epi16(_mm256_loadu_si256(u + j), quad(x + 4 * j)));
+  return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
+}
+
+// R activation rows x the panel (rows_scalar's arithmetic): out[r * ldo + n] for n < cols
+template <int64_t QT, int R>
+void rows_avx2(const Buf& p, int64_t nb, const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum,
+               const int32_t* x16, int64_t K, float* out, int64_t ldo, int64_t cols) {
+  constexpr bool wide = QT == Q8_0 || QT == IQ4_NL || QT == IQ4_XS;  // u up to 255
+  constexpr int G = QT == Q4_0 || QT == Q4_1 || QT == Q4_K ? 8 : 4;  // quads summed in int16 (u <= 15 / 31)
+  const int32_t bi = bias(QT);
+  __m256 y[R];
+  for (int r = 0; r < R; ++r) y[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256i* u = reinterpret_cast<const __m256i*>(p.u.data() + b * 8 * NR2 * 4);
+    const int8_t* x = xq + QK * b;
+    const __m256 d = _mm256_loadu_ps(p.d.data() + b * NR2);
+    if constexpr (QT == Q6_K) {  // halves of 4 quads, each 2 + 2 in int16; q - 32 by the half's sum
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xr = x + r * K;
+        const __m256i i0 = _mm256_add_epi32(_mm256_set1_epi32(-32 * x16[r * 2 * nb + 2 * b]),
+                                            _mm256_add_epi32(dot_quads(u, xr, 0, 2), dot_quads(u, xr, 2, 2)));
+        const __m256i i1 = _mm256_add_epi32(_mm256_set1_epi32(-32 * x16[r * 2 * nb + 2 * b + 1]),
+                                            _mm256_add_epi32(dot_quads(u, xr, 4, 2), dot_quads(u, xr, 6, 2)));
+        const __m256 m = _mm256_loadu_ps(p.m.data() + b * NR2);
+        const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), d, _mm256_mul_ps(_mm256_cvtepi32_ps(i1), m));
+        y[r] = _mm256_fmadd_ps(t, _mm256_set1_ps(xd[r * nb + b]), y[r]);
+      }
+      continue;
+    }
+    __m256i i[R];
+    if constexpr (wide) {  // u = 16 hi + lo: two nibble sums over the block's 8 quads
+      const __m256i lo4 = _mm256_set1_epi8(0x0F);
+      __m256i lo[R], hi[R];
+      for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
+      for (int j = 0; j < 8; ++j) {
+        const __m256i v = _mm256_loadu_si256(u + j);
+        const __m256i vl = _mm256_and_si256(v, lo4), vh = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+        for (int r = 0; r < R; ++r) {
+          const __m256i q = quad(x + r * K + 4 * j);
+          lo[r] = _mm256_add_epi16(lo[r], _mm256_maddubs_epi16(vl, q));
+          hi[r] = _mm256_add_epi16(hi[r], _mm256_maddubs_epi16(vh, q));
+        }
+      }
+      const __m256i ones = _mm256_set1_epi16(1);
+      for (int r = 0; r < R; ++r)
+        i[r] = _mm256_add_epi32(_mm256_set1_epi32(-bi * xsum[r * nb + b]),
+                                _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(hi[r], ones), 4),
+                                                 _mm256_madd_epi16(lo[r], ones)));
+    } else {
+      for (int r = 0; r < R; ++r) {
+        i[r] = _mm256_set1_epi32(-bi * xsum[r * nb + b]);
+        for (int j = 0; j < 8; j += G) i[r] = _mm256_add_epi32(i[r], dot_quads(u, x + r * K, j, G));
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      y[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i[r]), _mm256_mul_ps(d, _mm256_set1_ps(xd[r * nb + b])), y[r]);
+    if constexpr (has_m(QT)) {
+      const __m256 m = _mm256_loadu_ps(p.m.data() + b * NR2);
+      for (int r = 0; r < R; ++r) y[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[r * nb + b]), y[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float v[NR2];
+    _mm256_store_ps(v, y[r]);
+    std::memcpy(out + r * ldo, v, sizeof(float) * cols);
+  }
+}
+
+constexpr int RB2 = 4;  // activation rows per register block
+
+template <int64_t QT>
+void panel_avx2(const uint8_t* const* rows, int64_t T, const Acts& a, float* out, int64_t ldo, int64_t cols,
+                Buf& buf) {
+  unpack_avx2<QT>(rows, a.nb, buf);
+  int64_t t = 0;
+  const auto at = [&](auto r) {
+    const Acts s = a.at(t);
+    rows_avx2<QT, decltype(r)::value>(buf, s.nb, s.q, s.d, s.s, s.sum, s.x16, s.K, out + t * ldo, ldo, cols);
+  };
+  for (; t + RB2 <= T; t += RB2) at(std::integral_constant<int, RB2>{});
+  switch (T - t) {
+    case 3: at(std::integral_constant<int, 3>{}); break;
+    case 2: at(std::integral_constant<int, 2>{}); break;
+    case 1: at(std::integral_constant<int, 1>{}); break;
+    default: break;
+  }
+}
+
+void panel_avx2(int64_t qt, const uint8_t* const* rows, int64_t T, const Acts& a, float* out, int64_t ldo,
+                int64_t cols, Buf& buf) {
+  switch (qt) {
+    case Q4_0: panel_avx2<Q4_0>(rows, T, a, out, ldo, cols, buf); return;
+    case Q4_1: panel_avx2<Q4_1>(rows, T, a, out, ldo, cols, buf); return;
+    case Q5_0: panel_avx2<Q5_0>(rows, T, a, out, ldo, cols, buf); return;
+    case Q5_1: panel_avx2<Q5_1>(rows, T, a, out, ldo, cols, buf); return;
+    case IQ4_NL: panel_avx2<IQ4_NL>(rows, T, a, out, ldo, cols, buf); return;
+    case Q4_K: panel_avx2<Q4_K>(rows, T, a, out, ldo, cols, buf); return;
+    case Q5_K: panel_avx2<Q5_K>(rows, T, a, out, ldo, cols, buf); return;
+    case Q6_K: panel_avx2<Q6_K>(rows, T, a, out, ldo, cols, buf); return;
+    case IQ4_XS: panel_avx2<IQ4_XS>(rows, T, a, out, ldo, cols, buf); return;
+    default: panel_avx2<Q8_0>(rows, T, a, out, ldo, cols, buf); return;
+  }
+}
+#endif
 
 #ifdef PANEL_X86
 #pragma GCC push_options
@@ -527,16 +724,28 @@ bool vnni() {  // within the library's ISA limit (isa.h)
   return has && isa::limit() >= 2;
 }
 
+// whether impl (0 without VNNI, or 2) runs the AVX2 code: a build with AVX2 (the CPU has it)
+bool has_avx2(int64_t impl) {
+#ifdef PQ_AVX2
+  return impl == 0 || impl == 2;
+#else
+  (void)impl;
+  return false;
+#endif
+}
+
+bool avx2() { return !vnni() && has_avx2(0); }
+
 // the weight rows of a panel, towards L2 (a panel is unpacked once and computed for a while:
 // fetching the next one meanwhile hides most of its memory latency)
-void prefetch_panel(at::TensorList ws, std::pair<int64_t, int64_t> panel) {
+void prefetch_panel(at::TensorList ws, std::pair<int64_t, int64_t> panel, int64_t nr) {
 #ifdef PANEL_X86
   const at::Tensor& w = ws[panel.first];
-  const int64_t rb = w.size(1), rows = std::min<int64_t>(NR, w.size(0) - panel.second);
+  const int64_t rb = w.size(1), rows = std::min<int64_t>(nr, w.size(0) - panel.second);
   const char* p = reinterpret_cast<const char*>(w.data_ptr<uint8_t>() + panel.second * rb);
   for (int64_t i = 0; i < rows * rb; i += 64) _mm_prefetch(p + i, _MM_HINT_T1);
 #else
-  (void)ws, (void)panel;
+  (void)ws, (void)panel, (void)nr;
 #endif
 }
 
@@ -557,11 +766,13 @@ void panel(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, at::T
       x16[i] = v;
     }
   const Acts acts{xq.data(), dp, sp, xsum.data(), x16.data(), K, nb};
+  const bool fast = impl == 0 && vnni();
+  const bool avx2 = !fast && has_avx2(impl);
+  const int64_t nr = avx2 ? NR2 : NR;  // rows per panel
   // the panels: (segment, first row), never across segments
   std::vector<std::pair<int64_t, int64_t>> panels;
   for (size_t i = 0; i < ws.size(); ++i)
-    for (int64_t n = 0; n < ws[i].size(0); n += NR) panels.emplace_back(static_cast<int64_t>(i), n);
-  const bool fast = impl == 0 && vnni();
+    for (int64_t n = 0; n < ws[i].size(0); n += nr) panels.emplace_back(static_cast<int64_t>(i), n);
   float* op = out.data_ptr<float>();
   at::parallel_for(0, static_cast<int64_t>(panels.size()), 1, [&](int64_t p0, int64_t p1) {
     Buf buf;
@@ -569,15 +780,22 @@ void panel(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, at::T
     for (int64_t pi = p0; pi < p1; ++pi) {
       const auto [seg, n0] = panels[pi];
       const at::Tensor& w = ws[seg];
-      const int64_t rb = w.size(1), cols = std::min<int64_t>(NR, w.size(0) - n0);
+      const int64_t rb = w.size(1), cols = std::min<int64_t>(nr, w.size(0) - n0);
       const uint8_t* base = w.data_ptr<uint8_t>();
       float* o = op + first[seg] + n0;
+      const uint8_t* rows[NR];  // rows past the segment's end repeat its last one
+      for (int64_t n = 0; n < nr; ++n) rows[n] = base + (n0 + std::min(n, cols - 1)) * rb;
 #ifdef PANEL_X86
       if (fast && NR * rb <= INT32_MAX) {  // (Rows' gathers take int32 offsets)
-        if (pi + 1 < p1) prefetch_panel(ws, panels[pi + 1]);  // from memory while this one computes
-        const uint8_t* rows[NR];
-        for (int64_t n = 0; n < NR; ++n) rows[n] = base + (n0 + std::min(n, cols - 1)) * rb;
+        if (pi + 1 < p1) prefetch_panel(ws, panels[pi + 1], nr);  // from memory while this one computes
         panel_vnni(qtypes[seg], rows, T, acts, o, N, cols, buf);
+        continue;
+      }
+#endif
+#ifdef PQ_AVX2
+      if (avx2) {
+        if (pi + 1 < p1) prefetch_panel(ws, panels[pi + 1], nr);
+        panel_avx2(qtypes[seg], rows, T, acts, o, N, cols, buf);
         continue;
       }
 #endif
@@ -592,6 +810,7 @@ void panel(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, at::T
 TORCH_LIBRARY_FRAGMENT(pagedkv_a8, m) {
   m.def("panel(Tensor x, Tensor[] ws, int[] qtypes, Tensor(a!) out, int impl) -> ()");
   m.def("panel_vnni() -> bool", &panel::vnni);
+  m.def("panel_avx2() -> bool", &panel::avx2);
 }
 
 TORCH_LIBRARY_IMPL(pagedkv_a8, CPU, m) {

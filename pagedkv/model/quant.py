@@ -36,11 +36,11 @@ A8_ROWS activation rows, `linear(x)` quantizes x once per call to int8 per 32-el
 (qmatmul_a8.cpp; shared by all the segments, e.g. q/k/v) and multiplies every quantized segment
 (A8_TYPES: the 32-element types by qmatmul_a8.cpp, x quantized per 32; the K-quants and IQ4_XS by
 qmatmul_a8x.cpp, x quantized per 256 as llama.cpp's q8_K) in integers, as llama.cpp does; the invariant above then does not hold
-(the activations are rounded to 8 bits). On a CPU with AVX-512 VNNI, a weight whose segments are
-all PANEL_TYPES (the 32-element types, Q4_K, Q5_K, Q6_K, IQ4_XS) is multiplied from panel_rows()
-rows on (big batches, prefill) by the panel kernel (qmatmul_panel.cpp: 16 weight rows unpacked
-per panel straight from the file's blocks, vpdpbusd), with no
-upper limit. F16/BF16/F32 segments take the exact path with the float32 x, as do calls above
+(the activations are rounded to 8 bits). A weight whose segments are all PANEL_TYPES (the
+32-element types, Q4_K, Q5_K, Q6_K, IQ4_XS) is multiplied from panel_rows() rows on (big
+batches, prefill) by the panel kernel (qmatmul_panel.cpp: 16 weight rows unpacked per panel
+straight from the file's blocks and vpdpbusd on a CPU with AVX-512 VNNI; 8 rows and maddubs
+with AVX2 only), with no upper limit. F16/BF16/F32 segments take the exact path with the float32 x, as do calls above
 A8_ROWS rows without the panel kernel (prefill: the tiled path) and every call without the kernel.
 """
 
@@ -117,11 +117,30 @@ PANEL_ROWS = 4
 # at 8, 0.122 vs 0.107 at 12, 0.143 vs 0.144 at 16 (1536x8960: 0.160 vs 0.169 at 16).
 PANEL_SB_ROWS = 8
 PANEL_Q6_K_ROWS = 16
+# Without VNNI (an AVX2 CPU: the panel's maddubs code, 8 weight rows a panel) the AVX2 row kernel
+# holds out longer where a type's products cost more there (Q8_0 / IQ4_NL / IQ4_XS: two maddubs
+# a quad; the K-quants: scales unpacked per row): PANEL_AVX2_ROWS for weights of only Q4_0 / Q4_1
+# / Q5_0 / Q5_1, PANEL_AVX2_SB_ROWS with any other type, PANEL_AVX2_Q6_K_ROWS with Q6_K. A
+# step's matmuls of the Qwen2.5-0.5B Q4_K_M mix, 2 threads, PAGEDKV_MAX_ISA=avx2 on the Zen 4,
+# ms, panel vs row kernel, one run each (this machine moves ~1.5x between runs): 1536 x 896
+# Q5_0 x 24 layers 13.9 vs 13.7 at 4 rows, 20.2 vs 42.3 at 8, 62.5 vs 156.6 at 40; Q4_K (896 x
+# 4864, 12) 8.0 vs 4.9 at 8, 12.0 vs 12.5 at 24, 20.8 vs 23.9 at 40; Q8_0 (151936 x 896) 27.6
+# vs 23.0 at 8, 51.8 vs 70.7 at 24; Q6_K 21.5 vs 16.6 at 24, 25.8 vs 29.8 (exact qgemm) at 40;
+# the tiles at 256 rows (prefill): 2,176 ms all matmuls -> 1,285 with the panel.
+PANEL_AVX2_ROWS = 4
+PANEL_AVX2_SB_ROWS = 24
+PANEL_AVX2_Q6_K_ROWS = 32
+PANEL_AVX2_CHEAP = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1})
 
 
 def panel_rows(qtypes: Iterable[Q]) -> int:
-    """From how many activation rows on a weight of these segment types takes the int8 panel."""
+    """From how many activation rows on a weight of these segment types takes the int8 panel
+    (the VNNI one, or the AVX2 one on a CPU without VNNI)."""
     qtypes = set(qtypes)
+    if not qkernel.vnni():
+        if Q.Q6_K in qtypes:
+            return PANEL_AVX2_Q6_K_ROWS
+        return PANEL_AVX2_ROWS if qtypes <= PANEL_AVX2_CHEAP else PANEL_AVX2_SB_ROWS
     if Q.Q6_K in qtypes:
         return PANEL_Q6_K_ROWS
     return PANEL_SB_ROWS if qtypes & A8_SB_TYPES else PANEL_ROWS
@@ -310,7 +329,7 @@ class QWeight:
         if packed:  # against the float32 copy
             return min(PACKED_A8_ROWS, A8_SB_ROWS) if self._sb_cap else PACKED_A8_ROWS
         if self._sb_cap:  # a super-block segment the panel does not take (Q6_K: no panel kernel)
-            return A8_SB_VNNI_ROWS if qkernel.panel() is not None else min(A8_ROWS, A8_SB_ROWS)
+            return A8_SB_VNNI_ROWS if qkernel.vnni() else min(A8_ROWS, A8_SB_ROWS)
         return A8_ROWS  # (from panel_rows() on, the panel where the CPU has VNNI)
 
     def _linear_a8(self, x: torch.Tensor, out: torch.Tensor, op) -> None:  # noqa: ANN001
