@@ -199,3 +199,36 @@ def test_k_quant_weights_take_the_panel_from_panel_sb_rows() -> None:
                 row = torch.empty(t, 19)
                 torch.ops.pagedkv_a8.linear(torch.from_numpy(x), [torch.from_numpy(data)], [int(qtype)], row, 0)
                 assert np.array_equal(got, row.numpy()), (qtype.name, t)
+
+
+@needs_kernel
+def test_avx2_cpu_takes_the_avx2_panel_from_its_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without VNNI (an AVX2 CPU; here the ISA limit at AVX2): Q4_0/Q4_1/Q5_0/Q5_1 weights take
+    the AVX2 panel from PANEL_AVX2_ROWS rows, weights with any other panel type (Q8_0, the
+    K-quants, Q6_K) from PANEL_AVX2_SB_ROWS; below, the row kernel."""
+    monkeypatch.setattr(qkernel._kernel, "vnni", False)
+    limit = torch.ops.pagedkv_q.limit_isa(1)
+    try:
+        assert qkernel.panel() is not None and torch.ops.pagedkv_a8.panel_avx2()
+        k = 512
+        cases = [([(Q.Q5_0, _blocks(Q.Q5_0, 21, k, 1))], quant.PANEL_AVX2_ROWS),
+                 ([(Q.Q4_1, _weights(Q.Q4_1, 9, k, 2)), (Q.Q8_0, _weights(Q.Q8_0, 5, k, 3))], quant.PANEL_AVX2_SB_ROWS),
+                 ([(Q.Q4_K, _blocks(Q.Q4_K, 11, k, 4))], quant.PANEL_AVX2_SB_ROWS),
+                 ([(Q.Q6_K, _blocks(Q.Q6_K, 7, k, 5))], quant.PANEL_AVX2_SB_ROWS)]
+        for parts, first in cases:
+            assert quant.panel_rows(q for q, _ in parts) == first
+            w = QWeight(k, [(q, torch.from_numpy(d.copy())) for q, d in parts])
+            w.set_activations("int8")
+            n = sum(d.shape[0] for _, d in parts)
+            for t in (1, first - 1, first, 40):
+                x = _acts(t, k, t)
+                got = w.linear(torch.from_numpy(x)).numpy()
+                if t >= first:
+                    assert np.array_equal(got, _panel(x, parts, 2)), (parts[0][0].name, t)
+                else:
+                    row = torch.empty(t, n)
+                    torch.ops.pagedkv_a8.linear(torch.from_numpy(x), [torch.from_numpy(d) for _, d in parts],
+                                                [int(q) for q, _ in parts], row, 2)
+                    assert np.array_equal(got, row.numpy()), (parts[0][0].name, t)
+    finally:
+        torch.ops.pagedkv_q.limit_isa(limit)

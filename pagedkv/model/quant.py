@@ -120,16 +120,16 @@ PANEL_Q6_K_ROWS = 16
 # Without VNNI (an AVX2 CPU: the panel's maddubs code, 8 weight rows a panel) the AVX2 row kernel
 # holds out longer where a type's products cost more there (Q8_0 / IQ4_NL / IQ4_XS: two maddubs
 # a quad; the K-quants: scales unpacked per row): PANEL_AVX2_ROWS for weights of only Q4_0 / Q4_1
-# / Q5_0 / Q5_1, PANEL_AVX2_SB_ROWS with any other type, PANEL_AVX2_Q6_K_ROWS with Q6_K. A
-# step's matmuls of the Qwen2.5-0.5B Q4_K_M mix, 2 threads, PAGEDKV_MAX_ISA=avx2 on the Zen 4,
-# ms, panel vs row kernel, one run each (this machine moves ~1.5x between runs): 1536 x 896
-# Q5_0 x 24 layers 13.9 vs 13.7 at 4 rows, 20.2 vs 42.3 at 8, 62.5 vs 156.6 at 40; Q4_K (896 x
-# 4864, 12) 8.0 vs 4.9 at 8, 12.0 vs 12.5 at 24, 20.8 vs 23.9 at 40; Q8_0 (151936 x 896) 27.6
-# vs 23.0 at 8, 51.8 vs 70.7 at 24; Q6_K 21.5 vs 16.6 at 24, 25.8 vs 29.8 (exact qgemm) at 40;
-# the tiles at 256 rows (prefill): 2,176 ms all matmuls -> 1,285 with the panel.
+# / Q5_0 / Q5_1, PANEL_AVX2_SB_ROWS with any other type. 1 thread, PAGEDKV_MAX_ISA=avx2 on the
+# Zen 4, 2048 x 1536, ns per multiply-add, panel / row kernel, interleaved min of 5: Q5_0 0.022 /
+# 0.032 at 4 rows, 0.016 / 0.031 at 8; Q8_0 0.034 / 0.027 at 4, 0.028 / 0.027 at 8, 0.026 /
+# 0.028 at 16; Q4_K 0.032 / 0.022 at 4, 0.022 / 0.021 at 8, 0.018 / 0.021 at 16; Q6_K 0.024 /
+# 0.022 at 8, 0.020 / 0.021 at 16 (and the row kernel's Q6_K stops at A8_SB_ROWS); IQ4_NL 0.027
+# / 0.028 at 8. At 40 rows the panel: Q4_0 / Q4_1 / Q5_0 0.013, Q4_K 0.015, Q6_K 0.017, Q8_0
+# 0.026 (VNNI: 0.007-0.008). A step's matmuls of the Qwen2.5-0.5B Q4_K_M mix, 2 threads, ms,
+# row kernel -> panel: 349 -> 200 at 40 rows, 2,176 (the tiles) -> 1,285 at 256.
 PANEL_AVX2_ROWS = 4
-PANEL_AVX2_SB_ROWS = 24
-PANEL_AVX2_Q6_K_ROWS = 32
+PANEL_AVX2_SB_ROWS = 12
 PANEL_AVX2_CHEAP = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1})
 
 
@@ -138,8 +138,6 @@ def panel_rows(qtypes: Iterable[Q]) -> int:
     (the VNNI one, or the AVX2 one on a CPU without VNNI)."""
     qtypes = set(qtypes)
     if not qkernel.vnni():
-        if Q.Q6_K in qtypes:
-            return PANEL_AVX2_Q6_K_ROWS
         return PANEL_AVX2_ROWS if qtypes <= PANEL_AVX2_CHEAP else PANEL_AVX2_SB_ROWS
     if Q.Q6_K in qtypes:
         return PANEL_Q6_K_ROWS
