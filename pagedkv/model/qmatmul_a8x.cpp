@@ -301,12 +301,19 @@ PQ_INLINE void scales_v(const uint8_t* b, __m128i& sc, __m128i& mn, float& d, fl
   }
 }
 
-// chunk j's scales as 16 int16 lanes: lanes 0-7 (elements 0-15) sc[2j], lanes 8-15 sc[2j+1];
-// sc16 holds the 16 scales as int16 (dword j = the pair of chunk j)
-PQ_INLINE __m256i chunk_scales(__m256i sc16, int j) {
-  const __m256i pair = _mm256_permutevar8x32_epi32(sc16, _mm256_set1_epi32(j));
-  return _mm256_shuffle_epi8(pair, _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
-                                                    2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3));
+// the 16 per-16 scales sc8 as int16, the even ones in the low 128-bit lane and the odd ones in
+// the high lane (once per super-block), so that chunk_scales takes one in-lane shuffle
+PQ_INLINE __m256i split_scales(__m128i sc8) {
+  return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15)));
+}
+
+// chunk j's scales as 16 int16 lanes: lanes 0-7 (elements 0-15) sc[2j], lanes 8-15 sc[2j+1],
+// from split_scales' vector: int16 j of each 128-bit lane, repeated (one vpshufb; a permute
+// across lanes first cost one more instruction a chunk)
+PQ_INLINE __m256i chunk_scales(__m256i split, int j) {
+  const char lo = static_cast<char>(2 * j), hi = static_cast<char>(2 * j + 1);
+  return _mm256_shuffle_epi8(split, _mm256_setr_epi8(lo, hi, lo, hi, lo, hi, lo, hi, lo, hi, lo, hi, lo, hi, lo, hi,
+                                                     lo, hi, lo, hi, lo, hi, lo, hi, lo, hi, lo, hi, lo, hi, lo, hi));
 }
 
 // one super-block's exact int32 lane sums I of a weight row and an activation row folded into
@@ -353,8 +360,8 @@ struct Y {
     __m256i u;
   };
   static PQ_INLINE I zero() { return _mm256_setzero_si256(); }
-  static PQ_INLINE I scales(__m128i sc8) { return _mm256_cvtepi8_epi16(sc8); }
-  static PQ_INLINE I unit_scales(I sc16, int j) { return chunk_scales(sc16, j); }
+  static PQ_INLINE I scales(__m128i sc8) { return split_scales(sc8); }
+  static PQ_INLINE I unit_scales(I split, int j) { return chunk_scales(split, j); }
   template <int64_t QT>
   static PQ_INLINE Unit<QT == IQ4_XS> weights(const uint8_t* b, int j) { return {chunk<QT>(b, j)}; }
   static PQ_INLINE I load(const int8_t* x) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)); }
