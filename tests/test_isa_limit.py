@@ -15,10 +15,11 @@ import torch
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.model import qkernel
 
-needs_kernel = pytest.mark.skipif(not qkernel.load(), reason="needs the compiled kernel")
+needs_avx2 = pytest.mark.skipif(not qkernel.load() or qkernel.isa() == qkernel.ISA_NAMES[0],
+                                reason="needs the kernel built with AVX2")
 
 
-@needs_kernel
+@needs_avx2
 def test_limit_caps_every_kernel() -> None:
     widest = qkernel.isa()
     try:
@@ -52,7 +53,7 @@ print(json.dumps({"ok": ok, "isa": qkernel.isa(), "panel": qkernel.panel() is no
 """
 
 
-@needs_kernel
+@needs_avx2
 def test_env_caps_a_process() -> None:
     env = {**os.environ, "PAGEDKV_MAX_ISA": "avx2"}
     for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"):

@@ -201,7 +201,8 @@ def test_k_quant_weights_take_the_panel_from_panel_sb_rows() -> None:
                 assert np.array_equal(got, row.numpy()), (qtype.name, t)
 
 
-@needs_kernel
+@pytest.mark.skipif(not qkernel.load() or not torch.ops.pagedkv_a8.panel_avx2() and not qkernel.vnni(),
+                    reason="needs the kernel built with AVX2")
 def test_avx2_cpu_takes_the_avx2_panel_from_its_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without VNNI (an AVX2 CPU; here the ISA limit at AVX2): Q4_0/Q4_1/Q5_0/Q5_1 weights take
     the AVX2 panel from PANEL_AVX2_ROWS rows, weights with any other panel type (Q8_0, the
