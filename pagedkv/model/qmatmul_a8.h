@@ -29,6 +29,9 @@ bool x_type(int64_t t);
 // K is not a whole number of t's blocks
 int64_t row_bytes(int64_t t, int64_t K);
 
+// whether impl runs AVX2 code (0 = fastest available, 2 = AVX2) in a build with AVX2
+bool use_avx2(int64_t impl);
+
 // nblocks 32-element blocks of x -> q int8, d = max|x| / 127, s = d * sum(q) per block; isum
 // (optional): each block's integer sum of q. impl: 0 = fastest available, 1 = scalar.
 void quantize_blocks(const float* xp, int8_t* qp, float* dp, float* sp, int64_t nblocks, int64_t impl,

@@ -40,6 +40,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "ggml_blocks.h"
@@ -188,6 +189,37 @@ void rows_scalar(int64_t qt, const Buf& p, int64_t nb, int64_t T, const int8_t* 
       }
       out[r * ldo + n] = y;
     }
+}
+
+// f(std::integral_constant<int64_t, QT>{}) for the panel type QT == qt (quant.PANEL_TYPES)
+template <class Fn>
+void with_panel_type(int64_t qt, const Fn& f) {
+  switch (qt) {
+    case Q4_0: f(std::integral_constant<int64_t, Q4_0>{}); return;
+    case Q4_1: f(std::integral_constant<int64_t, Q4_1>{}); return;
+    case Q5_0: f(std::integral_constant<int64_t, Q5_0>{}); return;
+    case Q5_1: f(std::integral_constant<int64_t, Q5_1>{}); return;
+    case IQ4_NL: f(std::integral_constant<int64_t, IQ4_NL>{}); return;
+    case Q4_K: f(std::integral_constant<int64_t, Q4_K>{}); return;
+    case Q5_K: f(std::integral_constant<int64_t, Q5_K>{}); return;
+    case Q6_K: f(std::integral_constant<int64_t, Q6_K>{}); return;
+    case IQ4_XS: f(std::integral_constant<int64_t, IQ4_XS>{}); return;
+    default: f(std::integral_constant<int64_t, Q8_0>{}); return;
+  }
+}
+
+// f(std::integral_constant<int, R>{}, t) for activation rows t .. t + R - 1: groups of G, then
+// the remainder (3, 2 or 1 rows)
+template <int G, class Fn>
+void by_groups(int64_t T, const Fn& f) {
+  int64_t t = 0;
+  for (; t + G <= T; t += G) f(std::integral_constant<int, G>{}, t);
+  switch (T - t) {
+    case 3: f(std::integral_constant<int, 3>{}, t); break;
+    case 2: f(std::integral_constant<int, 2>{}, t); break;
+    case 1: f(std::integral_constant<int, 1>{}, t); break;
+    default: break;
+  }
 }
 
 // --- AVX2 (a CPU without AVX-512 VNNI): 8 weight rows a panel, maddubs ----------------------------
@@ -354,34 +386,15 @@ template <int64_t QT>
 void panel_avx2(const uint8_t* const* rows, int64_t T, const Acts& a, float* out, int64_t ldo, int64_t cols,
                 Buf& buf) {
   unpack_avx2<QT>(rows, a.nb, buf);
-  int64_t t = 0;
-  const auto at = [&](auto r) {
+  by_groups<RB2>(T, [&](auto r, int64_t t) {
     const Acts s = a.at(t);
     rows_avx2<QT, decltype(r)::value>(buf, s.nb, s.q, s.d, s.s, s.sum, s.x16, s.K, out + t * ldo, ldo, cols);
-  };
-  for (; t + RB2 <= T; t += RB2) at(std::integral_constant<int, RB2>{});
-  switch (T - t) {
-    case 3: at(std::integral_constant<int, 3>{}); break;
-    case 2: at(std::integral_constant<int, 2>{}); break;
-    case 1: at(std::integral_constant<int, 1>{}); break;
-    default: break;
-  }
+  });
 }
 
 void panel_avx2(int64_t qt, const uint8_t* const* rows, int64_t T, const Acts& a, float* out, int64_t ldo,
                 int64_t cols, Buf& buf) {
-  switch (qt) {
-    case Q4_0: panel_avx2<Q4_0>(rows, T, a, out, ldo, cols, buf); return;
-    case Q4_1: panel_avx2<Q4_1>(rows, T, a, out, ldo, cols, buf); return;
-    case Q5_0: panel_avx2<Q5_0>(rows, T, a, out, ldo, cols, buf); return;
-    case Q5_1: panel_avx2<Q5_1>(rows, T, a, out, ldo, cols, buf); return;
-    case IQ4_NL: panel_avx2<IQ4_NL>(rows, T, a, out, ldo, cols, buf); return;
-    case Q4_K: panel_avx2<Q4_K>(rows, T, a, out, ldo, cols, buf); return;
-    case Q5_K: panel_avx2<Q5_K>(rows, T, a, out, ldo, cols, buf); return;
-    case Q6_K: panel_avx2<Q6_K>(rows, T, a, out, ldo, cols, buf); return;
-    case IQ4_XS: panel_avx2<IQ4_XS>(rows, T, a, out, ldo, cols, buf); return;
-    default: panel_avx2<Q8_0>(rows, T, a, out, ldo, cols, buf); return;
-  }
+  with_panel_type(qt, [&](auto q) { panel_avx2<decltype(q)::value>(rows, T, a, out, ldo, cols, buf); });
 }
 #endif
 
@@ -688,30 +701,12 @@ void panel_vnni(const uint8_t* const* rows, int64_t T, const Acts& a, float* out
                 Buf& buf) {
   unpack_vnni<QT>(Rows(rows), a.nb, buf);
   const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
-  int64_t t = 0;
-  for (; t + RB <= T; t += RB) rows_at<QT, RB>(buf, a.at(t), out + t * ldo, ldo, mask);
-  switch (T - t) {
-    case 3: rows_at<QT, 3>(buf, a.at(t), out + t * ldo, ldo, mask); break;
-    case 2: rows_at<QT, 2>(buf, a.at(t), out + t * ldo, ldo, mask); break;
-    case 1: rows_at<QT, 1>(buf, a.at(t), out + t * ldo, ldo, mask); break;
-    default: break;
-  }
+  by_groups<RB>(T, [&](auto r, int64_t t) { rows_at<QT, decltype(r)::value>(buf, a.at(t), out + t * ldo, ldo, mask); });
 }
 
 void panel_vnni(int64_t qt, const uint8_t* const* rows, int64_t T, const Acts& a, float* out, int64_t ldo,
                 int64_t cols, Buf& buf) {
-  switch (qt) {
-    case Q4_0: panel_vnni<Q4_0>(rows, T, a, out, ldo, cols, buf); return;
-    case Q4_1: panel_vnni<Q4_1>(rows, T, a, out, ldo, cols, buf); return;
-    case Q5_0: panel_vnni<Q5_0>(rows, T, a, out, ldo, cols, buf); return;
-    case Q5_1: panel_vnni<Q5_1>(rows, T, a, out, ldo, cols, buf); return;
-    case IQ4_NL: panel_vnni<IQ4_NL>(rows, T, a, out, ldo, cols, buf); return;
-    case Q4_K: panel_vnni<Q4_K>(rows, T, a, out, ldo, cols, buf); return;
-    case Q5_K: panel_vnni<Q5_K>(rows, T, a, out, ldo, cols, buf); return;
-    case Q6_K: panel_vnni<Q6_K>(rows, T, a, out, ldo, cols, buf); return;
-    case IQ4_XS: panel_vnni<IQ4_XS>(rows, T, a, out, ldo, cols, buf); return;
-    default: panel_vnni<Q8_0>(rows, T, a, out, ldo, cols, buf); return;
-  }
+  with_panel_type(qt, [&](auto q) { panel_vnni<decltype(q)::value>(rows, T, a, out, ldo, cols, buf); });
 }
 
 #pragma GCC pop_options
@@ -724,17 +719,7 @@ bool vnni() {  // within the library's ISA limit (isa.h)
   return has && isa::limit() >= 2;
 }
 
-// whether impl (0 without VNNI, or 2) runs the AVX2 code: a build with AVX2 (the CPU has it)
-bool has_avx2(int64_t impl) {
-#ifdef PQ_AVX2
-  return impl == 0 || impl == 2;
-#else
-  (void)impl;
-  return false;
-#endif
-}
-
-bool avx2() { return !vnni() && has_avx2(0); }
+bool avx2() { return !vnni() && a8::use_avx2(0); }  // impl 0 runs the AVX2 code
 
 // the weight rows of a panel, towards L2 (a panel is unpacked once and computed for a while:
 // fetching the next one meanwhile hides most of its memory latency)
@@ -767,7 +752,7 @@ void panel(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, at::T
     }
   const Acts acts{xq.data(), dp, sp, xsum.data(), x16.data(), K, nb};
   const bool fast = impl == 0 && vnni();
-  const bool avx2 = !fast && has_avx2(impl);
+  const bool avx2 = !fast && a8::use_avx2(impl);
   const int64_t nr = avx2 ? NR2 : NR;  // rows per panel
   // the panels: (segment, first row), never across segments
   std::vector<std::pair<int64_t, int64_t>> panels;
