@@ -326,9 +326,9 @@ class QWeight:
         """Up to how many rows int8 mode takes the int8 row kernel (the panel aside)."""
         if packed:  # against the float32 copy
             return min(PACKED_A8_ROWS, A8_SB_ROWS) if self._sb_cap else PACKED_A8_ROWS
-        if self._sb_cap:  # a super-block segment the panel does not take (Q6_K: no panel kernel)
+        if self._sb_cap:  # a super-block segment the panel does not take (Q6_K: below its panel rows)
             return A8_SB_VNNI_ROWS if qkernel.vnni() else min(A8_ROWS, A8_SB_ROWS)
-        return A8_ROWS  # (from panel_rows() on, the panel where the CPU has VNNI)
+        return A8_ROWS  # (from panel_rows() on, the panel: VNNI, or AVX2 without it)
 
     def _linear_a8(self, x: torch.Tensor, out: torch.Tensor, op) -> None:  # noqa: ANN001
         """out = x W^T in int8 for the A8_TYPES segments (x quantized to 32-element blocks once
