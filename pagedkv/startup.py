@@ -72,7 +72,7 @@ def _kernels() -> str:
     """", AVX-512 VNNI kernels" (what the quantized matmuls run), capped by PAGEDKV_MAX_ISA."""
     from pagedkv.model import qkernel
 
-    isa = qkernel.isa() if qkernel.info()["loaded"] else None
+    isa = qkernel.info()["isa"]  # None without the kernel (never loads it)
     if isa is None:
         return ""
     return f", {isa} kernels" + (" (PAGEDKV_MAX_ISA=avx2)" if qkernel.max_isa() == "avx2" else "")

@@ -436,9 +436,11 @@ def _longrope(context: Any, orig: Any, attn: Any, names: Sequence[str]) -> tuple
     switches every position to the long ones, which is not implemented: the context stops there.
     `names`: the three values' keys, for the errors."""
     context, orig = _context(context, names[0]), _context(orig, names[1])
-    scale = context / orig
-    attention = (_positive(attn, names[2]) if attn is not None
-                 else math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0)
+    if attn is not None:
+        attention = _positive(attn, names[2])
+    else:
+        scale = context / orig
+        attention = math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0
     if context > orig:
         logger.warning("LongRoPE: the short-context factors are used, so the context is capped at "
                        "the original %d tokens (of %d; the long factors are not implemented)", orig, context)
