@@ -78,7 +78,8 @@ def max_isa() -> str:
     for anything else."""
     value = os.environ.get("PAGEDKV_MAX_ISA", "").strip().lower() or "avx512"
     if value not in MAX_ISAS:
-        raise InvalidArgumentError(f"PAGEDKV_MAX_ISA={value!r}: choose one of {list(MAX_ISAS)}")
+        shown = value if len(value) <= 40 else value[:40] + "..."  # never echo a huge value whole
+        raise InvalidArgumentError(f"PAGEDKV_MAX_ISA={shown!r}: choose one of {list(MAX_ISAS)}")
     return value
 
 
