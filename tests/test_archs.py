@@ -129,6 +129,9 @@ SCALED = {
     "gemma3": dataclasses.replace(SPECS["gemma3"], name="Gemma 3 4B tiny", linear=8.0, seed=9),
     # Phi-3.5-mini's LongRoPE (original context 4,096 of 131,072; here 64 of 2,048)
     "longrope": dataclasses.replace(SPECS["phi3"], name="Phi3.5 tiny", longrope=64, seed=10),
+    # Phi-4-mini: RoPE over 96 of each head's 128 dims, LongRoPE, GQA 3:1, tied embeddings
+    "partial": TinySpec("phi3", "Phi4 mini tiny", 768, 6, 2, 128, 1600, fused=True, tied=True, seed=11,
+                        rope_theta=1e4, longrope=64, rotary=96, qtypes={"attn": Q4, "ffn": Q8, "embd": Q8}),
 }
 
 
@@ -146,6 +149,23 @@ def _rope_parameters(spec: TinySpec, hf: dict[str, Any]) -> dict[str, Any]:
             "high_freq_factor": high, "original_max_position_embeddings": ctx}
 
 
+def test_hf_partial_rotary_folder(tmp_path: Path) -> None:
+    """A Phi-3 checkpoint with RoPE over half of each head (plain RoPE, GQA): greedy equals
+    transformers'; the q/k rows are reordered at load, v and o are not."""
+    import transformers as tf
+
+    torch.manual_seed(12)
+    cfg = tf.Phi3Config(vocab_size=1024, hidden_size=256, intermediate_size=640, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                        pad_token_id=0, initializer_range=0.1,  # (0.02: RoPE barely matters)
+                        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5})
+    hf = tf.Phi3ForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), num_blocks=64)
+    assert llm.engine.loaded.config.rotary_dim == 32
+    assert greedy(llm) == [hf_greedy(hf, p) for p in PROMPTS]
+
+
 @pytest.mark.parametrize("kind", sorted(SCALED))
 def test_gguf_rope_scaling(kind: str, tmp_path: Path) -> None:
     """A Llama 3.1+ file's rope_freqs (its "llama3" RoPE scaling, as per-frequency divisors), a
@@ -160,6 +180,8 @@ def test_gguf_rope_scaling(kind: str, tmp_path: Path) -> None:
     plain = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
     d = {k: v for k, v in plain.config.to_dict().items() if k != "quantization_config"}
     d["rope_parameters"] = _rope_parameters(spec, d["rope_parameters"])
+    if spec.rotary:
+        d["rope_parameters"]["partial_rotary_factor"] = spec.rotary / spec.head_dim
     if spec.longrope:  # as Phi-3.5's config.json has it too (the GGUF config: Phi3Config's 4,096)
         d["original_max_position_embeddings"] = spec.longrope
     scaled = type(plain)(type(plain.config).from_dict(d))
@@ -220,9 +242,24 @@ _META = {
 }
 
 
-def test_gguf_partial_rotary_refused_and_longrope_config() -> None:
-    with pytest.raises(UnsupportedModelError, match="partial rotary"):  # Phi-4-mini: 96 of 128
-        ModelConfig.from_gguf({**_META, "phi3.rope.dimension_count": 72}, [])
+def test_gguf_partial_rotary_and_longrope_config() -> None:
+    cfg = ModelConfig.from_gguf({**_META, "phi3.rope.dimension_count": 72}, [])  # as Phi-4-mini's 96 of 128
+    assert (cfg.head_dim, cfg.rotary_dim, cfg.rotary) == (96, 72, 72)
+    assert ModelConfig.from_gguf({**_META, "phi3.rope.dimension_count": 96}, []).rotary_dim is None
+    for bad in (71, 0, 98, "72", True, 72.0):
+        with pytest.raises(ModelLoadError, match="rotary_dim|dimension_count"):
+            ModelConfig.from_gguf({**_META, "phi3.rope.dimension_count": bad}, [])
+    longrope = ["rope_factors_long.weight", "rope_factors_short.weight"]
+    partial = {**_META, "phi3.rope.dimension_count": 72, "phi3.context_length": 8192,
+               "phi3.rope.scaling.original_context_length": 4096}
+    assert ModelConfig.from_gguf(partial, longrope, rope_freqs=[1.5] * 36).rope_freq_factors == (1.5,) * 36
+    with pytest.raises(ModelLoadError, match="36 frequencies"):  # one factor per rotated pair
+        ModelConfig.from_gguf(partial, longrope, rope_freqs=[1.5] * 48)
+    # llama's q/k rows are permuted for a RoPE over the whole head; transformers' Llama has none
+    for arch in ("llama", "qwen2"):
+        meta = {k.replace("phi3", arch): v for k, v in _META.items()}
+        with pytest.raises(UnsupportedModelError, match="partial rotary"):
+            ModelConfig.from_gguf({**meta, "general.architecture": arch, f"{arch}.rope.dimension_count": 64}, [])
     names = ["rope_factors_long.weight", "rope_factors_short.weight"]  # Phi-3.5, Phi-3 128k
     meta = {**_META, "phi3.context_length": 131072, "phi3.rope.scaling.original_context_length": 4096}
     cfg = ModelConfig.from_gguf(meta, names, rope_freqs=[1.5] * 48)
@@ -244,11 +281,16 @@ def test_gguf_partial_rotary_refused_and_longrope_config() -> None:
         ModelConfig.from_gguf({**_META, "general.architecture": "gemma2"}, [])
 
 
-def test_hf_partial_rotary_refused() -> None:
+def test_hf_partial_rotary_config() -> None:
     d = {"model_type": "phi3", "vocab_size": 100, "hidden_size": 256, "intermediate_size": 512,
          "num_hidden_layers": 1, "num_attention_heads": 4, "partial_rotary_factor": 0.75}
+    assert ModelConfig.from_hf(d).rotary_dim == 48
+    assert ModelConfig.from_hf({**d, "rope_parameters": {"partial_rotary_factor": 0.5}}).rotary_dim == 32
+    for bad in (0, 0.3, 1.5, -1, "x", float("nan")):  # 0.3: 19 dims, not pairs
+        with pytest.raises(ModelLoadError):
+            ModelConfig.from_hf({**d, "partial_rotary_factor": bad})
     with pytest.raises(UnsupportedModelError, match="partial rotary"):
-        ModelConfig.from_hf(d)
+        ModelConfig.from_hf({**d, "model_type": "qwen3", "head_dim": 128})
     d = {**d, "model_type": "qwen3", "partial_rotary_factor": 1.0, "head_dim": 128}
     cfg = ModelConfig.from_hf(d)
     assert (cfg.qk_norm, cfg.head_dim, cfg.fused_projections) == (True, 128, False)

@@ -432,3 +432,26 @@ def test_gemma3_shift_keys_use_each_layers_rope() -> None:
 
     torch.testing.assert_close(model.shift_keys(at(pos), delta), at(pos + delta), atol=1e-5, rtol=1e-5)
     assert not torch.allclose(at(pos)[0], at(pos)[1])  # the two bases differ
+
+
+def test_partial_rotary_tables_order_and_shift() -> None:
+    """RoPE over 48 of 64 dims (a LongRoPE attention factor on them): in the order load_weights
+    gives q/k, the rotated dims turn as transformers' rotate_half over the first 48, the other 16
+    come out unchanged (not scaled), and shift_keys moves the rotated ones only."""
+    from pagedkv.model.llama import RotaryEmbedding, partial_rotary_order
+
+    cfg = ModelConfig(architecture="phi3", vocab_size=8, hidden_size=128, intermediate_size=8, num_layers=1,
+                      num_heads=2, num_kv_heads=2, head_dim=64, rotary_dim=48, rope_attention_factor=1.2)
+    rope, order = RotaryEmbedding(cfg, torch.float32), partial_rotary_order(64, 48)
+    assert sorted(order.tolist()) == list(range(64))
+    x = torch.randn(5, 2, 64, generator=torch.Generator().manual_seed(1))  # transformers' order
+    pos = torch.arange(3, 8)
+    ours = rope.rotate(x[..., order], *rope.lookup(pos))
+    inv = 1.0 / (1e4 ** (torch.arange(0, 48, 2).float() / 48))
+    ang = torch.outer(pos.float(), inv)[:, None]  # [T, 1, 24]
+    cos, sin = torch.cat([ang.cos()] * 2, -1) * 1.2, torch.cat([ang.sin()] * 2, -1) * 1.2
+    r = x[..., :48]
+    want = torch.cat([r * cos + torch.cat([-r[..., 24:], r[..., :24]], -1) * sin, x[..., 48:]], -1)
+    torch.testing.assert_close(ours, want[..., order])
+    moved = rope.rotate(x[..., order], *rope.lookup(pos + 6))
+    torch.testing.assert_close(rope.shift_keys(ours, 6), moved, atol=1e-5, rtol=1e-5)

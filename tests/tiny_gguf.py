@@ -51,6 +51,7 @@ class TinySpec:
     llama3: tuple[float, float, float, int] | None = None
     linear: float | None = None  # rope.scaling.type linear with this factor (DeepSeek-Coder: 4)
     longrope: int | None = None  # Phi-3 LongRoPE from this original context (the file's: 32x it)
+    rotary: int | None = None  # rope.dimension_count when RoPE turns fewer dims than a head's (Phi-4-mini)
     seed: int = 0
     qtypes: dict[str, Q] = field(default_factory=dict)
     chat: bool = False  # write SmolLM2's chat template (the whole-model specs, for `bench serve`)
@@ -172,7 +173,7 @@ def rope_freqs(spec: TinySpec) -> np.ndarray:
 def longrope_factors(spec: TinySpec) -> tuple[np.ndarray, np.ndarray]:
     """LongRoPE's short and long factors, one per rotary frequency (fixed random values)."""
     rng = np.random.default_rng(spec.seed + 100)
-    n = spec.head_dim // 2
+    n = (spec.rotary or spec.head_dim) // 2
     return (1 + 2 * rng.random(n)).astype(np.float32), (1 + 30 * rng.random(n)).astype(np.float32)
 
 
@@ -200,7 +201,7 @@ def write_tiny_gguf(spec: TinySpec, path: str | Path, fast: bool = False) -> Pat
     w.add_head_count_kv(spec.kv_heads)
     w.add_key_length(spec.head_dim)
     w.add_value_length(spec.head_dim)
-    w.add_rope_dimension_count(spec.head_dim)
+    w.add_rope_dimension_count(spec.rotary or spec.head_dim)
     w.add_rope_freq_base(spec.rope_theta)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_vocab_size(spec.vocab)

@@ -39,6 +39,9 @@ LAYER_TYPES = ("sliding", "full")
 GGUF_ROPE_FREQS = "rope_freqs.weight"
 GGUF_ROPE_SHORT, GGUF_ROPE_LONG = "rope_factors_short.weight", "rope_factors_long.weight"
 GGUF_ROPE_TENSORS = (GGUF_ROPE_FREQS, GGUF_ROPE_SHORT, GGUF_ROPE_LONG)  # config, not weights
+# architectures whose transformers model rotates only the first rotary_dim dims of a head (the
+# GGUF converter keeps their q/k rows in transformers' order)
+PARTIAL_ROTARY = ("phi3",)
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -76,6 +79,9 @@ class ModelConfig:
     rope_local_theta: float | None = None  # the sliding layers' RoPE base (Gemma 3: 10,000)
     query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (None: head_dim)
     hidden_act: str = "silu"  # "silu" (SwiGLU) | "gelu_tanh" (GeGLU, Gemma)
+    # RoPE over the first `rotary_dim` dims of each head, the rest passed through (Phi-4-mini:
+    # 96 of 128); None: all head_dim
+    rotary_dim: int | None = None
 
     def __post_init__(self) -> None:
         self.rope_scaling = normalize_rope_scaling(self.rope_scaling)
@@ -110,19 +116,36 @@ class ModelConfig:
                 )
             if "sliding" in self.layer_types and self.sliding_window is None:
                 raise ModelLoadError("config: sliding layers need a sliding_window")
+        self._check_rotary_dim()
         if self.rope_freq_factors is not None:
             self._check_freq_factors()
         a = self.rope_attention_factor
         if not (isinstance(a, float) and math.isfinite(a) and a > 0):
             raise ModelLoadError(f"config: rope_attention_factor must be a finite positive float, got {a!r}")
 
+    def _check_rotary_dim(self) -> None:
+        r = self.rotary_dim
+        if r is None:
+            return
+        if isinstance(r, bool) or not isinstance(r, int) or r < 2 or r % 2 or r > self.head_dim:
+            raise ModelLoadError(f"config: rotary_dim must be an even int in [2, head_dim "
+                                 f"{self.head_dim}], got {r!r}")
+        if r < self.head_dim and self.architecture not in PARTIAL_ROTARY:
+            raise UnsupportedModelError(f"{self.architecture}: partial rotary embeddings ({r} of "
+                                        f"{self.head_dim} head dims) are not supported")
+
+    @property
+    def rotary(self) -> int:
+        """Head dims RoPE rotates (the first ones, in transformers' order): rotary_dim or all."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
+
     def _check_freq_factors(self) -> None:
         f = self.rope_freq_factors
         if self.rope_scaling is not None:
             raise ModelLoadError("config: rope_freq_factors and rope_scaling are two scalings; give one")
-        if len(f) != self.head_dim // 2:
-            raise ModelLoadError(f"config: rope_freq_factors has {len(f)} values; head_dim "
-                                 f"{self.head_dim} has {self.head_dim // 2} rotary frequencies")
+        if len(f) != self.rotary // 2:
+            raise ModelLoadError(f"config: rope_freq_factors has {len(f)} values; {self.rotary} "
+                                 f"rotary head dims have {self.rotary // 2} frequencies")
         bad = next((v for v in f if not (math.isfinite(v) and v > 0)), None)
         if bad is not None:
             raise ModelLoadError(f"config: rope_freq_factors must be finite and positive, got {bad!r}")
@@ -185,16 +208,16 @@ class ModelConfig:
         heads = d["num_attention_heads"]
         rope = dict(d.get("rope_parameters") or {})  # transformers 5: theta lives in here
         theta = rope.pop("rope_theta", None) or d.get("rope_theta") or 10000.0
-        partial = rope.pop("partial_rotary_factor", None) or d.get("partial_rotary_factor") or 1.0
-        if float(partial) != 1.0:
-            raise UnsupportedModelError(f"{arch}: partial rotary embeddings ({partial}) are not supported")
+        partial = rope.pop("partial_rotary_factor", None)
+        partial = d.get("partial_rotary_factor") if partial is None else partial
         scaling = d.get("rope_scaling") or rope or None
         head_dim = d.get("head_dim") or d["hidden_size"] // heads
+        rotary = _rotary_dim(partial, head_dim, arch)
         context = d.get("max_position_embeddings", 2048)
         factors, attention = None, 1.0
         kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
         if kind == "linear":  # positions divided by the factor: every frequency alike
-            factors, scaling = _linear(scaling.get("factor"), head_dim, "rope scaling factor"), None
+            factors, scaling = _linear(scaling.get("factor"), rotary, "rope scaling factor"), None
         elif kind in ("longrope", "su"):  # Phi-3.5 and 128k Phi-3 (su: the old name)
             short = scaling.get("short_factor")
             if not isinstance(short, list | tuple):
@@ -234,6 +257,7 @@ class ModelConfig:
             eos_token_ids=_as_id_list(d.get("eos_token_id")),
             sliding_window=window,
             layer_types=types if window else None,
+            rotary_dim=None if rotary == head_dim else rotary,
         )
 
     @classmethod
@@ -268,21 +292,23 @@ class ModelConfig:
 
         hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
         head_dim = int(get("attention.key_length", hidden // heads))
-        rotary = int(get("rope.dimension_count", head_dim))
+        rotary = get("rope.dimension_count", head_dim)
+        if isinstance(rotary, bool) or not isinstance(rotary, int):
+            raise ModelLoadError(f"{gguf_arch}.rope.dimension_count must be an int, got {rotary!r}")
+        if rotary != head_dim and gguf_arch not in PARTIAL_ROTARY:  # llama's permuted q/k rows too
+            raise UnsupportedModelError(
+                f"GGUF {gguf_arch}: RoPE over {rotary} of {head_dim} head dims (partial rotary) is "
+                "not supported"
+            )
         if scaling_type == "linear":  # positions divided by the factor: every frequency alike
             linear = _positive(get("rope.scaling.factor"), f"{gguf_arch}.rope.scaling.factor")
-            rope_freqs = [linear * float(v) for v in (rope_freqs or [1.0] * (head_dim // 2))]
+            rope_freqs = [linear * float(v) for v in (rope_freqs or [1.0] * (rotary // 2))]
         context, attention = int(get("context_length", 2048)), 1.0
         if longrope:
             keys = [f"{gguf_arch}.{k}" for k in ("context_length", "rope.scaling.original_context_length",
                                                   "rope.scaling.attn_factor")]
             attention, context = _longrope(context, get("rope.scaling.original_context_length"),
                                            metadata.get(keys[2]), keys)
-        if rotary != head_dim:
-            raise UnsupportedModelError(
-                f"GGUF {gguf_arch}: RoPE over {rotary} of {head_dim} head dims (partial rotary) is "
-                "not supported"
-            )
         # only Phi-3 files carry a window that applies to every layer (Phi-3-mini: 2047)
         window = metadata.get("phi3.attention.sliding_window") if gguf_arch == "phi3" else None
         vocab = metadata.get(f"{gguf_arch}.vocab_size") or len(metadata.get("tokenizer.ggml.tokens", []))
@@ -308,6 +334,7 @@ class ModelConfig:
             bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=_as_id_list([e for e in eos if e is not None]),
             sliding_window=int(window) if window else None,
+            rotary_dim=None if rotary == head_dim else rotary,
         )
 
 
@@ -424,9 +451,19 @@ def _gemma3_from_gguf(metadata: Mapping[str, Any], names: set[str]) -> ModelConf
     )
 
 
-def _linear(factor: Any, head_dim: int, what: str) -> tuple[float, ...]:
-    """A linear scaling as RoPE divisors: every rotary frequency divided by the factor."""
-    return (_positive(factor, what),) * (head_dim // 2)
+def _rotary_dim(partial: Any, head_dim: int, arch: str) -> int:
+    """Head dims a transformers config's partial_rotary_factor rotates (its int(head_dim * f))."""
+    f = 1.0 if partial is None else _positive(partial, f"{arch} partial_rotary_factor")
+    if f > 1:
+        raise ModelLoadError(f"{arch} partial_rotary_factor must be at most 1, got {partial!r}")
+    if f != 1 and arch not in PARTIAL_ROTARY:
+        raise UnsupportedModelError(f"{arch}: partial rotary embeddings ({partial}) are not supported")
+    return int(head_dim * f)
+
+
+def _linear(factor: Any, rotary: int, what: str) -> tuple[float, ...]:
+    """A linear scaling as RoPE divisors: each of `rotary` / 2 frequencies divided by the factor."""
+    return (_positive(factor, what),) * (rotary // 2)
 
 
 def _longrope(context: Any, orig: Any, attn: Any, names: Sequence[str]) -> tuple[float, int]:

@@ -85,8 +85,8 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, theta: float | None = None) -> None:
         super().__init__()
-        self.head_dim = cfg.head_dim
-        self.inv_freq = _inv_freq(cfg, theta)  # [D/2] float32
+        self.head_dim, self.rotary = cfg.head_dim, cfg.rotary
+        self.inv_freq = _inv_freq(cfg, theta)  # [D/2] float32 (0 on pass-through pairs)
         self.scale = cfg.rope_attention_factor if theta is None else 1.0  # on cos and sin
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin_signed", torch.empty(0), persistent=False)
@@ -98,9 +98,10 @@ class RotaryEmbedding(nn.Module):
         dev = self.cos.device if hasattr(self, "cos") else torch.device("cpu")
         t = torch.arange(num_positions, dtype=torch.float32, device=dev)
         freqs = torch.outer(t, self.inv_freq.to(dev))  # [P, D/2]
-        cos, sin = freqs.cos(), freqs.sin()
-        if self.scale != 1.0:  # LongRoPE: q and k each scaled by the attention factor
-            cos, sin = cos * self.scale, sin * self.scale
+        cos, sin = freqs.cos(), freqs.sin()  # pass-through dims (inv_freq 0): exactly 1 and 0
+        if self.scale != 1.0:  # LongRoPE: q and k's rotated dims scaled by the attention factor
+            r = self.rotary // 2
+            cos[:, :r], sin[:, :r] = cos[:, :r] * self.scale, sin[:, :r] * self.scale
         self.cos = torch.cat([cos, cos], dim=-1).to(dtype)  # [P, D]
         self.sin_signed = torch.cat([-sin, sin], dim=-1).to(dtype)  # [P, D]
 
@@ -143,8 +144,14 @@ class RotaryEmbedding(nn.Module):
 def _inv_freq(cfg: ModelConfig, theta: float | None = None) -> torch.Tensor:
     """[D/2] float32 rotary frequencies of base `theta` (None: cfg.rope_theta, with Llama-3
     frequency scaling or a GGUF file's frequency factors when configured; a local base is never
-    scaled)."""
-    d = cfg.head_dim
+    scaled). Partial rotary (cfg.rotary < D): the R/2 frequencies of an R-dim RoPE, then zeros,
+    which rotate the pass-through pairs by nothing (see partial_rotary_order)."""
+    inv = _rotary_inv_freq(cfg, theta)
+    return F.pad(inv, (0, cfg.head_dim // 2 - inv.numel()))
+
+
+def _rotary_inv_freq(cfg: ModelConfig, theta: float | None) -> torch.Tensor:
+    d = cfg.rotary
     base = cfg.rope_theta if theta is None else theta
     inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     if theta is not None:
@@ -164,6 +171,18 @@ def _inv_freq(cfg: ModelConfig, theta: float | None = None) -> torch.Tensor:
     mixed = (1 - smooth) * inv / s["factor"] + smooth * inv
     out = torch.where(wavelen > low_wavelen, inv / s["factor"], mixed)
     return torch.where(wavelen < high_wavelen, inv, out)
+
+
+def partial_rotary_order(d: int, r: int) -> torch.Tensor:
+    """[D] transformers' head dim of each dim RoPE runs over, for RoPE over the first r of d.
+
+    transformers rotates the pairs (i, i + r/2) of the first r dims and passes the rest through;
+    the RoPE here pairs (j, j + d/2) over the whole head. So the rotated halves go to the front
+    of each half of the head and the pass-through dims fill the rest, and their frequencies are
+    0 (cos 1, sin 0: unchanged). q and k get the same order (the projection rows are reordered
+    at load), so every q.k is the same sum; v and the attention output keep theirs."""
+    rot, rest = torch.arange(r), torch.arange(r, d)
+    return torch.cat([rot[: r // 2], rest[: (d - r) // 2], rot[r // 2 :], rest[(d - r) // 2 :]])
 
 
 class DecoderLayer(nn.Module):
@@ -521,6 +540,7 @@ class LlamaModel(nn.Module):
         pending: dict[int, tuple[Any, dict[int, QPart]]] = {}
         seen: set[str] = set()
         for name, tensor in weights:
+            tensor = self._rotary_rows(name, tensor)
             if isinstance(tensor, QPart):
                 if name not in slots:
                     raise ModelLoadError(f"weight {name!r} cannot stay quantized here")
@@ -553,6 +573,31 @@ class LlamaModel(nn.Module):
         missing = sorted((set(targets) | set(slots)) - seen)
         if missing:
             raise ModelLoadError(f"missing weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+    def _rotary_rows(self, name: str, w: torch.Tensor | QPart) -> torch.Tensor | QPart:
+        """Partial rotary: q/k projection rows (and QK-norm weights) from transformers' order
+        into the one RoPE runs in (partial_rotary_order); any other tensor as it is."""
+        c = self.config
+        if c.rotary == c.head_dim or not name.endswith((".weight", ".bias")):
+            return w
+        d, per = c.head_dim, partial_rotary_order(c.head_dim, c.rotary)
+
+        def heads(n: int, first: int = 0) -> torch.Tensor:
+            return (first + torch.arange(n)[:, None] * d + per).flatten()
+
+        q, kv = c.num_heads * d, c.num_kv_heads * d
+        make = {"q_proj": lambda: heads(c.num_heads), "k_proj": lambda: heads(c.num_kv_heads),
+                "qkv_proj": lambda: torch.cat([heads(c.num_heads), heads(c.num_kv_heads, q),
+                                               torch.arange(q + kv, q + 2 * kv)]),
+                "q_norm": lambda: per, "k_norm": lambda: per}.get(name.rsplit(".", 2)[-2])
+        rows = w.data if isinstance(w, QPart) else w
+        if make is None or ".self_attn." not in name:
+            return w
+        idx = make()
+        if rows.shape[0] != idx.numel():  # load_weights names the shape mismatch
+            return w
+        rows = rows.index_select(0, idx)
+        return QPart(w.qtype, rows, w.k) if isinstance(w, QPart) else rows
 
     def _attach_quantized(self, pending: dict[int, tuple[Any, dict[int, QPart]]]) -> None:
         """Build each QWeight from its parts (all present, in row order). Its blocks are also
