@@ -1,5 +1,6 @@
 """Qwen2, Qwen3 (QK-norm), Mistral, Phi-3 (fused qkv / gate_up), Gemma 3 (sandwich norms, a
-16-token window on five of six layers) and Llama at real models' shapes.
+16-token window on five of six layers), Gemma 2 (soft-caps, a window on every other layer) and
+Llama at real models' shapes; Phi-4-mini's partial rotary.
 
 Each architecture is a tiny random GGUF (tests/tiny_gguf.py: a few layers, the hidden and head
 sizes of a real model, Q8_0/Q4_0/F16 matrices, a byte-level tokenizer) loaded by pagedkv and by
@@ -105,7 +106,7 @@ def _hf_checkpoint(tiny: dict[str, Any]) -> Any:
     return model.eval()
 
 
-@pytest.mark.parametrize("tiny", ["qwen3", "phi3", "mistral"], indirect=True)
+@pytest.mark.parametrize("tiny", ["qwen3", "phi3", "mistral", "gemma2"], indirect=True)
 def test_hf_checkpoint_folder(tiny: dict[str, Any], tmp_path: Path) -> None:
     """config.json + safetensors of the same model (Phi-3: qkv_proj / gate_up_proj names)."""
     arch = tiny["arch"]
@@ -203,6 +204,35 @@ def test_gguf_rope_scaling(kind: str, tmp_path: Path) -> None:
     assert max(abs(lp - float(other[t])) for t, lp in ours.items()) > 1e-2
 
 
+def test_gemma2_softcaps_from_the_file(tmp_path: Path) -> None:
+    """Gemma 2's soft-caps come from the file (here 2 on the scores and 3 on the logits, where
+    they bite): greedy and logprobs equal transformers' with those caps, not its defaults'
+    (50 / 30, all its GGUF loader gives), in prefill and decode."""
+    from transformers import AutoModelForCausalLM
+
+    spec = dataclasses.replace(SPECS["gemma2"], name="Gemma 2 capped", softcaps=(2.0, 3.0), seed=15)
+    path = write_tiny_gguf(spec, tmp_path / "gemma2.gguf")
+    plain = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
+    d = {k: v for k, v in plain.config.to_dict().items() if k != "quantization_config"}
+    capped = type(plain)(type(plain.config).from_dict(
+        {**d, "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0}))
+    capped.load_state_dict(plain.state_dict())
+    capped.eval()
+    llm = LLM(str(path), num_blocks=64)
+    cfg = llm.engine.loaded.config
+    assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping, cfg.qk_norm) == (2.0, 3.0, False)
+    assert cfg.layer_types == ["sliding", "full", "sliding", "full"]
+    assert greedy(llm) == [hf_greedy(capped, p) for p in PROMPTS]
+    out = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=3, logprobs=5))[0]
+    ids = PROMPTS[1] + list(out.outputs[0].token_ids)
+    with torch.no_grad():
+        want, other = (torch.log_softmax(m(torch.tensor([ids])).logits[0], -1) for m in (capped, plain))
+    for j, ours in enumerate(out.outputs[0].logprobs):  # the prefill's token, then two decodes
+        row = len(PROMPTS[1]) - 1 + j
+        assert max(abs(lp - float(want[row, t])) for t, lp in ours.items()) < 1e-3
+        assert max(abs(lp - float(other[row, t])) for t, lp in ours.items()) > 1e-2
+
+
 _LLAMA_META = {
     "general.architecture": "llama", "llama.embedding_length": 256, "llama.attention.head_count": 4,
     "llama.block_count": 2, "llama.feed_forward_length": 512, "llama.vocab_size": 100,
@@ -278,7 +308,7 @@ def test_gguf_partial_rotary_and_longrope_config() -> None:
     cfg = ModelConfig.from_gguf({**_META, "phi3.attention.sliding_window": 2047}, ["output.weight"])
     assert (cfg.architecture, cfg.head_dim, cfg.sliding_window, cfg.fused_projections) == ("phi3", 96, 2047, True)
     with pytest.raises(UnsupportedModelError, match="supported: "):
-        ModelConfig.from_gguf({**_META, "general.architecture": "gemma2"}, [])
+        ModelConfig.from_gguf({**_META, "general.architecture": "gemma4"}, [])
 
 
 def test_hf_partial_rotary_config() -> None:

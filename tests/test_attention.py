@@ -66,6 +66,7 @@ class Spec:
     seed: int
     scale: float
     window: int = 0  # sliding window in tokens (0: none)
+    softcap: float = 0.0  # scores soft-capped, c * tanh(s / c) (Gemma 2; 0: none)
 
 
 @st.composite
@@ -88,6 +89,7 @@ def specs(draw, max_prefill: int = 40, max_context: int = 70) -> Spec:
         seed=draw(st.integers(0, 2**31 - 1)),
         scale=draw(st.sampled_from([1.0 / math.sqrt(d), 0.3])),
         window=draw(st.sampled_from([0, 0, 1, 5, 17, 64])),
+        softcap=draw(st.sampled_from([0.0, 0.0, 0.7, 5.0])),
     )
 
 
@@ -155,7 +157,11 @@ def build_case(spec: Spec, dtype: torch.dtype) -> Case:
             mask &= kpos > qpos - spec.window
             # blocks wholly before the first query's window are never read: poison their ids
             tables[i, : max(0, c - spec.window + 1) // bs] = -1
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=spec.scale)
+        if spec.softcap:  # as transformers' eager Gemma 2: scale, cap, mask, softmax
+            sc = (qs @ ks.transpose(1, 2) * spec.scale / spec.softcap).tanh() * spec.softcap
+            o = sc.masked_fill(~mask, -math.inf).softmax(-1) @ vs
+        else:
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=spec.scale)
         ref[row : row + n] = o.transpose(0, 1)
         row += n
 
@@ -173,8 +179,9 @@ def build_case(spec: Spec, dtype: torch.dtype) -> Case:
     return Case(q, k, v, k_cache, v_cache, meta, ref)
 
 
-def run_and_check(case: Case, scale: float, atol: float, rtol: float, window: int = 0) -> None:
-    out = paged_attention(case.q, case.k, case.v, case.layer, case.meta, scale, window=window)
+def run_and_check(case: Case, scale: float, atol: float, rtol: float, window: int = 0,
+                  softcap: float = 0.0) -> None:
+    out = paged_attention(case.q, case.k, case.v, case.layer, case.meta, scale, window=window, softcap=softcap)
     assert out.shape == case.q.shape and out.dtype == case.q.dtype
     torch.testing.assert_close(out.float(), case.ref, atol=atol, rtol=rtol)
     # every new token's K/V landed at its slot
@@ -193,7 +200,7 @@ FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthChe
 @given(spec=specs())
 def test_mixed_batch_float32(name: str, spec: Spec) -> None:
     with backend(name):
-        run_and_check(build_case(spec, torch.float32), spec.scale, atol=1e-5, rtol=1e-5, window=spec.window)
+        run_and_check(build_case(spec, torch.float32), spec.scale, atol=1e-5, rtol=1e-5, window=spec.window, softcap=spec.softcap)
 
 
 @pytest.mark.parametrize("name", BACKENDS)
@@ -203,7 +210,7 @@ def test_mixed_batch_bfloat16(name: str, spec: Spec) -> None:
     # reference sees the same bf16-rounded inputs; the gap is the bf16 rounding of the output
     with backend(name):
         run_and_check(build_case(spec, torch.bfloat16), spec.scale, atol=2e-2, rtol=2e-2,
-                      window=spec.window)
+                      window=spec.window, softcap=spec.softcap)
 
 
 @pytest.mark.parametrize("name", BACKENDS)
@@ -212,7 +219,7 @@ def test_mixed_batch_bfloat16(name: str, spec: Spec) -> None:
 def test_mixed_batch_float16(name: str, spec: Spec) -> None:
     with backend(name):
         run_and_check(build_case(spec, torch.float16), spec.scale, atol=2e-3, rtol=2e-3,
-                      window=spec.window)
+                      window=spec.window, softcap=spec.softcap)
 
 
 # --- decode -----------------------------------------------------------------------------------

@@ -111,11 +111,18 @@ DECODE_CASES = {
     # the tiles a GPU launch uses (64 positions a tile), run here too
     "f16-gqa4-window-gputiles": (torch.float16, 8, 2, 128, 16, 50, 2),
     "int8-mqa32-gputiles": (torch.int8, 32, 1, 64, 16, 0, 3),
+    # Gemma 2's soft-capped scores (here capped at 0.5, where they matter), split and windowed
+    "f32-gqa4-split3-softcap": (torch.float32, 8, 2, 64, 16, 0, 3),
+    "int8-gqa7-window-softcap": (torch.int8, 14, 2, 64, 16, 37, 4),
 }
 
 
 def _tiles(case: str, d: int):
     return tb.tiles_for(torch.device("cuda"), d) if case.endswith("gputiles") else None
+
+
+def _softcap(case: str) -> float:
+    return 0.5 if case.endswith("softcap") else 0.0
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -139,9 +146,10 @@ def test_decode_equals_torch(case: str, device: str) -> None:
     lens = lens.to(device)
     out = torch.full_like(q, float("nan"))
     tb.decode(q, kc, vc, tables.masked_fill(unread, poison).to(device), lens, d**-0.5, out=out,
-              splits=splits, k_scale=ks, v_scale=vs, window=window, tiles=_tiles(case, d))
+              splits=splits, k_scale=ks, v_scale=vs, window=window, softcap=_softcap(case),
+              tiles=_tiles(case, d))
     ref = _decode_torch(q, kc, vc, tables.masked_fill(unread, 0).to(device), lens, d**-0.5, None,
-                        ks, vs, window)
+                        ks, vs, window, _softcap(case))
     torch.testing.assert_close(out.float(), ref.float(), atol=_tol(qdt), rtol=_tol(qdt))
 
 
@@ -158,6 +166,8 @@ PREFILL_CASES = {
     "f32-gqa7-window-holes": (torch.float32, 14, 2, 32, 8, 9, [(11, 21), (4, 0), (6, 13)]),
     "f16-mqa16-prefix": (torch.float16, 16, 1, 32, 4, 0, [(5, 9), (3, 2)]),
     "int8-gqa7-gputiles": (torch.int8, 7, 1, 64, 16, 0, [(37, 20)]),
+    "f32-gqa7-window-holes-softcap": (torch.float32, 14, 2, 32, 8, 9, [(11, 21), (4, 0), (6, 13)]),
+    "bf16-prefix-softcap": (torch.bfloat16, 4, 2, 64, 16, 0, [(30, 17), (5, 0)]),
 }
 
 
@@ -191,9 +201,9 @@ def test_prefill_equals_torch(case: str, device: str) -> None:
     out = torch.full_like(q, float("nan"))
     tb.prefill(q, k, v, kc, vc, tables, starts, torch.tensor(qlens, **i32),
                torch.tensor(ctxs, **i32), max(qlens), d**-0.5, out=out, k_scale=ks, v_scale=vs,
-               window=window, tiles=_tiles(case, d))
+               window=window, softcap=_softcap(case), tiles=_tiles(case, d))
     ref = paged_prefill_attention(q, k, v, kc, vc, qlens, ctxs, clean, d**-0.5,
-                                  k_scale=ks, v_scale=vs, window=window)
+                                  k_scale=ks, v_scale=vs, window=window, softcap=_softcap(case))
     torch.testing.assert_close(out.float(), ref.float(), atol=_tol(qdt), rtol=_tol(qdt))
 
 

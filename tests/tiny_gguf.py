@@ -52,6 +52,7 @@ class TinySpec:
     linear: float | None = None  # rope.scaling.type linear with this factor (DeepSeek-Coder: 4)
     longrope: int | None = None  # Phi-3 LongRoPE from this original context (the file's: 32x it)
     rotary: int | None = None  # rope.dimension_count when RoPE turns fewer dims than a head's (Phi-4-mini)
+    softcaps: tuple[float, float] | None = None  # Gemma 2's attention and final logit soft-caps
     seed: int = 0
     qtypes: dict[str, Q] = field(default_factory=dict)
     chat: bool = False  # write SmolLM2's chat template (the whole-model specs, for `bench serve`)
@@ -130,7 +131,7 @@ def _tensors(spec: TinySpec, fast: bool = False) -> dict[str, tuple[np.ndarray, 
             out[p + "attn_q_norm.weight"] = norm(d)
             out[p + "attn_k_norm.weight"] = norm(d)
         out[p + "attn_output.weight"] = mat(h, q, "attn")
-        if spec.arch == "gemma3":  # the norms of the attention and MLP outputs
+        if spec.arch in ("gemma2", "gemma3"):  # the norms of the attention and MLP outputs
             out[p + "post_attention_norm.weight"] = norm(h)
             out[p + "post_ffw_norm.weight"] = norm(h)
         out[p + "ffn_norm.weight"] = norm(h)
@@ -207,6 +208,9 @@ def write_tiny_gguf(spec: TinySpec, path: str | Path, fast: bool = False) -> Pat
     w.add_vocab_size(spec.vocab)
     if spec.window:
         w.add_sliding_window(spec.window)
+    if spec.softcaps:
+        w.add_attn_logit_softcapping(spec.softcaps[0])
+        w.add_final_logit_softcapping(spec.softcaps[1])
     if spec.linear:
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(spec.linear)
@@ -259,6 +263,12 @@ SPECS = {
     # norms, six layers (the sixth global) with a window of 16 tokens the prompts cross
     "gemma3": TinySpec("gemma3", "Gemma 3 tiny", 640, 4, 1, 256, 1184, layers=6, qk_norm=True,
                        window=16, seed=6, qtypes={"attn": Q.Q8_0, "ffn": Q.Q4_0, "embd": Q.Q8_0}),
+    # Gemma 2 2B: 8 heads / 4 KV heads of 256 (hidden 2304 here 576), sandwich norms, soft-caps
+    # (transformers' defaults: its GGUF loader does not read them), every 2nd layer global and
+    # a window of 16 tokens the prompts cross
+    "gemma2": TinySpec("gemma2", "Gemma 2 tiny", 576, 8, 4, 256, 1152, layers=4, window=16, seed=14,
+                       rope_theta=1e4, softcaps=(50.0, 30.0),
+                       qtypes={"attn": Q.Q8_0, "ffn": Q.Q4_0, "embd": Q.Q8_0}),
     # SmolLM2-360M: 15 heads / 5 KV heads of 64
     "llama": TinySpec("llama", "SmolLM2 tiny", 960, 15, 5, 64, 2560 - 32, seed=5,
                       qtypes={"attn": Q.Q4_0, "ffn": Q.Q4_0, "embd": Q.Q8_0}),

@@ -117,6 +117,7 @@ def paged_attention(
     scale: float,
     out: torch.Tensor | None = None,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Write k/v at meta.slot_mapping, then attend; returns [T, Hq, D] in q's dtype.
 
@@ -124,7 +125,8 @@ def paged_attention(
     metadata's checks and the decode backend are decided by the first layer (meta.plan).
     `out`: a contiguous [T, Hq, D] tensor of q's dtype to write into (the model reuses one per
     step across its layers); None: a new one. `window`: the layer's sliding window in tokens
-    (0: the whole context).
+    (0: the whole context). `softcap` > 0: every score s (q.k times scale) becomes
+    softcap * tanh(s / softcap) before the softmax (Gemma 2); 0: none.
     """
     plan = meta.plan
     if plan is None or not plan.fits(q, cache):
@@ -137,7 +139,7 @@ def paged_attention(
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, D], contiguous
     if plan.triton is not None:
-        return _triton_attention(q, k, v, cache, plan, scale, out, window)
+        return _triton_attention(q, k, v, cache, plan, scale, out, window, softcap)
     if num_tokens:
         write_layer(cache, meta.slot_mapping, k, v, skips=meta.has_skips)
     if num_prefill:
@@ -155,6 +157,7 @@ def paged_attention(
             k_scale=cache.k_scale,
             v_scale=cache.v_scale,
             window=window,
+            softcap=softcap,
         )
     if plan.num_decodes:
         qd = q[num_prefill:] if num_prefill else q  # no view op on a pure-decode step
@@ -163,7 +166,7 @@ def paged_attention(
             if qd.stride(-1) != 1:
                 qd = qd.contiguous()
             plan.op(qd, cache.k, cache.v, plan.block_tables, plan.seq_lens, float(scale),
-                    od, cache.k_scale, cache.v_scale, window)
+                    od, cache.k_scale, cache.v_scale, window, softcap)
         else:
             paged_decode_attention(
                 qd,
@@ -177,6 +180,7 @@ def paged_attention(
                 k_scale=cache.k_scale,
                 v_scale=cache.v_scale,
                 window=window,
+                softcap=softcap,
             )
     return out
 
@@ -193,7 +197,7 @@ def use_triton(backend: str, device: torch.device) -> bool:
 
 
 def _triton_attention(q, k, v, cache: LayerKV, plan: AttentionPlan, scale: float,
-                      out: torch.Tensor, window: int) -> torch.Tensor:
+                      out: torch.Tensor, window: int, softcap: float) -> torch.Tensor:
     """One layer through the triton kernels: the KV write (one launch), prefill, decode."""
     from pagedkv.attention import triton_backend as tb
 
@@ -203,11 +207,11 @@ def _triton_attention(q, k, v, cache: LayerKV, plan: AttentionPlan, scale: float
     if p:
         tb.prefill(q[:p], k[:p], v[:p], cache.k, cache.v, step.prefill_tables, step.q_starts,
                    step.q_lens, step.ctx_lens, step.max_q_len, scale, out=out[:p],
-                   k_scale=cache.k_scale, v_scale=cache.v_scale, window=window)
+                   k_scale=cache.k_scale, v_scale=cache.v_scale, window=window, softcap=softcap)
     if plan.num_decodes:
         tb.decode(q[p:], cache.k, cache.v, step.decode_tables, step.decode_lens, scale,
                   out=out[p:], splits=step.splits, k_scale=cache.k_scale, v_scale=cache.v_scale,
-                  window=window, scratch=step.scratch)
+                  window=window, softcap=softcap, scratch=step.scratch)
     return out
 
 
@@ -222,8 +226,12 @@ def _sdpa(
     *,
     mask: torch.Tensor | None = None,
     causal: bool = False,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """SDPA on [n, Hq, D] / [L, Hkv, D] token-major tensors; returns [n, Hq, D] float32-softmaxed."""
+    """SDPA on [n, Hq, D] / [L, Hkv, D] token-major tensors; returns [n, Hq, D] float32-softmaxed.
+    `softcap` > 0: soft-capped scores (_softcapped, which SDPA has no option for)."""
+    if softcap:
+        return _softcapped(q, k, v, scale, softcap, mask, causal)
     out_dtype = q.dtype
     if q.device.type == "cpu" and q.dtype != torch.float32:
         # CPU kernels do not all keep the softmax in float32 for half types; upcasting the
@@ -250,6 +258,34 @@ def _sdpa(
     return o[0].transpose(0, 1).to(out_dtype)
 
 
+_SOFTCAP_ROWS = 256  # query rows per pass: [Hq, 256, L] float32 scores at a time
+
+
+def _softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cap: float,
+                mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+    """Attention with soft-capped scores, cap * tanh(scale * q.k / cap), in float32, as
+    transformers' eager Gemma 2 computes it; [n, Hq, D] / [L, Hkv, D] -> [n, Hq, D]. Queries go
+    _SOFTCAP_ROWS at a time, so the scores never take [Hq, n, L] at once. `causal`: query j
+    sees keys <= j + L - n."""
+    n, hq, d = q.shape
+    kh, vh = k.float().transpose(0, 1), v.float().transpose(0, 1)  # [Hkv, L, D]
+    g, L = hq // kh.shape[0], kh.shape[1]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    for a in range(0, n, _SOFTCAP_ROWS):
+        b = min(n, a + _SOFTCAP_ROWS)
+        qh = q[a:b].float().transpose(0, 1).reshape(kh.shape[0], g * (b - a), d)  # [Hkv, G*r, D]
+        s = torch.bmm(qh, kh.transpose(1, 2)).mul_(scale / cap).tanh_().mul_(cap)  # [Hkv, G*r, L]
+        s = s.view(kh.shape[0], g, b - a, L)
+        if causal:
+            keep = torch.arange(L, device=q.device) <= torch.arange(a, b, device=q.device)[:, None] + L - n
+        else:
+            keep = mask[a:b]
+        s = s.masked_fill(~keep, -math.inf).softmax(-1).view(kh.shape[0], g * (b - a), L)
+        o = torch.bmm(s, vh).view(hq, b - a, d)  # [Hq, r, D]
+        out[a:b] = o.transpose(0, 1).to(q.dtype)
+    return out
+
+
 def paged_prefill_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -265,6 +301,7 @@ def paged_prefill_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention for prefill sequences whose new tokens are concatenated in q/k/v.
 
@@ -274,7 +311,8 @@ def paged_prefill_attention(
     K/V are taken from k/v, not from the cache, so this does not depend on them being written.
     Quantized caches (k_scale/v_scale [N, bs, Hkv] given) are dequantized block by gathered block.
     `window` > 0: a band mask (query at p sees keys p - window < j <= p), and only the blocks
-    the band reaches are gathered. Returns [P, Hq, D] (written into `out` when given).
+    the band reaches are gathered. `softcap` > 0: soft-capped scores (see paged_attention).
+    Returns [P, Hq, D] (written into `out` when given).
     """
     _check_scales(k_cache, v_cache, k_scale, v_scale)
     if out is None:
@@ -290,10 +328,11 @@ def paged_prefill_attention(
         b0 = max(0, ctx - window + 1) // bs if window else 0
         if ctx == 0 and (not window or n <= window):
             # fresh prompt within the window: its K/V are exactly the new contiguous slices
-            out[start : start + n] = _sdpa(qi, ki, vi, scale, causal=True)
+            out[start : start + n] = _sdpa(qi, ki, vi, scale, causal=True, softcap=softcap)
         elif ctx <= b0 * bs:
             # no cached token is in reach: the new tokens alone, under the band
-            out[start : start + n] = _sdpa(qi, ki, vi, scale, mask=_band(n, ctx, ctx, window, q.device))
+            out[start : start + n] = _sdpa(qi, ki, vi, scale, mask=_band(n, ctx, ctx, window, q.device),
+                                           softcap=softcap)
         else:
             # prefix-cache hit or a later chunk: gather the cached context by whole blocks
             nb = -(-ctx // bs)
@@ -304,7 +343,8 @@ def paged_prefill_attention(
             # the chunk's own K/V join at full precision (they are not read back from the cache)
             kk = torch.cat([kc.to(ki.dtype), ki])  # [ctx - first + n, Hkv, D]
             vv = torch.cat([vc.to(vi.dtype), vi])
-            out[start : start + n] = _sdpa(qi, kk, vv, scale, mask=_band(n, ctx, first, window, q.device))
+            out[start : start + n] = _sdpa(qi, kk, vv, scale, mask=_band(n, ctx, first, window, q.device),
+                                           softcap=softcap)
         start += n
     return out
 
@@ -341,6 +381,7 @@ def paged_decode_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """One query token per sequence over its paged K/V; returns [B, Hq, D] in q's dtype.
 
@@ -348,7 +389,7 @@ def paged_decode_attention(
     seq_lens [B] int32 (tokens to attend, the new one included, already written).
     `max_seq_len` (optional, >= max(seq_lens)) spares the fallback a device sync.
     Quantized caches (int8/fp8) need k_scale/v_scale [N, bs, Hkv] float32. `window` > 0: only
-    the last `window` positions are attended (and read).
+    the last `window` positions are attended (and read). `softcap` > 0: soft-capped scores.
 
     On CPU this runs the compiled kernel, which reads K/V in place through the block table.
     The pure-torch fallback (other devices, PAGEDKV_NO_KERNEL=1, or no compiler) gathers the
@@ -368,13 +409,14 @@ def paged_decode_attention(
         if q.stride(-1) != 1:
             q = q.contiguous()
         _kernel.decode_op()(
-            q, k_cache, v_cache, block_tables, seq_lens, float(scale), out, k_scale, v_scale, window
+            q, k_cache, v_cache, block_tables, seq_lens, float(scale), out, k_scale, v_scale, window,
+            float(softcap),
         )
         return out
     out.copy_(
         _decode_torch(
             q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, k_scale, v_scale,
-            window,
+            window, softcap,
         )
     )
     return out
@@ -439,6 +481,7 @@ def _decode_torch(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Pure-torch paged decode: per-chunk block gather + float32 online softmax (any device).
     Quantized chunks are dequantized right after their gather. With a window, chunks start at
@@ -468,6 +511,8 @@ def _decode_torch(
             vc = vc * v_scale[ids].reshape(b, c * bs, hkv, 1)
         kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)
         s = torch.matmul(qf, kc.transpose(-1, -2))  # [B, Hkv, G, c*bs]
+        if softcap:
+            s = s.div_(softcap).tanh_().mul_(softcap)
         pos = torch.arange(j0 * bs, (j0 + c) * bs, device=dev)
         hidden = pos.unsqueeze(0) >= lens
         if starts is not None:

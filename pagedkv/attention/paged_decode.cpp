@@ -45,6 +45,7 @@ namespace {
 #define PKV_TILE 32
 #endif
 constexpr int64_t TILE = PKV_TILE;
+static_assert(TILE % 8 == 0, "softcap_tile works on whole 8-score vectors of a tile");
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 // ---------------------------------------------------------------------------------------------
@@ -200,6 +201,24 @@ inline void prefetch(const void* p) {
 
 inline void scale_inplace(float a, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] *= a;
+}
+
+// s[i] = cap * tanh(s[i] / cap) for i < n8, n8 a multiple of 8 (Gemma 2's attention logit
+// soft-capping). tanh(y) = 1 - 2 / (exp(2y) + 1): exp256 clamps its argument, so large |y|
+// give exactly +-cap; the absolute error near 0 is ~1e-7 * cap, far below what the softmax
+// resolves. Every score goes through the same vector code (the scratch row is TILE wide), so a
+// score does not depend on where a tile ends.
+inline void softcap_tile(float* s, float cap, int64_t n8) {
+  int64_t i = 0;
+#ifdef PKV_AVX2
+  const __m256 two_over = _mm256_set1_ps(2.0f / cap), vcap = _mm256_set1_ps(cap);
+  const __m256 two_cap = _mm256_set1_ps(2.0f * cap), one = _mm256_set1_ps(1.0f);
+  for (; i < n8; i += 8) {
+    __m256 e = exp256(_mm256_mul_ps(_mm256_loadu_ps(s + i), two_over));
+    _mm256_storeu_ps(s + i, _mm256_sub_ps(vcap, _mm256_div_ps(two_cap, _mm256_add_ps(e, one))));
+  }
+#endif
+  for (; i < n8; ++i) s[i] = cap * std::tanh(s[i] / cap);
 }
 
 // s[i] = exp(s[i] - m) for i < n; returns their sum.
@@ -377,6 +396,7 @@ struct Problem {
   int64_t B, Hq, Hkv, G, D, bs;
   float scale;
   int64_t window;  // > 0: attend to the last `window` tokens only (sliding window); 0: all
+  float softcap;  // > 0: scores become softcap * tanh(score / softcap) (Gemma 2); 0: none
 
   // First position sequence b attends to: the window's start, or 0.
   int64_t start(int64_t b) const {
@@ -522,6 +542,9 @@ void attend_range(const Problem& p, int64_t b, int64_t t0, int64_t t1, Scratch& 
                    sc.scores.data() + hq * TILE);
       }
     }
+    if (p.softcap > 0.0f) {
+      for (int64_t hq = 0; hq < Hq; ++hq) softcap_tile(sc.scores.data() + hq * TILE, p.softcap, (n + 7) / 8 * 8);
+    }
     // online softmax update per query head
     for (int64_t hq = 0; hq < Hq; ++hq) {
       float* s = sc.scores.data() + hq * TILE;
@@ -642,13 +665,15 @@ void decode_impl(const Problem& p, at::Tensor& out, int64_t max_len, int64_t tot
 }
 
 // out[b, hq] = softmax(scale * q[b, hq] . K[b, s_b:len_b, hq // G]) V[b, s_b:len_b, hq // G]
-// with s_b = max(0, len_b - window) for a sliding-window layer (window > 0), else 0. Blocks
+// with s_b = max(0, len_b - window) for a sliding-window layer (window > 0), else 0, each
+// score soft-capped first when softcap > 0. Blocks
 // wholly before s_b are never read (nor checked): their table entries may be anything.
 void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                   at::Tensor& out, const std::optional<at::Tensor>& k_scale,
-                  const std::optional<at::Tensor>& v_scale, int64_t window) {
+                  const std::optional<at::Tensor>& v_scale, int64_t window, double softcap) {
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: no window)");
+  TORCH_CHECK(softcap >= 0 && std::isfinite(softcap), "softcap must be finite and >= 0 (0: none)");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, Hq, D] with a contiguous last dim");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes() &&
@@ -702,7 +727,7 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
 
   Problem p{q.data_ptr(), q.scalar_type(), q.stride(0), q.stride(1), k_cache.data_ptr(),
             v_cache.data_ptr(), ks, vs, bt, max_blocks, lens, B, Hq, Hkv, Hq / Hkv, D, bs,
-            static_cast<float>(scale), window};
+            static_cast<float>(scale), window, static_cast<float>(softcap)};
   switch (kv_type) {
     case at::kFloat:
       decode_impl<float>(p, out, max_len, total_len);
@@ -730,7 +755,7 @@ TORCH_LIBRARY(pagedkv_attn, m) {
   m.def(
       "paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor seq_lens, float scale, Tensor(a!) out, Tensor? k_scale=None, "
-      "Tensor? v_scale=None, int window=0) -> ()");
+      "Tensor? v_scale=None, int window=0, float softcap=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedkv_attn, CPU, m) {

@@ -127,7 +127,7 @@ def _scratch(b: int, hq: int, d: int, splits: int, device: torch.device) -> tupl
 
 
 def decode(q, k_cache, v_cache, block_tables, seq_lens, scale, *, out, splits=1,
-           k_scale=None, v_scale=None, window=0, scratch=None, tiles=None) -> torch.Tensor:
+           k_scale=None, v_scale=None, window=0, softcap=0.0, scratch=None, tiles=None) -> torch.Tensor:
     """One query per sequence: q [B, Hq, D] over [N, bs, Hkv, D] caches; out [B, Hq, D].
     `splits` partitions each sequence's positions (split-K); `scratch`: (mid_o [B, Hq, S, D],
     mid_lse [B, Hq, S]) float32, reused across layers."""
@@ -151,7 +151,7 @@ def decode(q, k_cache, v_cache, block_tables, seq_lens, scale, *, out, splits=1,
         (b, hkv, splits), cpu,
         q, k_cache, v_cache, k_scale if quant else k_cache, v_scale if quant else v_cache,
         block_tables, seq_lens, mid_o, mid_lse, out,
-        float(scale), int(window), q.stride(0), q.stride(1), block_tables.stride(0),
+        float(scale), int(window), float(softcap), q.stride(0), q.stride(1), block_tables.stride(0),
         block_tables.shape[1], out.stride(0), out.stride(1), g, d, splits, BS=bs, HKV=hkv,
         ONE_SPLIT=splits == 1, QUANT=quant,
         F32_DOT=quant or _f32_dot(q, k_cache),
@@ -167,7 +167,7 @@ def decode(q, k_cache, v_cache, block_tables, seq_lens, scale, *, out, splits=1,
 
 
 def prefill(q, k, v, k_cache, v_cache, block_tables, q_starts, q_lens, ctx_lens, max_q_len,
-            scale, *, out, k_scale=None, v_scale=None, window=0, tiles=None) -> torch.Tensor:
+            scale, *, out, k_scale=None, v_scale=None, window=0, softcap=0.0, tiles=None) -> torch.Tensor:
     """Causal prefill of S sequences concatenated in q [P, Hq, D] / k, v [P, Hkv, D]: sequence
     i's tokens q_starts[i] .. + q_lens[i] see its ctx_lens[i] cached tokens (block_tables[i])
     and the chunk's own tokens up to themselves (int32 device tensors [S]); out [P, Hq, D]."""
@@ -190,7 +190,7 @@ def prefill(q, k, v, k_cache, v_cache, block_tables, q_starts, q_lens, ctx_lens,
     _k().prefill_kernel.launch(
         (triton_cdiv(max_q_len, block_m), hkv, s), q.device.type == "cpu",
         q, k, v, k_cache, v_cache, k_scale if quant else k_cache, v_scale if quant else v_cache,
-        out, block_tables, q_starts, q_lens, ctx_lens, float(scale), int(window),
+        out, block_tables, q_starts, q_lens, ctx_lens, float(scale), int(window), float(softcap),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), block_tables.stride(0), g, d,
         BS=bs, HKV=hkv, QUANT=quant, F32_DOT=_f32_dot(q, q),

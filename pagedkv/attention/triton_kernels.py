@@ -145,7 +145,7 @@ def write_kv_kernel(
 @kernel
 def decode_kernel(
     q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr, mid_o_ptr, mid_lse_ptr, out_ptr,
-    scale, window, stride_qb, stride_qh, stride_table, max_blocks, stride_ob, stride_oh,
+    scale, window, softcap, stride_qb, stride_qh, stride_table, max_blocks, stride_ob, stride_oh,
     G, D, SPLITS, BS: tl.constexpr, HKV: tl.constexpr,
     ONE_SPLIT: tl.constexpr, QUANT: tl.constexpr, F32_DOT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -200,6 +200,8 @@ def decode_kernel(
         if QUANT:
             ksc = tl.load(ks_ptr + rows, mask=pmask, other=0.0)
             s = s * ksc[None, :]
+        if softcap > 0:
+            s = _softcap(s, softcap)
         s = tl.where(pmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
@@ -249,15 +251,27 @@ def decode_reduce_kernel(
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, res.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
-def _attend_tile_fn(q, k, v, vis, scale, m_i, l_i, acc, F32_DOT: tl.constexpr):
+def _softcap_fn(s, cap):
+    """cap * tanh(s / cap) (Gemma 2's soft-capped scores), as 2 sigmoid(2x) - 1."""
+    return cap * (2.0 * tl.sigmoid(2.0 * s / cap) - 1.0)
+
+
+_softcap = triton.jit(_softcap_fn)
+
+
+def _attend_tile_fn(q, k, v, vis, scale, softcap, m_i, l_i, acc, F32_DOT: tl.constexpr):
     """One online-softmax step of `q` [R, D] over a key/value tile k, v [N, D] where `vis`
     [R, N]: the running max m_i [R], sum l_i [R] and un-normalized output acc [R, D] float32,
-    updated. A row that has seen nothing keeps m_i = -inf, l_i = 0, acc = 0 (no inf - inf)."""
+    updated. A row that has seen nothing keeps m_i = -inf, l_i = 0, acc = 0 (no inf - inf).
+    `softcap` > 0: scores soft-capped (_softcap) before the softmax."""
     if F32_DOT:
         s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k.to(q.dtype)))
-    s = tl.where(vis, s * scale, float("-inf"))
+    s = s * scale
+    if softcap > 0:
+        s = _softcap(s, softcap)
+    s = tl.where(vis, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp(m_i - m_safe)
@@ -277,7 +291,7 @@ _attend_tile = triton.jit(_attend_tile_fn)  # a device function: inlined into th
 @kernel
 def prefill_kernel(
     q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, out_ptr, table_ptr,
-    q_start_ptr, q_len_ptr, ctx_ptr, scale, window,
+    q_start_ptr, q_len_ptr, ctx_ptr, scale, window, softcap,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_table, G, D, BS: tl.constexpr, HKV: tl.constexpr,
     QUANT: tl.constexpr, F32_DOT: tl.constexpr,
@@ -327,7 +341,7 @@ def prefill_kernel(
         vis = pmask[None, :] & rmask[:, None]
         if window > 0:
             vis = vis & (pos[None, :] > qpos[:, None] - window)
-        m_i, l_i, acc = _attend_tile(q, k, v, vis, scale, m_i, l_i, acc, F32_DOT)
+        m_i, l_i, acc = _attend_tile(q, k, v, vis, scale, softcap, m_i, l_i, acc, F32_DOT)
     # 2. the chunk's own tokens j <= m (and within the window), at full precision
     lo2 = tl.where(window > 0, tl.maximum(tile * BLOCK_M - window + 1, 0), 0)
     lo2 = (lo2 // BLOCK_N) * BLOCK_N
@@ -343,7 +357,7 @@ def prefill_kernel(
         vis = jmask[None, :] & rmask[:, None] & (j[None, :] <= m[:, None])
         if window > 0:
             vis = vis & (j[None, :] > m[:, None] - window)
-        m_i, l_i, acc = _attend_tile(q, k, v, vis, scale, m_i, l_i, acc, F32_DOT)
+        m_i, l_i, acc = _attend_tile(q, k, v, vis, scale, softcap, m_i, l_i, acc, F32_DOT)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + (q0 + m)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])

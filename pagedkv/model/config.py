@@ -14,11 +14,12 @@ logger = logging.getLogger("pagedkv.model")
 
 # HF model_type / GGUF general.architecture -> our name. All share one decoder layout; Qwen3
 # adds an RMSNorm over each q and k head before RoPE (`qk_norm`), Phi-3 stores q/k/v and gate/up
-# fused in one matrix each (`fused_projections`), Gemma 3 adds a norm after attention and after
-# the MLP (`sandwich_norms`), scales the embeddings, uses GeGLU and windows most layers.
+# fused in one matrix each (`fused_projections`), Gemma 2 and 3 add a norm after attention and
+# after the MLP (`sandwich_norms`), scale the embeddings, use GeGLU and window some layers;
+# Gemma 2 soft-caps attention scores and logits, Gemma 3 norms q and k.
 SUPPORTED_ARCHITECTURES = {
     "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-    "gemma3_text": "gemma3",
+    "gemma3_text": "gemma3", "gemma2": "gemma2",
 }
 _HF_CLASS_TO_TYPE = {
     "LlamaForCausalLM": "llama",
@@ -27,9 +28,10 @@ _HF_CLASS_TO_TYPE = {
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
     "Gemma3ForCausalLM": "gemma3",
+    "Gemma2ForCausalLM": "gemma2",
 }
 # GGUF general.architecture values read here (llama.cpp files Mistral under "llama")
-_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
+_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 # Gemma 3: every 6th layer (5, 11, ...) attends to the whole context, the others to a window
 GEMMA3_PATTERN = 6
 GEMMA3_LOCAL_THETA = 10000.0
@@ -47,7 +49,7 @@ _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_p
 
 @dataclass(slots=True)
 class ModelConfig:
-    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "phi3" | "gemma3"
+    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "phi3" | "gemma2" | "gemma3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -82,6 +84,10 @@ class ModelConfig:
     # RoPE over the first `rotary_dim` dims of each head, the rest passed through (Phi-4-mini:
     # 96 of 128); None: all head_dim
     rotary_dim: int | None = None
+    # Gemma 2's soft-capping, c * tanh(x / c): of every attention score (scaled q.k) and of the
+    # final logits; None: none
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         self.rope_scaling = normalize_rope_scaling(self.rope_scaling)
@@ -117,6 +123,10 @@ class ModelConfig:
             if "sliding" in self.layer_types and self.sliding_window is None:
                 raise ModelLoadError("config: sliding layers need a sliding_window")
         self._check_rotary_dim()
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, float) and math.isfinite(v) and v > 0):
+                raise ModelLoadError(f"config: {name} must be a finite positive float or None, got {v!r}")
         if self.rope_freq_factors is not None:
             self._check_freq_factors()
         a = self.rope_attention_factor
@@ -162,7 +172,7 @@ class ModelConfig:
     def sandwich_norms(self) -> bool:
         """Gemma: an RMSNorm on the attention output and on the MLP output, each before its
         residual add (four norms per layer); embeddings scaled by sqrt(hidden_size)."""
-        return self.architecture == "gemma3"
+        return self.architecture in ("gemma2", "gemma3")
 
     @property
     def embedding_scale(self) -> float | None:
@@ -198,8 +208,8 @@ class ModelConfig:
         """From a transformers PretrainedConfig or a config.json dict."""
         d = hf_config if isinstance(hf_config, Mapping) else hf_config.to_dict()
         arch = _hf_architecture(d)
-        if arch == "gemma3":
-            return _gemma3_from_hf(d)
+        if arch in ("gemma2", "gemma3"):
+            return _gemma_from_hf(d, arch)
         if d.get("hidden_act", "silu") != "silu" or d.get("mlp_bias", False):
             raise UnsupportedModelError(
                 f"{arch}: only a bias-free SwiGLU (silu) MLP is supported, got "
@@ -271,8 +281,8 @@ class ModelConfig:
                 f"unsupported GGUF architecture {gguf_arch!r}; supported: {list(_GGUF_ARCHITECTURES)}"
             )
         names = set(tensor_names)
-        if gguf_arch == "gemma3":
-            return _gemma3_from_gguf(metadata, names)
+        if gguf_arch in ("gemma2", "gemma3"):
+            return _gemma_from_gguf(metadata, names, gguf_arch)
         longrope = GGUF_ROPE_SHORT in names or GGUF_ROPE_LONG in names
         if longrope and (GGUF_ROPE_SHORT not in names or GGUF_ROPE_FREQS in names):
             raise ModelLoadError(f"GGUF RoPE factors {sorted(n for n in GGUF_ROPE_TENSORS if n in names)}: "
@@ -346,34 +356,41 @@ def _hf_layer_types(d: Mapping[str, Any]) -> list[str] | None:
     return ["sliding" if t == "sliding_attention" else "full" for t in types]
 
 
-def _gemma3_from_hf(d: Mapping[str, Any]) -> ModelConfig:
-    """Gemma 3 text from a transformers config: rope_parameters per layer type (transformers 5)
-    or rope_theta / rope_local_base_freq, layer_types or the every-6th pattern."""
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if d.get(key) is not None:
-            raise UnsupportedModelError(f"gemma3: {key} is not supported")
+def _gemma_from_hf(d: Mapping[str, Any], arch: str) -> ModelConfig:
+    """Gemma 2 / Gemma 3 text from a transformers config: rope_parameters (per layer type for
+    Gemma 3 in transformers 5) or rope_theta / rope_local_base_freq, layer_types or the
+    architecture's pattern (Gemma 2: every 2nd layer global, Gemma 3: every 6th). Gemma 2
+    soft-caps scores and logits, Gemma 3 norms q and k instead."""
+    gemma2 = arch == "gemma2"
+    caps = [d.get(k) for k in ("attn_logit_softcapping", "final_logit_softcapping")]
+    if not gemma2 and any(c is not None for c in caps):
+        raise UnsupportedModelError("gemma3: attn_logit_softcapping / final_logit_softcapping are not supported")
     act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-        raise UnsupportedModelError(f"gemma3: hidden_activation {act!r} is not supported")
+        raise UnsupportedModelError(f"{arch}: hidden_activation {act!r} is not supported")
     rope = d.get("rope_parameters") or {}
-    full, local = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
+    if gemma2 or "full_attention" not in rope and "sliding_attention" not in rope:
+        full, local = rope, {}  # one RoPE for every layer (Gemma 2, or transformers 4)
+    else:
+        full, local = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
     if not rope and d.get("rope_scaling"):  # transformers 4: one scaling, the global layers'
         full = d["rope_scaling"]
     full_type = full.get("rope_type", full.get("type", "default"))
     local_type = local.get("rope_type", "default")
-    if full_type not in ("default", "linear") or local_type != "default":
-        bad = local_type if full_type in ("default", "linear") else full_type
-        raise UnsupportedModelError(f"gemma3: rope scaling {bad!r} is not supported")
+    for kind, allowed in ((full_type, ("default",) if gemma2 else ("default", "linear")), (local_type, ("default",))):
+        if kind not in allowed:
+            raise UnsupportedModelError(f"{arch}: rope scaling {kind!r} is not supported")
     heads = d["num_attention_heads"]
     head_dim = d.get("head_dim") or d["hidden_size"] // heads
-    factors = None  # 4B+: the global layers' RoPE scaled linearly (the local ones never)
+    factors = None  # Gemma 3 4B+: the global layers' RoPE scaled linearly (the local ones never)
     if full_type == "linear":
         factors = _linear(full.get("factor"), head_dim, "gemma3 rope factor")
     n = d["num_hidden_layers"]
-    pattern = d.get("sliding_window_pattern", GEMMA3_PATTERN)
+    pattern = 2 if gemma2 else d.get("sliding_window_pattern", GEMMA3_PATTERN)
     types = _hf_layer_types(d) or ["sliding" if (i + 1) % pattern else "full" for i in range(n)]
+    window = d.get("sliding_window")
     return ModelConfig(
-        architecture="gemma3",
+        architecture=arch,
         vocab_size=d["vocab_size"],
         hidden_size=d["hidden_size"],
         intermediate_size=d["intermediate_size"],
@@ -381,73 +398,84 @@ def _gemma3_from_hf(d: Mapping[str, Any]) -> ModelConfig:
         num_heads=heads,
         num_kv_heads=d.get("num_key_value_heads") or heads,
         head_dim=head_dim,
-        rope_theta=float(full.get("rope_theta") or d.get("rope_theta") or 1e6),
+        rope_theta=float(full.get("rope_theta") or d.get("rope_theta") or (1e4 if gemma2 else 1e6)),
         rope_freq_factors=factors,
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
         attention_bias=bool(d.get("attention_bias", False)),
-        qk_norm=True,
+        qk_norm=not gemma2,
         max_position_embeddings=d.get("max_position_embeddings", 2048),
         bos_token_id=d.get("bos_token_id"),
         eos_token_ids=_as_id_list(d.get("eos_token_id")),
-        sliding_window=d.get("sliding_window"),
-        layer_types=types,
-        rope_local_theta=float(local.get("rope_theta") or d.get("rope_local_base_freq") or GEMMA3_LOCAL_THETA),
+        sliding_window=window,
+        layer_types=types if window else None,
+        rope_local_theta=None if gemma2 else float(
+            local.get("rope_theta") or d.get("rope_local_base_freq") or GEMMA3_LOCAL_THETA),
         query_pre_attn_scalar=float(d.get("query_pre_attn_scalar") or 256),
         hidden_act="gelu_tanh",
+        attn_logit_softcapping=None if caps[0] is None else _positive(caps[0], "attn_logit_softcapping"),
+        final_logit_softcapping=None if caps[1] is None else _positive(caps[1], "final_logit_softcapping"),
     )
 
 
-def _gemma3_from_gguf(metadata: Mapping[str, Any], names: set[str]) -> ModelConfig:
-    """Gemma 3 from llama.cpp's keys. The file carries the window and the global RoPE base; the
-    layer pattern (every 6th global), the local base (10,000) and the attention scale are the
-    architecture's, as llama.cpp and transformers fix them (the 27B model, 62 layers, scales by
-    hidden / heads; the others by head_dim)."""
+def _gemma_from_gguf(metadata: Mapping[str, Any], names: set[str], arch: str) -> ModelConfig:
+    """Gemma 2 / Gemma 3 from llama.cpp's keys. The file carries the window, the RoPE base and
+    (Gemma 2) the two soft-caps; the layer pattern (Gemma 2: every 2nd layer global, Gemma 3:
+    every 6th), Gemma 3's local base (10,000) and the attention scale are the architecture's,
+    as llama.cpp and transformers fix them (the 27B models scale by hidden / heads, the others
+    by head_dim: Gemma 2 27B has 46 layers, Gemma 3 27B 62)."""
+    gemma2 = arch == "gemma2"
+
     def get(key: str, default: Any = None) -> Any:
-        v = metadata.get(f"gemma3.{key}", default)
+        v = metadata.get(f"{arch}.{key}", default)
         if v is None:
-            raise ModelLoadError(f"GGUF metadata lacks gemma3.{key}")
+            raise ModelLoadError(f"GGUF metadata lacks {arch}.{key}")
         return v
 
-    scaling = metadata.get("gemma3.rope.scaling.type", "none")
-    if scaling not in ("none", "linear"):
-        raise UnsupportedModelError(f"GGUF gemma3 rope scaling {scaling!r} is not supported")
+    scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
+    if scaling not in (("none",) if gemma2 else ("none", "linear")):
+        raise UnsupportedModelError(f"GGUF {arch} rope scaling {scaling!r} is not supported")
     hidden, heads, n = int(get("embedding_length")), int(get("attention.head_count")), int(get("block_count"))
     head_dim = int(get("attention.key_length", 256))
     factors = None  # Gemma 3 4B+: linear scaling (8) of the global layers' RoPE only
     if scaling == "linear":
         factors = _linear(get("rope.scaling.factor"), head_dim, "gemma3.rope.scaling.factor")
     if int(get("rope.dimension_count", head_dim)) != head_dim:
-        raise UnsupportedModelError("GGUF gemma3: partial rotary embeddings are not supported")
-    window = metadata.get("gemma3.attention.sliding_window")
+        raise UnsupportedModelError(f"GGUF {arch}: partial rotary embeddings are not supported")
+    window = metadata.get(f"{arch}.attention.sliding_window")
     tokens = metadata.get("tokenizer.ggml.tokens") or []
     eos = [metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot")]
     if "<end_of_turn>" in tokens:  # the chat turn's end; the file names it only in the vocabulary
         eos.append(tokens.index("<end_of_turn>"))
+    pattern = 2 if gemma2 else GEMMA3_PATTERN
+    caps = [metadata.get(f"gemma2.{k}") if gemma2 else None
+            for k in ("attn_logit_softcapping", "final_logit_softcapping")]
     return ModelConfig(
-        architecture="gemma3",
-        vocab_size=int(metadata.get("gemma3.vocab_size") or len(tokens)),
+        architecture=arch,
+        vocab_size=int(metadata.get(f"{arch}.vocab_size") or len(tokens)),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
         num_layers=n,
         num_heads=heads,
         num_kv_heads=int(get("attention.head_count_kv", heads)),
         head_dim=head_dim,
-        rope_theta=float(get("rope.freq_base", 1e6)),
+        rope_theta=float(get("rope.freq_base", 1e4 if gemma2 else 1e6)),
         rope_freq_factors=factors,
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         tie_word_embeddings="output.weight" not in names,
-        qk_norm=True,
-        max_position_embeddings=int(get("context_length", 32768)),
+        qk_norm=not gemma2,
+        max_position_embeddings=int(get("context_length", 8192 if gemma2 else 32768)),
         bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=_as_id_list([e for e in eos if e is not None]),
         sliding_window=int(window) if window else None,
         layer_types=None if not window else [
-            "full" if (i + 1) % GEMMA3_PATTERN == 0 else "sliding" for i in range(n)
+            "full" if (i + 1) % pattern == 0 else "sliding" for i in range(n)
         ],
-        rope_local_theta=GEMMA3_LOCAL_THETA,
-        query_pre_attn_scalar=float(hidden // heads if n == 62 else head_dim),
+        rope_local_theta=None if gemma2 else GEMMA3_LOCAL_THETA,
+        query_pre_attn_scalar=float(hidden // heads if n == (46 if gemma2 else 62) else head_dim),
         hidden_act="gelu_tanh",
+        attn_logit_softcapping=None if caps[0] is None else _positive(caps[0], "gemma2.attn_logit_softcapping"),
+        final_logit_softcapping=None if caps[1] is None else _positive(caps[1], "gemma2.final_logit_softcapping"),
     )
 
 

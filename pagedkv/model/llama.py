@@ -197,6 +197,7 @@ class DecoderLayer(nn.Module):
         self.window = cfg.layer_window(index) or 0
         self.local_rope = cfg.rope_local_theta is not None and self.window > 0
         self.gelu = cfg.hidden_act == "gelu_tanh"
+        self.softcap = cfg.attn_logit_softcapping or 0.0  # Gemma 2: scores soft-capped (0: not)
         self.input_norm = _rms_weight(h, dtype)
         q = quantized
         self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, cfg.attention_bias, dtype, q)
@@ -253,7 +254,7 @@ class DecoderLayer(nn.Module):
         if bufs is not None and qkv is bufs[4]:  # the step's views of the scratch, made once
             qk_in, q, k, v, o2 = bufs[8]
             fused[0](self._norm_qk(qk_in), cos, sin, bufs[0])
-            paged_attention(q, k, v, cache, meta, self.scale, bufs[1], self.window)
+            paged_attention(q, k, v, cache, meta, self.scale, bufs[1], self.window, self.softcap)
             return self._o(o2, bufs[5])
         # q and k are rotated together: one set of RoPE ops instead of two (one op when fused)
         qk_in = self._norm_qk(qkv[:, : self.q_size + self.kv_size].view(t, hq + hkv, d))
@@ -264,7 +265,8 @@ class DecoderLayer(nn.Module):
             qk = RotaryEmbedding.rotate(qk_in, cos, sin)
         q, k = qk[:, :hq], qk[:, hq:]  # [T, Hq, D], [T, Hkv, D]
         v = qkv[:, self.q_size + self.kv_size :].view(t, hkv, d)  # [T, Hkv, D]
-        o = paged_attention(q, k, v, cache, meta, self.scale, None if bufs is None else bufs[1], self.window)
+        o = paged_attention(q, k, v, cache, meta, self.scale, None if bufs is None else bufs[1], self.window,
+                            self.softcap)
         return self._o(o.reshape(t, self.q_size), None if bufs is None else bufs[5])
 
     def mlp(self, h: torch.Tensor, fused: tuple | None = None, bufs: tuple | None = None) -> torch.Tensor:
@@ -492,11 +494,20 @@ class LlamaModel(nn.Module):
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)  # [B, H]: norm + LM head only where needed
         x = F.rms_norm(x, x.shape[-1:], self.norm, self.config.rms_norm_eps)
+        return self._softcap_logits(self._lm_head(x))
+
+    def _lm_head(self, x: torch.Tensor) -> torch.Tensor:
+        """Normed hidden states [B, H] -> logits [B, V] float32 (a new tensor)."""
         if self.lm_head_q is not None:
-            return self.lm_head_q.linear(x)  # [B, V] float32
+            return self.lm_head_q.linear(x)
         if self._lm_head_packed is not None:
-            return packed_linear(x, self.lm_head_t.t(), self._lm_head_packed).float()  # [B, V]
-        return torch.mm(x, self.lm_head_t).float()  # [B, vocab]
+            return packed_linear(x, self.lm_head_t.t(), self._lm_head_packed).float()
+        return torch.mm(x, self.lm_head_t).float()
+
+    def _softcap_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Gemma 2: logits c * tanh(logits / c), in place; other models' as they are."""
+        c = self.config.final_logit_softcapping
+        return logits if c is None else logits.div_(c).tanh_().mul_(c)
 
     def _step_buffers(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Scratch for one step, shared by every layer (each layer is done with it before the

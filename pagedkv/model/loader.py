@@ -70,15 +70,17 @@ _GGUF_LAYER = {
     "attn_qkv": "self_attn.qkv_proj",  # Phi-3's fused projections
 }
 # Per-architecture tensor maps: a Llama map on another layout would load silently wrong weights.
+# Gemma 2 and 3: ffn_norm is the norm before the MLP; the attention and MLP outputs have their own
+_GEMMA_LAYER = {
+    **_GGUF_LAYER,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _GGUF_LAYER_MAPS = {
     "phi3": {**_GGUF_LAYER, "ffn_up": "mlp.gate_up_proj"},  # Phi-3: ffn_up holds gate|up
-    # Gemma 3: ffn_norm is the norm before the MLP; the attention and MLP outputs have their own
-    "gemma3": {
-        **_GGUF_LAYER,
-        "ffn_norm": "pre_feedforward_layernorm",
-        "post_attention_norm": "post_attention_layernorm",
-        "post_ffw_norm": "post_feedforward_layernorm",
-    },
+    "gemma2": _GEMMA_LAYER,
+    "gemma3": _GEMMA_LAYER,
 }
 _GGUF_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
