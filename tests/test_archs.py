@@ -21,7 +21,7 @@ import torch
 from tiny_gguf import SPECS, TinySpec, longrope_factors, rope_freqs, write_tiny_gguf
 
 from pagedkv import LLM, SamplingParams
-from pagedkv.errors import ModelLoadError, UnsupportedModelError
+from pagedkv.errors import CacheConfigError, ModelLoadError, UnsupportedModelError
 from pagedkv.model.config import ModelConfig
 
 PROMPTS = [[5, 77, 300, 12, 900, 45, 33, 1000, 17, 8, 250, 600, 3], list(range(40, 69))]
@@ -202,6 +202,33 @@ def test_gguf_rope_scaling(kind: str, tmp_path: Path) -> None:
         want, other = (torch.log_softmax(m(torch.tensor([PROMPTS[1]])).logits[0, -1], -1) for m in (scaled, plain))
     assert max(abs(lp - float(want[t])) for t, lp in ours.items()) < 1e-3
     assert max(abs(lp - float(other[t])) for t, lp in ours.items()) > 1e-2
+
+
+@pytest.mark.parametrize("kind", ["longrope", "partial"])
+def test_longrope_past_the_original_context(kind: str, tmp_path: Path) -> None:
+    """A max_model_len past LongRoPE's original context (64 here) takes the file's long factors
+    for every position, as llama.cpp does for such a context: a prompt past the original, where
+    transformers turns every position by the long factors too, continues as transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    spec = SCALED[kind]
+    path = write_tiny_gguf(spec, tmp_path / f"{kind}.gguf")
+    plain = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
+    d = {k: v for k, v in plain.config.to_dict().items() if k != "quantization_config"}
+    d["rope_parameters"] = _rope_parameters(spec, d["rope_parameters"])
+    if spec.rotary:
+        d["rope_parameters"]["partial_rotary_factor"] = spec.rotary / spec.head_dim
+    d["original_max_position_embeddings"] = spec.longrope
+    scaled = type(plain)(type(plain.config).from_dict(d))
+    scaled.load_state_dict(plain.state_dict())
+    llm = LLM(str(path), num_blocks=64, max_model_len=256)
+    cfg = llm.engine.loaded.config
+    assert cfg.rope_freq_factors == pytest.approx(longrope_factors(spec)[1].tolist())
+    assert llm.engine.max_model_len == 256 and cfg.max_position_embeddings == 32 * spec.longrope
+    long_prompt = [(7 * i + 3) % 1000 for i in range(90)]  # 90 tokens: past the original 64
+    assert greedy(llm, [long_prompt]) == [hf_greedy(scaled.eval(), long_prompt)]
+    with pytest.raises(CacheConfigError, match="max_model_len"):  # past the file's whole context
+        LLM(str(path), num_blocks=64, max_model_len=32 * spec.longrope + 1)
 
 
 def test_gemma2_softcaps_from_the_file(tmp_path: Path) -> None:
@@ -388,6 +415,22 @@ def test_hf_linear_and_longrope_configs() -> None:
     for bad in ({"short_factor": 3.0}, {"short_factor": [1.0] * 23 + [float("nan")]}):
         with pytest.raises(ModelLoadError, match="short_factor"):
             ModelConfig.from_hf({**v4, "rope_scaling": {"type": "longrope", **long, **bad}})
+    # a context past the original takes the long factors (and the whole context); within, the short
+    for d in (v4, v5):
+        cfg = ModelConfig.from_hf(d, context=8192)
+        assert (cfg.rope_freq_factors, cfg.max_position_embeddings) == ((8.0,) * 24, 131072)
+        assert ModelConfig.from_hf(d, context=4096).rope_freq_factors == tuple(long["short_factor"])
+    for bad in ({"long_factor": [8.0] * 23}, {"long_factor": [8.0] * 23 + [-1.0]}, {"long_factor": "x"}):
+        with pytest.raises(ModelLoadError, match="long_factor|rope_freq_factors"):
+            ModelConfig.from_hf({**v4, "rope_scaling": {"type": "longrope", **long, **bad}}, context=8192)
+    names = ["rope_factors_long.weight", "rope_factors_short.weight"]
+    meta = {**_META, "phi3.context_length": 131072, "phi3.rope.scaling.original_context_length": 4096}
+    cfg = ModelConfig.from_gguf(meta, names, rope_freqs=[1.5] * 48, rope_long=[9.0] * 48, context=4097)
+    assert (cfg.rope_freq_factors, cfg.max_position_embeddings) == ((9.0,) * 48, 131072)
+    with pytest.raises(ModelLoadError, match="rope_factors_long"):
+        ModelConfig.from_gguf(meta, names[1:], rope_freqs=[1.5] * 48, rope_long=[9.0] * 48, context=4097)
+    with pytest.raises(ModelLoadError, match="rope_factors_long"):
+        ModelConfig.from_gguf(meta, names, rope_freqs=[1.5] * 48, rope_long=[9.0] * 47 + [0.0], context=4097)
     llama = {"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
              "num_hidden_layers": 2, "num_attention_heads": 2, "rope_scaling": {"type": "linear", "factor": 4.0}}
     assert ModelConfig.from_hf(llama).rope_freq_factors == (4.0,) * 16

@@ -297,6 +297,13 @@ FULL_SPECS = {
                                     vocab=151936, bias=True, seed=13, chat=True,
                                     qtypes={"attn": Q.Q4_K, "attn_v": Q.Q6_K, "ffn": Q.Q4_K,
                                             "ffn_down": Q.Q4_K, "ffn_down_odd": Q.Q6_K, "embd": Q.Q6_K}),
+    # Gemma 2 2B's shapes and Q4_K_M mix (rows of 2304 / 9216: whole 256-blocks): Q4_K, Q6_K for
+    # attn_v, every other ffn_down and the tied 256,000 x 2304 embeddings / LM head; soft-caps 50 /
+    # 30, a 4,096 window on every other layer: 1.6 GB
+    "gemma2-2b-q4_k_m": TinySpec("gemma2", "Gemma 2 2B synthetic", 2304, 8, 4, 256, 9216, layers=26,
+                                 vocab=256000, window=4096, rope_theta=1e4, softcaps=(50.0, 30.0), seed=14,
+                                 chat=True, qtypes={"attn": Q.Q4_K, "attn_v": Q.Q6_K, "ffn": Q.Q4_K,
+                                                    "ffn_down": Q.Q4_K, "ffn_down_odd": Q.Q6_K, "embd": Q.Q6_K}),
 }
 
 

@@ -116,7 +116,7 @@ class LLMEngine:
             c.model
             if isinstance(c.model, LoadedModel)
             else load_model(c.model, dtype=c.dtype, weights=weights, activations=c.activations,
-                            batch_weights=c.batch_weights)
+                            batch_weights=c.batch_weights, context=c.max_model_len)
         )
         if not on_cpu:
             self.loaded.model.to_device(c.device)

@@ -204,8 +204,9 @@ class ModelConfig:
     # --- constructors ---------------------------------------------------------------------------
 
     @classmethod
-    def from_hf(cls, hf_config: Any) -> ModelConfig:
-        """From a transformers PretrainedConfig or a config.json dict."""
+    def from_hf(cls, hf_config: Any, context: int | None = None) -> ModelConfig:
+        """From a transformers PretrainedConfig or a config.json dict. `context`: the context
+        to be served (None: the model's), which picks LongRoPE's factors (_longrope)."""
         d = hf_config if isinstance(hf_config, Mapping) else hf_config.to_dict()
         arch = _hf_architecture(d)
         if arch in ("gemma2", "gemma3"):
@@ -223,19 +224,19 @@ class ModelConfig:
         scaling = d.get("rope_scaling") or rope or None
         head_dim = d.get("head_dim") or d["hidden_size"] // heads
         rotary = _rotary_dim(partial, head_dim, arch)
-        context = d.get("max_position_embeddings", 2048)
+        context, context_asked = d.get("max_position_embeddings", 2048), context
         factors, attention = None, 1.0
         kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
         if kind == "linear":  # positions divided by the factor: every frequency alike
             factors, scaling = _linear(scaling.get("factor"), rotary, "rope scaling factor"), None
         elif kind in ("longrope", "su"):  # Phi-3.5 and 128k Phi-3 (su: the old name)
-            short = scaling.get("short_factor")
-            if not isinstance(short, list | tuple):
-                raise ModelLoadError(f"longrope short_factor must be a list, got {short!r}")
-            factors = tuple(_positive(v, "longrope short_factor") for v in short)
+            short, long = (_factors(scaling.get(k), f"longrope {k}") for k in ("short_factor", "long_factor"))
+            if short is None:
+                raise ModelLoadError("longrope short_factor must be a list of numbers, got None")
             orig = scaling.get("original_max_position_embeddings") or d.get("original_max_position_embeddings")
-            attention, context = _longrope(context, orig, scaling.get("attention_factor"), (
-                "max_position_embeddings", "original_max_position_embeddings", "attention_factor"))
+            factors, attention, context = _longrope(context, orig, scaling.get("attention_factor"), (
+                "max_position_embeddings", "original_max_position_embeddings", "attention_factor"),
+                short, long, context_asked)
             scaling = None
         window, types = d.get("sliding_window"), _hf_layer_types(d)
         if arch in ("qwen2", "qwen3") and not d.get("use_sliding_window", False):
@@ -272,9 +273,12 @@ class ModelConfig:
 
     @classmethod
     def from_gguf(cls, metadata: Mapping[str, Any], tensor_names: Iterable[str],
-                  rope_freqs: Sequence[float] | None = None) -> ModelConfig:
+                  rope_freqs: Sequence[float] | None = None, rope_long: Sequence[float] | None = None,
+                  context: int | None = None) -> ModelConfig:
         """From GGUF key/values (`general.architecture`, `<arch>.block_count`, ...); a file with
-        a rope_freqs tensor needs its values as `rope_freqs` (the caller reads the file)."""
+        a rope_freqs tensor needs its values as `rope_freqs` (the caller reads the file), and
+        those of LongRoPE's long factors as `rope_long` for a `context` (the one to be served;
+        None: the model's) past the original (_longrope)."""
         gguf_arch = metadata.get("general.architecture")
         if gguf_arch not in _GGUF_ARCHITECTURES:
             raise UnsupportedModelError(
@@ -287,6 +291,8 @@ class ModelConfig:
         if longrope and (GGUF_ROPE_SHORT not in names or GGUF_ROPE_FREQS in names):
             raise ModelLoadError(f"GGUF RoPE factors {sorted(n for n in GGUF_ROPE_TENSORS if n in names)}: "
                                  "LongRoPE needs its short factors, and not with rope_freqs")
+        if rope_long is not None and GGUF_ROPE_LONG not in names:
+            raise ModelLoadError("rope_long given, but the file has no rope_factors_long tensor")
         if any(n in names for n in GGUF_ROPE_TENSORS) != (rope_freqs is not None):
             raise ModelLoadError("GGUF rope_freqs / rope_factors: the values must come with the tensor"
                                  if rope_freqs is None else "rope_freqs given, but the file has no such tensor")
@@ -313,12 +319,14 @@ class ModelConfig:
         if scaling_type == "linear":  # positions divided by the factor: every frequency alike
             linear = _positive(get("rope.scaling.factor"), f"{gguf_arch}.rope.scaling.factor")
             rope_freqs = [linear * float(v) for v in (rope_freqs or [1.0] * (rotary // 2))]
-        context, attention = int(get("context_length", 2048)), 1.0
+        context_asked, context, attention = context, int(get("context_length", 2048)), 1.0
         if longrope:
             keys = [f"{gguf_arch}.{k}" for k in ("context_length", "rope.scaling.original_context_length",
                                                   "rope.scaling.attn_factor")]
-            attention, context = _longrope(context, get("rope.scaling.original_context_length"),
-                                           metadata.get(keys[2]), keys)
+            long = None if rope_long is None else _factors(rope_long, GGUF_ROPE_LONG)
+            rope_freqs, attention, context = _longrope(
+                context, get("rope.scaling.original_context_length"), metadata.get(keys[2]), keys,
+                tuple(float(v) for v in rope_freqs), long, context_asked)
         # only Phi-3 files carry a window that applies to every layer (Phi-3-mini: 2047)
         window = metadata.get("phi3.attention.sliding_window") if gguf_arch == "phi3" else None
         vocab = metadata.get(f"{gguf_arch}.vocab_size") or len(metadata.get("tokenizer.ggml.tokens", []))
@@ -494,22 +502,40 @@ def _linear(factor: Any, rotary: int, what: str) -> tuple[float, ...]:
     return (_positive(factor, what),) * (rotary // 2)
 
 
-def _longrope(context: Any, orig: Any, attn: Any, names: Sequence[str]) -> tuple[float, int]:
-    """(attention factor, context) of LongRoPE's short-factor regime. `attn` None: the default
-    of transformers (and llama.cpp's converter), sqrt(1 + ln(scale) / ln(orig)) for scale =
-    context / orig. The short factors hold up to the original context; past it transformers
-    switches every position to the long ones, which is not implemented: the context stops there.
-    `names`: the three values' keys, for the errors."""
+def _longrope(context: Any, orig: Any, attn: Any, names: Sequence[str], short: tuple[float, ...],
+              long: tuple[float, ...] | None, served: int | None) -> tuple[tuple[float, ...], float, int]:
+    """(factors, attention factor, context) of LongRoPE. `attn` None: the default of
+    transformers (and llama.cpp's converter), sqrt(1 + ln(scale) / ln(orig)) for scale =
+    context / orig. transformers turns every position by the short factors while a sequence is
+    within the original context and by the long ones past it (all positions again: the cache
+    would have to be rebuilt), so one set is chosen for the whole run, as llama.cpp chooses it
+    for its context: the short factors, the context capped at the original, unless `served`
+    (the context asked for) is past it and the long factors are known. `names`: the three
+    values' keys, for the errors."""
     context, orig = _context(context, names[0]), _context(orig, names[1])
     if attn is not None:
         attention = _positive(attn, names[2])
     else:
         scale = context / orig
         attention = math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0
+    if served is not None and served > orig and long is not None:
+        logger.warning("LongRoPE: the long factors turn every position (a context of %d, past the original "
+                       "%d): transformers turns sequences within %d tokens by the short ones, so their "
+                       "outputs differ slightly", served, orig, orig)
+        return long, attention, context
     if context > orig:
-        logger.warning("LongRoPE: the short-context factors are used, so the context is capped at "
-                       "the original %d tokens (of %d; the long factors are not implemented)", orig, context)
-    return attention, min(context, orig)
+        logger.warning("LongRoPE: the short factors are used, so the context is capped at the original "
+                       "%d tokens (of %d; a max_model_len past it takes the long factors)", orig, context)
+    return short, attention, min(context, orig)
+
+
+def _factors(values: Any, what: str) -> tuple[float, ...] | None:
+    """A list of finite positive numbers as floats (None: None), or ModelLoadError."""
+    if values is None:
+        return None
+    if not isinstance(values, list | tuple):
+        raise ModelLoadError(f"{what} must be a list of numbers, got {type(values).__name__}")
+    return tuple(_positive(v, what) for v in values)
 
 
 def _context(value: Any, what: str) -> int:

@@ -38,7 +38,13 @@ import torch
 from pagedkv.cache.storage import DTYPES as _DTYPES  # one table of dtype names
 from pagedkv.errors import ModelLoadError
 from pagedkv.model import tokenizer_cache
-from pagedkv.model.config import GGUF_ROPE_FREQS, GGUF_ROPE_SHORT, GGUF_ROPE_TENSORS, ModelConfig
+from pagedkv.model.config import (
+    GGUF_ROPE_FREQS,
+    GGUF_ROPE_LONG,
+    GGUF_ROPE_SHORT,
+    GGUF_ROPE_TENSORS,
+    ModelConfig,
+)
 from pagedkv.model.gguf_file import GGUFFile
 from pagedkv.model.llama import LlamaModel
 from pagedkv.model.quant import ACTIVATIONS, BATCH_WEIGHTS, QPart
@@ -122,6 +128,7 @@ def load_model(
     weights: str | None = None,
     activations: str = "float32",
     batch_weights: str = "quantized",
+    context: int | None = None,
 ) -> LoadedModel:
     """Load a Llama-family model.
 
@@ -132,7 +139,8 @@ def load_model(
     None picks "quantized" for a GGUF file at float32, else "float32". `activations`: "float32"
     or "int8" (see the module docstring; needs quantized weights). `batch_weights`: "quantized"
     or "float32" (a float32 copy for prefill and big batches; needs quantized weights).
-    Raises ModelLoadError / UnsupportedModelError.
+    `context`: the context to be served (None: the model's); past LongRoPE's original context
+    it takes the long factors (config._longrope). Raises ModelLoadError / UnsupportedModelError.
     """
     t0 = time.perf_counter()
     check_activations(activations, weights)
@@ -144,11 +152,11 @@ def load_model(
         raise ModelLoadError("quantized weights compute in float32; use dtype float32")
     keep = weights == "quantized" or (weights is None and dt == torch.float32)
     if source is None or (isinstance(source, str) and source.lower() == DEFAULT_MODEL):
-        out = _load_gguf(default_model_path(), dt, tokenizer, keep)
+        out = _load_gguf(default_model_path(), dt, tokenizer, keep, context)
     elif isinstance(source, str | os.PathLike):
-        out = _load_path(Path(source), dt, tokenizer, keep)
+        out = _load_path(Path(source), dt, tokenizer, keep, context)
     elif hasattr(source, "state_dict") and hasattr(source, "config"):
-        out = _load_transformers_model(source, dt, tokenizer)
+        out = _load_transformers_model(source, dt, tokenizer, context)
     else:
         raise ModelLoadError(f"cannot load a model from {type(source).__name__}")
     if weights == "quantized" and out.weights != "quantized":
@@ -203,27 +211,31 @@ def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return dtype
 
 
-def _load_path(path: Path, dtype: torch.dtype, tokenizer: Any | None, keep: bool) -> LoadedModel:
+def _load_path(path: Path, dtype: torch.dtype, tokenizer: Any | None, keep: bool,
+               context: int | None = None) -> LoadedModel:
     if not path.exists():
         raise ModelLoadError(f"model path not found: {path}")
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ModelLoadError(f"{path}: expected a .gguf file or a model folder")
-        return _load_gguf(path, dtype, tokenizer, keep)
+        return _load_gguf(path, dtype, tokenizer, keep, context)
     if (path / "config.json").is_file():
-        return _load_hf_dir(path, dtype, tokenizer)
+        return _load_hf_dir(path, dtype, tokenizer, context)
     ggufs = sorted(path.glob("*.gguf"))
     if len(ggufs) == 1:
-        return _load_gguf(ggufs[0], dtype, tokenizer, keep)
+        return _load_gguf(ggufs[0], dtype, tokenizer, keep, context)
     raise ModelLoadError(f"{path}: no config.json and not exactly one .gguf file")
 
 
 # --- GGUF ---------------------------------------------------------------------------------------
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, tokenizer: Any | None, keep: bool) -> LoadedModel:
+def _load_gguf(path: Path, dtype: torch.dtype, tokenizer: Any | None, keep: bool,
+               context: int | None = None) -> LoadedModel:
     g = GGUFFile(path)
-    cfg = ModelConfig.from_gguf(g.metadata, g.tensors, rope_freqs=_rope_freqs(g))
+    long = _rope_values(g, GGUF_ROPE_LONG) if GGUF_ROPE_LONG in g.tensors else None
+    cfg = ModelConfig.from_gguf(g.metadata, g.tensors, rope_freqs=_rope_freqs(g), rope_long=long,
+                                context=context)
     model = LlamaModel(cfg, dtype, quantized=keep)
     # llama.cpp permutes q/k rows only for its "llama" rope layout; qwen2 files are unpermuted
     arch = g.metadata.get("general.architecture")
@@ -238,8 +250,10 @@ def _rope_freqs(g: GGUFFile) -> list[float] | None:
     """The file's RoPE divisors, one per rotary frequency: rope_freqs (Llama 3.1+), or LongRoPE's
     short factors (Phi-3); None if it has neither."""
     name = next((n for n in (GGUF_ROPE_FREQS, GGUF_ROPE_SHORT) if n in g.tensors), None)
-    if name is None:
-        return None
+    return None if name is None else _rope_values(g, name)
+
+
+def _rope_values(g: GGUFFile, name: str) -> list[float]:
     info = g.tensors[name]
     if len(info.shape) != 1:
         raise ModelLoadError(f"{g.path}: {name} has shape {list(info.shape)}, not 1-D")
@@ -331,12 +345,13 @@ def _gguf_tokenizer(path: Path) -> Any | None:
 # --- Hugging Face ---------------------------------------------------------------------------------
 
 
-def _load_hf_dir(path: Path, dtype: torch.dtype, tokenizer: Any | None) -> LoadedModel:
+def _load_hf_dir(path: Path, dtype: torch.dtype, tokenizer: Any | None,
+                 context: int | None = None) -> LoadedModel:
     try:
         config = json.loads((path / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"{path}/config.json: {e}") from e
-    cfg = ModelConfig.from_hf(config)
+    cfg = ModelConfig.from_hf(config, context)
     cfg.eos_token_ids = _merge_generation_eos(path, cfg.eos_token_ids)
     model = LlamaModel(cfg, dtype)
     model.load_weights(_hf_dir_weights(path))
@@ -377,8 +392,9 @@ def _hf_dir_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         yield from torch.load(f, map_location="cpu", weights_only=True).items()
 
 
-def _load_transformers_model(hf_model: Any, dtype: torch.dtype, tokenizer: Any | None) -> LoadedModel:
-    cfg = ModelConfig.from_hf(hf_model.config)
+def _load_transformers_model(hf_model: Any, dtype: torch.dtype, tokenizer: Any | None,
+                             context: int | None = None) -> LoadedModel:
+    cfg = ModelConfig.from_hf(hf_model.config, context)
     model = LlamaModel(cfg, dtype)
     with torch.no_grad():
         model.load_weights((k, v.detach()) for k, v in hf_model.state_dict().items())
