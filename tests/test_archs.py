@@ -130,6 +130,8 @@ SCALED = {
     "gemma3": dataclasses.replace(SPECS["gemma3"], name="Gemma 3 4B tiny", linear=8.0, seed=9),
     # Phi-3.5-mini's LongRoPE (original context 4,096 of 131,072; here 64 of 2,048)
     "longrope": dataclasses.replace(SPECS["phi3"], name="Phi3.5 tiny", longrope=64, seed=10),
+    # Qwen3 with YaRN (factor 4 over an original context of 64 tokens instead of 32,768)
+    "yarn": dataclasses.replace(SPECS["qwen3"], name="Qwen3 yarn tiny", yarn=(4.0, 64), seed=16),
     # Phi-4-mini: RoPE over 96 of each head's 128 dims, LongRoPE, GQA 3:1, tied embeddings
     "partial": TinySpec("phi3", "Phi4 mini tiny", 768, 6, 2, 128, 1600, fused=True, tied=True, seed=11,
                         rope_theta=1e4, longrope=64, rotary=96, qtypes={"attn": Q4, "ffn": Q8, "embd": Q8}),
@@ -145,6 +147,9 @@ def _rope_parameters(spec: TinySpec, hf: dict[str, Any]) -> dict[str, Any]:
                 "long_factor": long.tolist(), "original_max_position_embeddings": spec.longrope}
     if spec.linear:
         return {"rope_type": "linear", "rope_theta": spec.rope_theta, "factor": spec.linear}
+    if spec.yarn:
+        return {"rope_type": "yarn", "rope_theta": spec.rope_theta, "factor": spec.yarn[0],
+                "original_max_position_embeddings": spec.yarn[1]}
     factor, low, high, ctx = spec.llama3
     return {"rope_type": "llama3", "rope_theta": spec.rope_theta, "factor": factor, "low_freq_factor": low,
             "high_freq_factor": high, "original_max_position_embeddings": ctx}
@@ -189,8 +194,9 @@ def test_gguf_rope_scaling(kind: str, tmp_path: Path) -> None:
     scaled.load_state_dict(plain.state_dict())
     llm = LLM(str(path), num_blocks=64)
     want = (rope_freqs(spec).tolist() if spec.llama3 else longrope_factors(spec)[0].tolist() if spec.longrope
-            else [spec.linear] * (spec.head_dim // 2))
-    assert llm.engine.loaded.config.rope_freq_factors == pytest.approx(want)
+            else [spec.linear] * (spec.head_dim // 2) if spec.linear else None)
+    if want is not None:  # (yarn's divisors: checked through transformers' output below)
+        assert llm.engine.loaded.config.rope_freq_factors == pytest.approx(want)
     if spec.longrope:  # the short factors' context (transformers switches to the long ones past it)
         assert llm.engine.max_model_len == spec.longrope
     assert greedy(llm) == [hf_greedy(scaled.eval(), p) for p in PROMPTS]
@@ -287,8 +293,8 @@ def test_rope_freqs_values_and_name_go_together() -> None:
     for bad in (0.0, -1.0, float("nan"), "four", None):
         with pytest.raises(ModelLoadError, match="rope.scaling.factor"):
             ModelConfig.from_gguf({**linear, "llama.rope.scaling.factor": bad}, [])
-    with pytest.raises(UnsupportedModelError, match="yarn"):
-        ModelConfig.from_gguf({**_LLAMA_META, "llama.rope.scaling.type": "yarn"}, [])
+    with pytest.raises(UnsupportedModelError, match="longrope"):  # (LongRoPE comes as its tensors)
+        ModelConfig.from_gguf({**_LLAMA_META, "llama.rope.scaling.type": "longrope"}, [])
 
 
 # --- what is refused ---------------------------------------------------------------------------
@@ -434,3 +440,24 @@ def test_hf_linear_and_longrope_configs() -> None:
     llama = {"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
              "num_hidden_layers": 2, "num_attention_heads": 2, "rope_scaling": {"type": "linear", "factor": 4.0}}
     assert ModelConfig.from_hf(llama).rope_freq_factors == (4.0,) * 16
+    # YaRN: the fastest frequencies kept, the slowest divided by the factor; cos / sin scaled
+    yarn = {**llama, "model_type": "qwen2", "rope_theta": 1e6, "max_position_embeddings": 131072,
+            "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
+    cfg = ModelConfig.from_hf(yarn)
+    f = cfg.rope_freq_factors
+    assert f[0] == 1.0 and f[-1] == pytest.approx(4.0) and all(a <= b for a, b in zip(f, f[1:], strict=False))
+    assert cfg.rope_attention_factor == pytest.approx(1 + 0.1 * math.log(4.0))
+    assert cfg.max_position_embeddings == 131072
+    assert ModelConfig.from_hf({**yarn, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}).rope_freq_factors is None
+    for bad in ({"mscale": 1.0, "mscale_all_dim": 1.0}, {"factor": -1.0}, {"original_max_position_embeddings": None}):
+        with pytest.raises((UnsupportedModelError, ModelLoadError)):
+            ModelConfig.from_hf({**yarn, "rope_scaling": {**yarn["rope_scaling"], **bad}})
+    meta = {**_LLAMA_META, "general.architecture": "llama", "llama.rope.scaling.type": "yarn",
+            "llama.rope.scaling.factor": 4.0, "llama.rope.scaling.original_context_length": 32768}
+    assert ModelConfig.from_gguf(meta, []).rope_attention_factor == pytest.approx(1 + 0.1 * math.log(4.0))
+    assert ModelConfig.from_gguf({**meta, "llama.rope.scaling.yarn_ext_factor": -1.0}, []).rope_freq_factors
+    for key, v in (("attn_factor", 2.0), ("yarn_log_multiplier", 0.1), ("yarn_ext_factor", 0.5)):
+        with pytest.raises(UnsupportedModelError, match=key):
+            ModelConfig.from_gguf({**meta, f"llama.rope.scaling.{key}": v}, [])
+    with pytest.raises(ModelLoadError, match="original_context_length"):
+        ModelConfig.from_gguf({**meta, "llama.rope.scaling.original_context_length": 0}, [])

@@ -388,8 +388,8 @@ def test_unsupported_architecture_and_rope(tmp_path: Path) -> None:
         load_model(tmp_path)
     base = {"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 8,
             "num_hidden_layers": 1, "num_attention_heads": 2}
-    with pytest.raises(UnsupportedModelError, match="yarn"):
-        ModelConfig.from_hf({**base, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+    with pytest.raises(UnsupportedModelError, match="mrope"):
+        ModelConfig.from_hf({**base, "rope_scaling": {"rope_type": "mrope", "mrope_section": [1]}})
     with pytest.raises(UnsupportedModelError, match="silu"):
         ModelConfig.from_hf({**base, "hidden_act": "gelu"})
     with pytest.raises(UnsupportedModelError):

@@ -53,6 +53,7 @@ class TinySpec:
     longrope: int | None = None  # Phi-3 LongRoPE from this original context (the file's: 32x it)
     rotary: int | None = None  # rope.dimension_count when RoPE turns fewer dims than a head's (Phi-4-mini)
     softcaps: tuple[float, float] | None = None  # Gemma 2's attention and final logit soft-caps
+    yarn: tuple[float, int] | None = None  # rope.scaling.type yarn: (factor, original context)
     seed: int = 0
     qtypes: dict[str, Q] = field(default_factory=dict)
     chat: bool = False  # write SmolLM2's chat template (the whole-model specs, for `bench serve`)
@@ -214,6 +215,10 @@ def write_tiny_gguf(spec: TinySpec, path: str | Path, fast: bool = False) -> Pat
     if spec.linear:
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(spec.linear)
+    if spec.yarn:  # as llama.cpp's converter writes a Qwen config's yarn rope_scaling
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(spec.yarn[0])
+        w.add_rope_scaling_orig_ctx_len(spec.yarn[1])
     if spec.longrope:  # as llama.cpp's converter: the original context and the attention factor
         w.add_rope_scaling_orig_ctx_len(spec.longrope)
         w.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(32) / np.log(spec.longrope))))

@@ -229,6 +229,18 @@ class ModelConfig:
         kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
         if kind == "linear":  # positions divided by the factor: every frequency alike
             factors, scaling = _linear(scaling.get("factor"), rotary, "rope scaling factor"), None
+        elif kind == "yarn":  # Qwen2.5 / Qwen3 past 32k
+            orig = scaling.get("original_max_position_embeddings") or d.get("original_max_position_embeddings")
+            orig = _context(orig, "yarn original_max_position_embeddings")
+            factor = scaling.get("factor") or context / orig
+            if scaling.get("attention_factor") is None and scaling.get("mscale") and scaling.get("mscale_all_dim"):
+                raise UnsupportedModelError("yarn rope scaling with mscale / mscale_all_dim is not supported")
+            factors, attention = _yarn(rotary, float(theta), factor, orig, scaling.get("beta_fast"),
+                                       scaling.get("beta_slow"), scaling.get("attention_factor"),
+                                       scaling.get("truncate", True))
+            scaling = None
+        elif kind == "dynamic":  # transformers: plain RoPE up to max_position_embeddings
+            scaling = None
         elif kind in ("longrope", "su"):  # Phi-3.5 and 128k Phi-3 (su: the old name)
             short, long = (_factors(scaling.get(k), f"longrope {k}") for k in ("short_factor", "long_factor"))
             if short is None:
@@ -297,7 +309,7 @@ class ModelConfig:
             raise ModelLoadError("GGUF rope_freqs / rope_factors: the values must come with the tensor"
                                  if rope_freqs is None else "rope_freqs given, but the file has no such tensor")
         scaling_type = metadata.get(f"{gguf_arch}.rope.scaling.type", "none")
-        if scaling_type not in ("none", "linear"):
+        if scaling_type not in ("none", "linear", "yarn"):
             raise UnsupportedModelError(f"GGUF rope scaling {scaling_type!r} is not supported")
 
         def get(key: str, default: Any = None) -> Any:
@@ -320,6 +332,10 @@ class ModelConfig:
             linear = _positive(get("rope.scaling.factor"), f"{gguf_arch}.rope.scaling.factor")
             rope_freqs = [linear * float(v) for v in (rope_freqs or [1.0] * (rotary // 2))]
         context_asked, context, attention = context, int(get("context_length", 2048)), 1.0
+        if scaling_type == "yarn":
+            if rope_freqs is not None:
+                raise ModelLoadError("GGUF yarn rope scaling and rope_freqs / rope_factors: two scalings")
+            rope_freqs, attention = _gguf_yarn(metadata, gguf_arch, rotary)
         if longrope:
             keys = [f"{gguf_arch}.{k}" for k in ("context_length", "rope.scaling.original_context_length",
                                                   "rope.scaling.attn_factor")]
@@ -495,6 +511,49 @@ def _rotary_dim(partial: Any, head_dim: int, arch: str) -> int:
     if f != 1 and arch not in PARTIAL_ROTARY:
         raise UnsupportedModelError(f"{arch}: partial rotary embeddings ({partial}) are not supported")
     return int(head_dim * f)
+
+
+def _yarn(rotary: int, theta: float, factor: Any, orig: int, beta_fast: Any, beta_slow: Any,
+          attention: Any, truncate: bool = True) -> tuple[tuple[float, ...], float]:
+    """YaRN as per-frequency divisors and an attention factor, as transformers computes them:
+    frequencies that turn fewer than beta_slow times over the original context are
+    interpolated (divided by the factor), those that turn more than beta_fast times kept, a
+    linear ramp between; cos and sin scaled by 0.1 ln(factor) + 1 unless given."""
+    factor = _positive(factor, "yarn factor")
+    fast, slow = (_positive(v or dv, f"yarn {name}") for v, dv, name in
+                  ((beta_fast, 32.0, "beta_fast"), (beta_slow, 1.0, "beta_slow")))
+
+    def dim(rotations: float) -> float:  # the dim that turns `rotations` times over orig tokens
+        return rotary * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim(fast), dim(slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary - 1)
+    high = high + 0.001 if low == high else high
+    out = []
+    for i in range(rotary // 2):
+        keep = 1 - min(max((i - low) / (high - low), 0.0), 1.0)  # 1: extrapolated (kept as is)
+        out.append(1 / ((1 - keep) / factor + keep))
+    if attention is None:
+        attention = 0.1 * math.log(factor) + 1 if factor > 1 else 1.0
+    return tuple(out), _positive(attention, "yarn attention_factor")
+
+
+def _gguf_yarn(metadata: Mapping[str, Any], arch: str, rotary: int) -> tuple[tuple[float, ...], float]:
+    """A GGUF file's yarn keys (llama.cpp's names) -> _yarn, with YaRN's own attention factor.
+    Keys that change it (an attention factor of the file, DeepSeek's log multiplier) or the
+    extrapolation mix are refused by name: how llama.cpp combines them differs between
+    versions and models."""
+    key = f"{arch}.rope.scaling."
+    for name in ("attn_factor", "yarn_attn_factor", "yarn_log_multiplier", "yarn_ext_factor"):
+        v = metadata.get(key + name)
+        if v is not None and v not in ((1.0, -1.0) if name == "yarn_ext_factor" else (1.0,)):
+            raise UnsupportedModelError(f"GGUF {key}{name} = {v!r} with yarn rope scaling is not supported")
+    orig = _context(metadata.get(key + "original_context_length"), key + "original_context_length")
+    theta = _positive(metadata.get(f"{arch}.rope.freq_base", 10000.0), f"{arch}.rope.freq_base")
+    return _yarn(rotary, theta, metadata.get(key + "factor"), orig, metadata.get(key + "yarn_beta_fast"),
+                 metadata.get(key + "yarn_beta_slow"), None)
 
 
 def _linear(factor: Any, rotary: int, what: str) -> tuple[float, ...]:
