@@ -601,10 +601,9 @@ class LlamaModel(nn.Module):
                 "qkv_proj": lambda: torch.cat([heads(c.num_heads), heads(c.num_kv_heads, q),
                                                torch.arange(q + kv, q + 2 * kv)]),
                 "q_norm": lambda: per, "k_norm": lambda: per}.get(name.rsplit(".", 2)[-2])
-        rows = w.data if isinstance(w, QPart) else w
         if make is None or ".self_attn." not in name:
             return w
-        idx = make()
+        rows, idx = (w.data if isinstance(w, QPart) else w), make()
         if rows.shape[0] != idx.numel():  # load_weights names the shape mismatch
             return w
         rows = rows.index_select(0, idx)
