@@ -172,18 +172,13 @@ def test_hf_partial_rotary_folder(tmp_path: Path) -> None:
     assert greedy(llm) == [hf_greedy(hf, p) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("kind", sorted(SCALED))
-def test_gguf_rope_scaling(kind: str, tmp_path: Path) -> None:
-    """A Llama 3.1+ file's rope_freqs (its "llama3" RoPE scaling, as per-frequency divisors), a
-    file's linear rope scaling and Phi-3's LongRoPE (its short factors and attention factor) are
-    applied as llama.cpp applies them: greedy equals transformers' with the model's own
-    rope_parameters. (transformers' GGUF loader drops them all and runs plain RoPE, which parts
-    from it here.)"""
+def _scaled_pair(spec: TinySpec, path: Path) -> tuple[Path, Any, Any]:
+    """`spec` written at `path`; transformers' model from its GGUF loader (plain RoPE) and the
+    same weights with the model's own rope_parameters (eval mode both)."""
     from transformers import AutoModelForCausalLM
 
-    spec = SCALED[kind]
-    path = write_tiny_gguf(spec, tmp_path / f"{kind}.gguf")
-    plain = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
+    write_tiny_gguf(spec, path)
+    plain = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     d = {k: v for k, v in plain.config.to_dict().items() if k != "quantization_config"}
     d["rope_parameters"] = _rope_parameters(spec, d["rope_parameters"])
     if spec.rotary:
@@ -192,6 +187,18 @@ def test_gguf_rope_scaling(kind: str, tmp_path: Path) -> None:
         d["original_max_position_embeddings"] = spec.longrope
     scaled = type(plain)(type(plain.config).from_dict(d))
     scaled.load_state_dict(plain.state_dict())
+    return path, plain, scaled.eval()
+
+
+@pytest.mark.parametrize("kind", sorted(SCALED))
+def test_gguf_rope_scaling(kind: str, tmp_path: Path) -> None:
+    """A Llama 3.1+ file's rope_freqs (its "llama3" RoPE scaling, as per-frequency divisors), a
+    file's linear rope scaling and Phi-3's LongRoPE (its short factors and attention factor) are
+    applied as llama.cpp applies them: greedy equals transformers' with the model's own
+    rope_parameters. (transformers' GGUF loader drops them all and runs plain RoPE, which parts
+    from it here.)"""
+    spec = SCALED[kind]
+    path, plain, scaled = _scaled_pair(spec, tmp_path / f"{kind}.gguf")
     llm = LLM(str(path), num_blocks=64)
     want = (rope_freqs(spec).tolist() if spec.llama3 else longrope_factors(spec)[0].tolist() if spec.longrope
             else [spec.linear] * (spec.head_dim // 2) if spec.linear else None)
@@ -199,7 +206,7 @@ def test_gguf_rope_scaling(kind: str, tmp_path: Path) -> None:
         assert llm.engine.loaded.config.rope_freq_factors == pytest.approx(want)
     if spec.longrope:  # the short factors' context (transformers switches to the long ones past it)
         assert llm.engine.max_model_len == spec.longrope
-    assert greedy(llm) == [hf_greedy(scaled.eval(), p) for p in PROMPTS]
+    assert greedy(llm) == [hf_greedy(scaled, p) for p in PROMPTS]
     # the next token's top logprobs after the longer prompt: transformers' with the scaling,
     # clearly not its plain RoPE's (the tiny Gemma repeats its last token either way)
     out = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=1, logprobs=5))[0]
@@ -215,24 +222,14 @@ def test_longrope_past_the_original_context(kind: str, tmp_path: Path) -> None:
     """A max_model_len past LongRoPE's original context (64 here) takes the file's long factors
     for every position, as llama.cpp does for such a context: a prompt past the original, where
     transformers turns every position by the long factors too, continues as transformers'."""
-    from transformers import AutoModelForCausalLM
-
     spec = SCALED[kind]
-    path = write_tiny_gguf(spec, tmp_path / f"{kind}.gguf")
-    plain = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
-    d = {k: v for k, v in plain.config.to_dict().items() if k != "quantization_config"}
-    d["rope_parameters"] = _rope_parameters(spec, d["rope_parameters"])
-    if spec.rotary:
-        d["rope_parameters"]["partial_rotary_factor"] = spec.rotary / spec.head_dim
-    d["original_max_position_embeddings"] = spec.longrope
-    scaled = type(plain)(type(plain.config).from_dict(d))
-    scaled.load_state_dict(plain.state_dict())
+    path, _, scaled = _scaled_pair(spec, tmp_path / f"{kind}.gguf")
     llm = LLM(str(path), num_blocks=64, max_model_len=256)
     cfg = llm.engine.loaded.config
     assert cfg.rope_freq_factors == pytest.approx(longrope_factors(spec)[1].tolist())
     assert llm.engine.max_model_len == 256 and cfg.max_position_embeddings == 32 * spec.longrope
     long_prompt = [(7 * i + 3) % 1000 for i in range(90)]  # 90 tokens: past the original 64
-    assert greedy(llm, [long_prompt]) == [hf_greedy(scaled.eval(), long_prompt)]
+    assert greedy(llm, [long_prompt]) == [hf_greedy(scaled, long_prompt)]
     with pytest.raises(CacheConfigError, match="max_model_len"):  # past the file's whole context
         LLM(str(path), num_blocks=64, max_model_len=32 * spec.longrope + 1)
 
