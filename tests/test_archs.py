@@ -234,6 +234,26 @@ def test_longrope_past_the_original_context(kind: str, tmp_path: Path) -> None:
         LLM(str(path), num_blocks=64, max_model_len=32 * spec.longrope + 1)
 
 
+def test_gemma2_softcaps_default_and_checked() -> None:
+    """Without the keys Gemma 2 caps at 50 / 30 (llama.cpp's and transformers' defaults); a
+    checkpoint's null turns a cap off; a bad value is a typed error."""
+    meta = {"general.architecture": "gemma2", "gemma2.embedding_length": 256, "gemma2.attention.head_count": 2,
+            "gemma2.block_count": 2, "gemma2.feed_forward_length": 512, "gemma2.vocab_size": 100}
+    cfg = ModelConfig.from_gguf(meta, [])
+    assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping, cfg.layer_types) == (50.0, 30.0, None)
+    hf = {"model_type": "gemma2", "vocab_size": 100, "hidden_size": 256, "intermediate_size": 512,
+          "num_hidden_layers": 2, "num_attention_heads": 2, "head_dim": 128, "sliding_window": 16}
+    cfg = ModelConfig.from_hf(hf)
+    assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == (50.0, 30.0)
+    assert cfg.layer_types == ["sliding", "full"] and cfg.rope_local_theta is None and not cfg.qk_norm
+    assert ModelConfig.from_hf({**hf, "final_logit_softcapping": None}).final_logit_softcapping is None
+    for bad in (0.0, -50.0, float("nan"), float("inf"), "abc"):
+        with pytest.raises(ModelLoadError, match="softcapping"):
+            ModelConfig.from_gguf({**meta, "gemma2.attn_logit_softcapping": bad}, [])
+    with pytest.raises(UnsupportedModelError, match="gemma2: rope scaling 'linear'"):
+        ModelConfig.from_hf({**hf, "rope_parameters": {"rope_type": "linear", "factor": 2.0}})
+
+
 def test_gemma2_softcaps_from_the_file(tmp_path: Path) -> None:
     """Gemma 2's soft-caps come from the file (here 2 on the scores and 3 on the logits, where
     they bite): greedy and logprobs equal transformers' with those caps, not its defaults'

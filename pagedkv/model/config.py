@@ -34,6 +34,8 @@ _HF_CLASS_TO_TYPE = {
 _GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 # Gemma 3: every 6th layer (5, 11, ...) attends to the whole context, the others to a window
 GEMMA3_PATTERN = 6
+# Gemma 2's soft-caps when a file or config does not give them (llama.cpp's and transformers' defaults)
+GEMMA2_SOFTCAPS = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
 GEMMA3_LOCAL_THETA = 10000.0
 LAYER_TYPES = ("sliding", "full")
 # llama.cpp's per-frequency divisors: Llama 3.1+ files store their "llama3" scaling this way,
@@ -386,7 +388,8 @@ def _gemma_from_hf(d: Mapping[str, Any], arch: str) -> ModelConfig:
     architecture's pattern (Gemma 2: every 2nd layer global, Gemma 3: every 6th). Gemma 2
     soft-caps scores and logits, Gemma 3 norms q and k instead."""
     gemma2 = arch == "gemma2"
-    caps = [d.get(k) for k in ("attn_logit_softcapping", "final_logit_softcapping")]
+    # absent: transformers' Gemma2Config defaults (50, 30); null: none
+    caps = [d.get(k, dv if gemma2 else None) for k, dv in GEMMA2_SOFTCAPS.items()]
     if not gemma2 and any(c is not None for c in caps):
         raise UnsupportedModelError("gemma3: attn_logit_softcapping / final_logit_softcapping are not supported")
     act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
@@ -472,8 +475,7 @@ def _gemma_from_gguf(metadata: Mapping[str, Any], names: set[str], arch: str) ->
     if "<end_of_turn>" in tokens:  # the chat turn's end; the file names it only in the vocabulary
         eos.append(tokens.index("<end_of_turn>"))
     pattern = 2 if gemma2 else GEMMA3_PATTERN
-    caps = [metadata.get(f"gemma2.{k}") if gemma2 else None
-            for k in ("attn_logit_softcapping", "final_logit_softcapping")]
+    caps = [metadata.get(f"gemma2.{k}", dv) if gemma2 else None for k, dv in GEMMA2_SOFTCAPS.items()]
     return ModelConfig(
         architecture=arch,
         vocab_size=int(metadata.get(f"{arch}.vocab_size") or len(tokens)),
@@ -546,9 +548,11 @@ def _gguf_yarn(metadata: Mapping[str, Any], arch: str, rotary: int) -> tuple[tup
     extrapolation mix are refused by name: how llama.cpp combines them differs between
     versions and models."""
     key = f"{arch}.rope.scaling."
-    for name in ("attn_factor", "yarn_attn_factor", "yarn_log_multiplier", "yarn_ext_factor"):
+    neutral = {"attn_factor": (1.0,), "yarn_attn_factor": (1.0,), "yarn_log_multiplier": (),
+               "yarn_ext_factor": (1.0, -1.0)}  # (-1: llama.cpp's "not set", 1 for yarn)
+    for name, ok in neutral.items():
         v = metadata.get(key + name)
-        if v is not None and v not in ((1.0, -1.0) if name == "yarn_ext_factor" else (1.0,)):
+        if v is not None and v not in ok:
             raise UnsupportedModelError(f"GGUF {key}{name} = {v!r} with yarn rope scaling is not supported")
     orig = _context(metadata.get(key + "original_context_length"), key + "original_context_length")
     theta = _positive(metadata.get(f"{arch}.rope.freq_base", 10000.0), f"{arch}.rope.freq_base")
