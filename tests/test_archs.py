@@ -234,6 +234,40 @@ def test_longrope_past_the_original_context(kind: str, tmp_path: Path) -> None:
         LLM(str(path), num_blocks=64, max_model_len=32 * spec.longrope + 1)
 
 
+def test_smollm3_nope_layers(tmp_path: Path) -> None:
+    """SmolLM3: every 4th layer attends without RoPE. A GGUF file (llama's permuted q/k rows,
+    the NoPE step llama.cpp fixes) and an HF folder (`no_rope_layers`) both continue as
+    transformers' SmolLM3; context shift leaves the NoPE layers' keys as they are."""
+    import transformers as tf
+
+    spec = TinySpec("llama", "SmolLM3 tiny", 512, 8, 2, 64, 1376, layers=8, rope_theta=2e6, seed=17,
+                    qtypes={"attn": Q8, "ffn": Q4, "embd": Q8})
+    (tmp_path / "as_llama").mkdir()
+    llama = write_tiny_gguf(spec, tmp_path / "as_llama" / "m.gguf")  # the same tensors, filed as Llama
+    path = write_tiny_gguf(dataclasses.replace(spec, arch="smollm3"), tmp_path / "smollm3.gguf")
+    plain = tf.AutoModelForCausalLM.from_pretrained(str(llama.parent), gguf_file=llama.name, dtype=torch.float32)
+    c = plain.config
+    ref = tf.SmolLM3ForCausalLM(tf.SmolLM3Config(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads, rms_norm_eps=c.rms_norm_eps, rope_theta=2e6,
+        max_position_embeddings=4096, tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    assert ref.config.no_rope_layers == [1, 1, 1, 0, 1, 1, 1, 0]
+    assert ref.load_state_dict(plain.state_dict()).missing_keys == []
+    ref.eval()
+    want = [hf_greedy(ref, p) for p in PROMPTS]
+    llm = LLM(str(path), num_blocks=64)
+    assert llm.engine.loaded.config.nope_layers == (3, 7)
+    assert greedy(llm) == want
+    assert want != [hf_greedy(plain.eval(), p) for p in PROMPTS]  # (RoPE on every layer parts from it)
+    ref.save_pretrained(tmp_path / "hf")
+    assert greedy(LLM(str(tmp_path / "hf"), num_blocks=64)) == want
+    model = llm.engine.loaded.model
+    k = torch.randn(8, 5, 2, 64, generator=torch.Generator().manual_seed(0))
+    shifted = model.shift_keys(k, 7)
+    assert torch.equal(shifted[3], k[3]) and not torch.allclose(shifted[0], k[0])
+
+
 def test_gemma2_softcaps_default_and_checked() -> None:
     """Without the keys Gemma 2 caps at 50 / 30 (llama.cpp's and transformers' defaults); a
     checkpoint's null turns a cap off; a bad value is a typed error."""

@@ -422,12 +422,12 @@ def test_gemma3_shift_keys_use_each_layers_rope() -> None:
     """Context shift re-rotates K per layer: the sliding layers by the local base (10,000), the
     full one by the global base."""
     model = load_model(_tiny("gemma3")).model
-    assert [layer.local_rope for layer in model.layers] == [True, False, True]
+    assert [layer.rope_table for layer in model.layers] == [1, 0, 1]
     pos, delta = torch.arange(5, 12), -4
     raw = torch.randn(len(pos), 2, 16, generator=torch.Generator().manual_seed(0))
 
     def at(p: torch.Tensor) -> torch.Tensor:  # [L, T, H, D]: each layer's K at positions p
-        ropes = [model.rope_local if layer.local_rope else model.rope for layer in model.layers]
+        ropes = [model.ropes()[layer.rope_table] for layer in model.layers]
         return torch.stack([r.rotate(raw, *r.lookup(p)) for r in ropes])
 
     torch.testing.assert_close(model.shift_keys(at(pos), delta), at(pos + delta), atol=1e-5, rtol=1e-5)

@@ -19,7 +19,7 @@ logger = logging.getLogger("pagedkv.model")
 # Gemma 2 soft-caps attention scores and logits, Gemma 3 norms q and k.
 SUPPORTED_ARCHITECTURES = {
     "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-    "gemma3_text": "gemma3", "gemma2": "gemma2",
+    "gemma3_text": "gemma3", "gemma2": "gemma2", "smollm3": "smollm3",
 }
 _HF_CLASS_TO_TYPE = {
     "LlamaForCausalLM": "llama",
@@ -29,9 +29,12 @@ _HF_CLASS_TO_TYPE = {
     "Phi3ForCausalLM": "phi3",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma2ForCausalLM": "gemma2",
+    "SmolLM3ForCausalLM": "smollm3",
 }
 # GGUF general.architecture values read here (llama.cpp files Mistral under "llama")
-_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "smollm3")
+# SmolLM3: every 4th layer (3, 7, ...) attends without RoPE (llama.cpp fixes the step; no GGUF key)
+SMOLLM3_NOPE_STEP = 4
 # Gemma 3: every 6th layer (5, 11, ...) attends to the whole context, the others to a window
 GEMMA3_PATTERN = 6
 # Gemma 2's soft-caps when a file or config does not give them (llama.cpp's and transformers' defaults)
@@ -51,7 +54,7 @@ _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_p
 
 @dataclass(slots=True)
 class ModelConfig:
-    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "phi3" | "gemma2" | "gemma3"
+    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "phi3" | "gemma2" | "gemma3" | "smollm3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -90,6 +93,8 @@ class ModelConfig:
     # final logits; None: none
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    # layers that attend without RoPE (SmolLM3's NoPE layers: every 4th); None: none
+    nope_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         self.rope_scaling = normalize_rope_scaling(self.rope_scaling)
@@ -125,6 +130,12 @@ class ModelConfig:
             if "sliding" in self.layer_types and self.sliding_window is None:
                 raise ModelLoadError("config: sliding layers need a sliding_window")
         self._check_rotary_dim()
+        if self.nope_layers is not None and (
+            not isinstance(self.nope_layers, tuple)
+            or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_layers
+                   for i in self.nope_layers)):
+            raise ModelLoadError(f"config: nope_layers must be a tuple of layer indices below "
+                                 f"{self.num_layers}, got {self.nope_layers!r}")
         for name in ("attn_logit_softcapping", "final_logit_softcapping"):
             v = getattr(self, name)
             if v is not None and not (isinstance(v, float) and math.isfinite(v) and v > 0):
@@ -253,9 +264,9 @@ class ModelConfig:
                 short, long, context_asked)
             scaling = None
         window, types = d.get("sliding_window"), _hf_layer_types(d)
-        if arch in ("qwen2", "qwen3") and not d.get("use_sliding_window", False):
+        if arch in ("qwen2", "qwen3", "smollm3") and not d.get("use_sliding_window", False):
             window = types = None
-        elif arch in ("qwen2", "qwen3") and window and types is None:  # older configs
+        elif arch in ("qwen2", "qwen3", "smollm3") and window and types is None:  # older configs
             first = d.get("max_window_layers", 0)
             types = ["sliding" if i >= first else "full" for i in range(d["num_hidden_layers"])]
         if types is not None and "sliding" not in types:
@@ -283,6 +294,7 @@ class ModelConfig:
             sliding_window=window,
             layer_types=types if window else None,
             rotary_dim=None if rotary == head_dim else rotary,
+            nope_layers=_hf_nope_layers(d, arch),
         )
 
     @classmethod
@@ -371,7 +383,24 @@ class ModelConfig:
             eos_token_ids=_as_id_list([e for e in eos if e is not None]),
             sliding_window=int(window) if window else None,
             rotary_dim=None if rotary == head_dim else rotary,
+            nope_layers=_nope_every(SMOLLM3_NOPE_STEP, int(get("block_count"))) if gguf_arch == "smollm3" else None,
         )
+
+
+def _nope_every(step: int, n: int) -> tuple[int, ...]:
+    return tuple(i for i in range(n) if (i + 1) % step == 0)
+
+
+def _hf_nope_layers(d: Mapping[str, Any], arch: str) -> tuple[int, ...] | None:
+    """SmolLM3's `no_rope_layers` (1: RoPE, 0: none, per layer) or its every-interval default."""
+    if arch != "smollm3":
+        return None
+    n, flags = d["num_hidden_layers"], d.get("no_rope_layers")
+    if flags is None:
+        return _nope_every(int(d.get("no_rope_layer_interval") or SMOLLM3_NOPE_STEP), n)
+    if not isinstance(flags, list | tuple) or len(flags) != n or any(f not in (0, 1) for f in flags):
+        raise ModelLoadError(f"smollm3 no_rope_layers must be {n} flags of 0 / 1, got {flags!r}")
+    return tuple(i for i, f in enumerate(flags) if not f)
 
 
 def _hf_layer_types(d: Mapping[str, Any]) -> list[str] | None:

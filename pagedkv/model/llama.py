@@ -83,11 +83,15 @@ class RotaryEmbedding(nn.Module):
     RoPE three ops: x * cos, a flip of the two halves, and one addcmul.
     """
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, theta: float | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, theta: float | None = None,
+                 identity: bool = False) -> None:
+        """`theta`: a local base (never scaled); `identity`: no rotation at all (the tables of
+        SmolLM3's NoPE layers: cos 1, sin 0)."""
         super().__init__()
         self.head_dim, self.rotary = cfg.head_dim, cfg.rotary
-        self.inv_freq = _inv_freq(cfg, theta)  # [D/2] float32 (0 on pass-through pairs)
-        self.scale = cfg.rope_attention_factor if theta is None else 1.0  # on cos and sin
+        # [D/2] float32 (0 on pass-through pairs)
+        self.inv_freq = torch.zeros(cfg.head_dim // 2) if identity else _inv_freq(cfg, theta)
+        self.scale = cfg.rope_attention_factor if theta is None and not identity else 1.0  # on cos and sin
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin_signed", torch.empty(0), persistent=False)
         # start small (a 128k-context model would need 134 MB of tables); lookup() grows them
@@ -195,7 +199,10 @@ class DecoderLayer(nn.Module):
         self.scale = cfg.attention_scale
         # attention window in tokens (0: the whole context) and which RoPE table (1: the local one)
         self.window = cfg.layer_window(index) or 0
-        self.local_rope = cfg.rope_local_theta is not None and self.window > 0
+        # which of the model's RoPE tables it reads: 0 the global, 1 the local base's (Gemma 3's
+        # windowed layers), 2 none (SmolLM3's NoPE layers)
+        local = cfg.rope_local_theta is not None and self.window > 0
+        self.rope_table = 2 if index in (cfg.nope_layers or ()) else int(local)
         self.gelu = cfg.hidden_act == "gelu_tanh"
         self.softcap = cfg.attn_logit_softcapping or 0.0  # Gemma 2: scores soft-capped (0: not)
         self.input_norm = _rms_weight(h, dtype)
@@ -331,10 +338,9 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, quantized, i) for i in range(cfg.num_layers))
         self.norm = _rms_weight(h, dtype)
         self.rope = RotaryEmbedding(cfg, dtype)  # the full-attention layers' (all, without a local base)
-        self.rope_local = (
-            RotaryEmbedding(cfg, dtype, cfg.rope_local_theta)
-            if any(layer.local_rope for layer in self.layers) else None
-        )
+        used = {layer.rope_table for layer in self.layers}
+        self.rope_local = RotaryEmbedding(cfg, dtype, cfg.rope_local_theta) if 1 in used else None
+        self.rope_none = RotaryEmbedding(cfg, dtype, identity=True) if 2 in used else None
         # Gemma: embeddings times sqrt(hidden), rounded to the compute dtype as transformers does
         self._embed_scale = (
             None if cfg.embedding_scale is None else torch.tensor(cfg.embedding_scale).to(dtype)
@@ -404,10 +410,15 @@ class LlamaModel(nn.Module):
     def shift_keys(self, k: torch.Tensor, delta: int) -> torch.Tensor:
         """Every layer's keys k [L, T, H, D], stored after RoPE at positions p -> as if rotated at
         p + delta, each layer by its own RoPE table (the cache's `shift` callback)."""
-        if self.rope_local is None:
+        tables = self.ropes()
+        if tables[1] is None and tables[2] is None:
             return self.rope.shift_keys(k, delta)
-        ropes = [self.rope_local if layer.local_rope else self.rope for layer in self.layers]
+        ropes = [tables[layer.rope_table] for layer in self.layers]
         return torch.stack([r.shift_keys(k[i], delta) for i, r in enumerate(ropes)])
+
+    def ropes(self) -> tuple[RotaryEmbedding | None, ...]:
+        """The RoPE tables a layer's rope_table picks from: global, local base, none."""
+        return (self.rope, self.rope_local, self.rope_none)
 
     def to_device(self, device: torch.device | str) -> LlamaModel:
         """Move every weight and table to `device` (float weights only: the quantized blocks
@@ -417,7 +428,7 @@ class LlamaModel(nn.Module):
         device = torch.device(device)
         self.unpack_weights()
         self.to(device)
-        for rope in (self.rope, self.rope_local):
+        for rope in self.ropes():
             if rope is not None:
                 rope.inv_freq = rope.inv_freq.to(device)
         if self._embed_scale is not None:
@@ -428,7 +439,7 @@ class LlamaModel(nn.Module):
 
     def reserve_positions(self, max_position: int) -> None:
         """RoPE tables covering `max_position` (see RotaryEmbedding.reserve)."""
-        for rope in (self.rope, self.rope_local):
+        for rope in self.ropes():
             if rope is not None:
                 rope.reserve(max_position)
 
@@ -469,9 +480,8 @@ class LlamaModel(nn.Module):
             x = F.embedding(input_ids, self.embedding_weight())  # [T, H], fresh: safe to add_ into
         if self._embed_scale is not None:
             x.mul_(self._embed_scale)
-        tables = (self.rope.lookup(positions),)  # ([T, 1, D] cos, sin), shared by every layer
-        if self.rope_local is not None:
-            tables = (tables[0], self.rope_local.lookup(positions))
+        # ([T, 1, D] cos, sin) of each RoPE table the layers read, shared by them
+        tables = [None if r is None else r.lookup(positions) for r in self.ropes()]
         eps, layers = self.config.rms_norm_eps, list(self.layers)  # list: no ModuleList indexing per layer
         fused = qkernel.fused() if x.dtype == torch.float32 and x.is_cpu else None  # once per step
         # each residual add is fused with the RMSNorm that follows it (fused_ops.cpp)
@@ -480,7 +490,7 @@ class LlamaModel(nn.Module):
         bufs = None if fused is None else self._step_buffers(x)
         hb = None if bufs is None else bufs[3]
         for i, (layer, cache) in enumerate(zip(layers, kv.model_layers, strict=False)):
-            cos, sin = tables[layer.local_rope]
+            cos, sin = tables[layer.rope_table]
             a = layer.attention(h, cos, sin, cache, metas[groups[i]], fused, bufs)
             # Gemma: each output normed before its residual add (attn_out_norm, mlp_out_norm)
             h = _add_rms_norm(x, a, layer.norms[1], eps, fused, hb, layer.attn_out_norm)
