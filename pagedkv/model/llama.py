@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3, SmolLM2) over the paged
-KV cache.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 / 3, SmolLM2 / 3) over the
+paged KV cache.
 
 One forward serves a whole engine step: the new tokens of every sequence, prefills and decodes,
 flattened into one [T] dimension with no padding. Attention is `paged_attention`, which writes
@@ -15,7 +15,9 @@ weights="quantized", the file's blocks (quant.py).
 Gemma 3 is the same decoder with four norms per layer (the attention and MLP outputs are normed
 before their residual adds), embeddings scaled by sqrt(hidden), GeGLU (tanh gelu), the attention
 scale from query_pre_attn_scalar, and sliding-window layers with their own RoPE base: each layer
-reads one of two RoPE tables, both gathered once per step, and passes its window to attention.
+reads one of up to three RoPE tables (global, local base, none: SmolLM3's NoPE layers), each
+gathered once per step, and passes its window (and Gemma 2's soft-cap) to attention. Partial
+rotary (Phi-4-mini) is the same RoPE over reordered q/k rows (partial_rotary_order).
 """
 
 from __future__ import annotations
@@ -197,7 +199,7 @@ class DecoderLayer(nn.Module):
         self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
         self.eps = cfg.rms_norm_eps
         self.scale = cfg.attention_scale
-        # attention window in tokens (0: the whole context) and which RoPE table (1: the local one)
+        # attention window in tokens (0: the whole context)
         self.window = cfg.layer_window(index) or 0
         # which of the model's RoPE tables it reads: 0 the global, 1 the local base's (Gemma 3's
         # windowed layers), 2 none (SmolLM3's NoPE layers)
