@@ -268,6 +268,45 @@ def test_smollm3_nope_layers(tmp_path: Path) -> None:
     assert torch.equal(shifted[3], k[3]) and not torch.allclose(shifted[0], k[0])
 
 
+def test_granite_scales(tmp_path: Path) -> None:
+    """Granite: embeddings, residual branches, attention scale and logits scaled by the file's
+    four keys (llama's permuted q/k rows): greedy and logprobs equal transformers' Granite with
+    the same multipliers, from a GGUF file and an HF folder."""
+    import transformers as tf
+
+    keys = {"embedding_scale": 12.0, "residual_scale": 0.22, "attention.scale": 0.0078125, "logit_scale": 8.0}
+    spec = TinySpec("llama", "Granite tiny", 512, 8, 2, 64, 1376, layers=3, tied=True, rope_theta=1e4, seed=18,
+                    qtypes={"attn": Q8, "ffn": Q4, "embd": Q8})
+    (tmp_path / "as_llama").mkdir()
+    llama = write_tiny_gguf(spec, tmp_path / "as_llama" / "m.gguf")  # the same tensors, filed as Llama
+    path = write_tiny_gguf(dataclasses.replace(spec, arch="granite", scales=keys), tmp_path / "granite.gguf")
+    plain = tf.AutoModelForCausalLM.from_pretrained(str(llama.parent), gguf_file=llama.name, dtype=torch.float32)
+    c = plain.config
+    ref = tf.GraniteForCausalLM(tf.GraniteConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads, rms_norm_eps=c.rms_norm_eps, rope_theta=1e4,
+        tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2, embedding_multiplier=12.0,
+        residual_multiplier=0.22, attention_multiplier=0.0078125, logits_scaling=8.0))
+    assert ref.load_state_dict(plain.state_dict()).missing_keys == []
+    ref.eval()
+    want = [hf_greedy(ref, p) for p in PROMPTS]
+    llm = LLM(str(path), num_blocks=64)
+    assert llm.engine.loaded.config.attention_scale == 0.0078125
+    assert greedy(llm) == want
+    assert want != [hf_greedy(plain.eval(), p) for p in PROMPTS]  # (Llama's scales part from it)
+    out = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=1, logprobs=5))[0]
+    with torch.no_grad():
+        lp = torch.log_softmax(ref(torch.tensor([PROMPTS[1]])).logits[0, -1], -1)
+    assert max(abs(v - float(lp[t])) for t, v in out.outputs[0].logprobs[0].items()) < 1e-3
+    ref.save_pretrained(tmp_path / "hf")
+    assert greedy(LLM(str(tmp_path / "hf"), num_blocks=64)) == want
+    with pytest.raises(ModelLoadError, match="granite.residual_scale"):
+        ModelConfig.from_gguf({"general.architecture": "granite", "granite.embedding_length": 64,
+                               "granite.attention.head_count": 2, "granite.block_count": 1,
+                               "granite.feed_forward_length": 64, "granite.residual_scale": -1.0}, [])
+
+
 def test_gemma2_softcaps_default_and_checked() -> None:
     """Without the keys Gemma 2 caps at 50 / 30 (llama.cpp's and transformers' defaults); a
     checkpoint's null turns a cap off; a bad value is a typed error."""

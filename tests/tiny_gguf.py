@@ -54,6 +54,7 @@ class TinySpec:
     rotary: int | None = None  # rope.dimension_count when RoPE turns fewer dims than a head's (Phi-4-mini)
     softcaps: tuple[float, float] | None = None  # Gemma 2's attention and final logit soft-caps
     yarn: tuple[float, int] | None = None  # rope.scaling.type yarn: (factor, original context)
+    scales: dict[str, float] | None = None  # Granite's keys under the arch (embedding_scale, ...)
     seed: int = 0
     qtypes: dict[str, Q] = field(default_factory=dict)
     chat: bool = False  # write SmolLM2's chat template (the whole-model specs, for `bench serve`)
@@ -209,6 +210,8 @@ def write_tiny_gguf(spec: TinySpec, path: str | Path, fast: bool = False) -> Pat
     w.add_vocab_size(spec.vocab)
     if spec.window:
         w.add_sliding_window(spec.window)
+    for key, v in (spec.scales or {}).items():
+        w.add_float32(f"{spec.arch}.{key}", v)
     if spec.softcaps:
         w.add_attn_logit_softcapping(spec.softcaps[0])
         w.add_final_logit_softcapping(spec.softcaps[1])

@@ -19,7 +19,7 @@ logger = logging.getLogger("pagedkv.model")
 # Gemma 2 soft-caps attention scores and logits, Gemma 3 norms q and k.
 SUPPORTED_ARCHITECTURES = {
     "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-    "gemma3_text": "gemma3", "gemma2": "gemma2", "smollm3": "smollm3",
+    "gemma3_text": "gemma3", "gemma2": "gemma2", "smollm3": "smollm3", "granite": "granite",
 }
 _HF_CLASS_TO_TYPE = {
     "LlamaForCausalLM": "llama",
@@ -30,9 +30,13 @@ _HF_CLASS_TO_TYPE = {
     "Gemma3ForCausalLM": "gemma3",
     "Gemma2ForCausalLM": "gemma2",
     "SmolLM3ForCausalLM": "smollm3",
+    "GraniteForCausalLM": "granite",
 }
 # GGUF general.architecture values read here (llama.cpp files Mistral under "llama")
-_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "smollm3")
+_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "smollm3", "granite")
+# Granite's four scalars: transformers' config names -> llama.cpp's GGUF keys (under granite.)
+GRANITE_SCALES = {"embedding_multiplier": "embedding_scale", "residual_multiplier": "residual_scale",
+                  "attention_multiplier": "attention.scale", "logits_scaling": "logit_scale"}
 # SmolLM3: every 4th layer (3, 7, ...) attends without RoPE (llama.cpp fixes the step; no GGUF key)
 SMOLLM3_NOPE_STEP = 4
 # Gemma 3: every 6th layer (5, 11, ...) attends to the whole context, the others to a window
@@ -54,7 +58,8 @@ _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_p
 
 @dataclass(slots=True)
 class ModelConfig:
-    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "phi3" | "gemma2" | "gemma3" | "smollm3"
+    # "llama" | "mistral" | "qwen2" | "qwen3" | "phi3" | "gemma2" | "gemma3" | "smollm3" | "granite"
+    architecture: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -95,6 +100,10 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     # layers that attend without RoPE (SmolLM3's NoPE layers: every 4th); None: none
     nope_layers: tuple[int, ...] | None = None
+    # Granite: embeddings times embedding_multiplier, each block's output times
+    # residual_multiplier before its residual add, attention scale attention_multiplier (not
+    # head_dim ** -0.5), logits divided by logits_scaling; None: Llama's
+    granite_scales: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
         self.rope_scaling = normalize_rope_scaling(self.rope_scaling)
@@ -136,6 +145,11 @@ class ModelConfig:
                    for i in self.nope_layers)):
             raise ModelLoadError(f"config: nope_layers must be a tuple of layer indices below "
                                  f"{self.num_layers}, got {self.nope_layers!r}")
+        if self.granite_scales is not None and (
+            set(self.granite_scales) != set(GRANITE_SCALES)
+            or not all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in self.granite_scales.values())):
+            raise ModelLoadError(f"config: granite_scales must give {sorted(GRANITE_SCALES)} as finite "
+                                 f"positive floats, got {self.granite_scales!r}")
         for name in ("attn_logit_softcapping", "final_logit_softcapping"):
             v = getattr(self, name)
             if v is not None and not (isinstance(v, float) and math.isfinite(v) and v > 0):
@@ -189,12 +203,27 @@ class ModelConfig:
 
     @property
     def embedding_scale(self) -> float | None:
-        """The factor on the looked-up embeddings (not the tied LM head): Gemma's sqrt(hidden)."""
+        """The factor on the looked-up embeddings (not the tied LM head): Gemma's sqrt(hidden),
+        Granite's embedding_multiplier."""
+        if self.granite_scales is not None:
+            return self.granite_scales["embedding_multiplier"]
         return self.hidden_size**0.5 if self.sandwich_norms else None
 
     @property
     def attention_scale(self) -> float:
+        if self.granite_scales is not None:
+            return self.granite_scales["attention_multiplier"]
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def residual_scale(self) -> float | None:
+        """Granite: each attention / MLP output times this before its residual add."""
+        return None if self.granite_scales is None else self.granite_scales["residual_multiplier"]
+
+    @property
+    def logit_divisor(self) -> float | None:
+        """Granite: the logits divided by this."""
+        return None if self.granite_scales is None else self.granite_scales["logits_scaling"]
 
     def layer_window(self, i: int) -> int | None:
         """Layer i's attention window in tokens, or None for full attention."""
@@ -295,6 +324,8 @@ class ModelConfig:
             layer_types=types if window else None,
             rotary_dim=None if rotary == head_dim else rotary,
             nope_layers=_hf_nope_layers(d, arch),
+            granite_scales=None if arch != "granite" else {
+                k: _positive(d.get(k, 1.0), f"granite {k}") for k in GRANITE_SCALES},
         )
 
     @classmethod
@@ -384,6 +415,8 @@ class ModelConfig:
             sliding_window=int(window) if window else None,
             rotary_dim=None if rotary == head_dim else rotary,
             nope_layers=_nope_every(SMOLLM3_NOPE_STEP, int(get("block_count"))) if gguf_arch == "smollm3" else None,
+            granite_scales=None if gguf_arch != "granite" else {
+                k: _positive(metadata.get(f"granite.{key}", 1.0), f"granite.{key}") for k, key in GRANITE_SCALES.items()},
         )
 
 

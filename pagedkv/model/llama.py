@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 / 3, SmolLM2 / 3) over the
-paged KV cache.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 / 3, SmolLM2 / 3, Granite)
+over the paged KV cache.
 
 One forward serves a whole engine step: the new tokens of every sequence, prefills and decodes,
 flattened into one [T] dimension with no padding. Attention is `paged_attention`, which writes
@@ -491,12 +491,17 @@ class LlamaModel(nn.Module):
         last = len(layers) - 1
         bufs = None if fused is None else self._step_buffers(x)
         hb = None if bufs is None else bufs[3]
+        res = self.config.residual_scale  # Granite: block outputs scaled before their adds
         for i, (layer, cache) in enumerate(zip(layers, kv.model_layers, strict=False)):
             cos, sin = tables[layer.rope_table]
             a = layer.attention(h, cos, sin, cache, metas[groups[i]], fused, bufs)
+            if res is not None:
+                a = a.mul_(res)
             # Gemma: each output normed before its residual add (attn_out_norm, mlp_out_norm)
             h = _add_rms_norm(x, a, layer.norms[1], eps, fused, hb, layer.attn_out_norm)
             m = layer.mlp(h, fused, bufs)
+            if res is not None:
+                m = m.mul_(res)
             if i < last:
                 h = _add_rms_norm(x, m, layers[i + 1].norms[0], eps, fused, hb, layer.mlp_out_norm)
             elif layer.mlp_out_norm is not None:
@@ -506,7 +511,7 @@ class LlamaModel(nn.Module):
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)  # [B, H]: norm + LM head only where needed
         x = F.rms_norm(x, x.shape[-1:], self.norm, self.config.rms_norm_eps)
-        return self._softcap_logits(self._lm_head(x))
+        return self._final_logits(self._lm_head(x))
 
     def _lm_head(self, x: torch.Tensor) -> torch.Tensor:
         """Normed hidden states [B, H] -> logits [B, V] float32 (a new tensor)."""
@@ -516,9 +521,12 @@ class LlamaModel(nn.Module):
             return packed_linear(x, self.lm_head_t.t(), self._lm_head_packed).float()
         return torch.mm(x, self.lm_head_t).float()
 
-    def _softcap_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """Gemma 2: logits c * tanh(logits / c), in place; other models' as they are."""
-        c = self.config.final_logit_softcapping
+    def _final_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """In place: Gemma 2's logits c * tanh(logits / c), Granite's divided by logits_scaling;
+        other models' as they are."""
+        c, div = self.config.final_logit_softcapping, self.config.logit_divisor
+        if div is not None:
+            logits.div_(div)
         return logits if c is None else logits.div_(c).tanh_().mul_(c)
 
     def _step_buffers(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -237,10 +237,10 @@ def _load_gguf(path: Path, dtype: torch.dtype, tokenizer: Any | None, keep: bool
     cfg = ModelConfig.from_gguf(g.metadata, g.tensors, rope_freqs=_rope_freqs(g), rope_long=long,
                                 context=context)
     model = LlamaModel(cfg, dtype, quantized=keep)
-    # llama.cpp permutes q/k rows only for its "llama" rope layout (Llama, Mistral, SmolLM3);
+    # llama.cpp permutes q/k rows only for its "llama" rope layout (Llama, Mistral, SmolLM3, Granite);
     # qwen2 files are unpermuted
     arch = g.metadata.get("general.architecture")
-    permuted = arch in ("llama", "smollm3")
+    permuted = arch in ("llama", "smollm3", "granite")
     model.load_weights(_gguf_weights(g, cfg, permuted, keep, _GGUF_LAYER_MAPS.get(arch, _GGUF_LAYER)))
     if tokenizer is None and "tokenizer.ggml.model" in g.metadata:
         tokenizer = tokenizer_cache.load_or_build(g.tokenizer_digest(), lambda: _gguf_tokenizer(path))
