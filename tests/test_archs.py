@@ -234,32 +234,42 @@ def test_longrope_past_the_original_context(kind: str, tmp_path: Path) -> None:
         LLM(str(path), num_blocks=64, max_model_len=32 * spec.longrope + 1)
 
 
+def _llama_variant(spec: TinySpec, tmp_path: Path, arch: str, extra: dict[str, Any], name: str) -> tuple[Path, Any, Any]:
+    """`spec` (a Llama layout) written as `arch`, and transformers' <name>ForCausalLM of the same
+    weights (config `extra` on top of the file's shapes): transformers' GGUF loader does not
+    read `arch`, so it loads the same tensors filed as Llama (its q/k rows un-permuted) and
+    hands their state to the other class. Returns (the `arch` file, the Llama model, the other)."""
+    import transformers as tf
+
+    (tmp_path / "as_llama").mkdir()
+    llama = write_tiny_gguf(dataclasses.replace(spec, scales=None), tmp_path / "as_llama" / "m.gguf")
+    path = write_tiny_gguf(dataclasses.replace(spec, arch=arch), tmp_path / f"{arch}.gguf")
+    plain = tf.AutoModelForCausalLM.from_pretrained(str(llama.parent), gguf_file=llama.name, dtype=torch.float32)
+    c = plain.config
+    cfg = getattr(tf, f"{name}Config")(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads, rms_norm_eps=c.rms_norm_eps, rope_theta=spec.rope_theta,
+        max_position_embeddings=4096, tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        **extra)
+    ref = getattr(tf, f"{name}ForCausalLM")(cfg)
+    assert ref.load_state_dict(plain.state_dict()).missing_keys == []
+    return path, plain.eval(), ref.eval()
+
+
 def test_smollm3_nope_layers(tmp_path: Path) -> None:
     """SmolLM3: every 4th layer attends without RoPE. A GGUF file (llama's permuted q/k rows,
     the NoPE step llama.cpp fixes) and an HF folder (`no_rope_layers`) both continue as
     transformers' SmolLM3; context shift leaves the NoPE layers' keys as they are."""
-    import transformers as tf
-
     spec = TinySpec("llama", "SmolLM3 tiny", 512, 8, 2, 64, 1376, layers=8, rope_theta=2e6, seed=17,
                     qtypes={"attn": Q8, "ffn": Q4, "embd": Q8})
-    (tmp_path / "as_llama").mkdir()
-    llama = write_tiny_gguf(spec, tmp_path / "as_llama" / "m.gguf")  # the same tensors, filed as Llama
-    path = write_tiny_gguf(dataclasses.replace(spec, arch="smollm3"), tmp_path / "smollm3.gguf")
-    plain = tf.AutoModelForCausalLM.from_pretrained(str(llama.parent), gguf_file=llama.name, dtype=torch.float32)
-    c = plain.config
-    ref = tf.SmolLM3ForCausalLM(tf.SmolLM3Config(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads, rms_norm_eps=c.rms_norm_eps, rope_theta=2e6,
-        max_position_embeddings=4096, tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    path, plain, ref = _llama_variant(spec, tmp_path, "smollm3", {}, "SmolLM3")
     assert ref.config.no_rope_layers == [1, 1, 1, 0, 1, 1, 1, 0]
-    assert ref.load_state_dict(plain.state_dict()).missing_keys == []
-    ref.eval()
     want = [hf_greedy(ref, p) for p in PROMPTS]
     llm = LLM(str(path), num_blocks=64)
     assert llm.engine.loaded.config.nope_layers == (3, 7)
     assert greedy(llm) == want
-    assert want != [hf_greedy(plain.eval(), p) for p in PROMPTS]  # (RoPE on every layer parts from it)
+    assert want != [hf_greedy(plain, p) for p in PROMPTS]  # (RoPE on every layer parts from it)
     ref.save_pretrained(tmp_path / "hf")
     assert greedy(LLM(str(tmp_path / "hf"), num_blocks=64)) == want
     model = llm.engine.loaded.model
@@ -272,29 +282,18 @@ def test_granite_scales(tmp_path: Path) -> None:
     """Granite: embeddings, residual branches, attention scale and logits scaled by the file's
     four keys (llama's permuted q/k rows): greedy and logprobs equal transformers' Granite with
     the same multipliers, from a GGUF file and an HF folder."""
-    import transformers as tf
-
     keys = {"embedding_scale": 12.0, "residual_scale": 0.22, "attention.scale": 0.0078125, "logit_scale": 8.0}
     spec = TinySpec("llama", "Granite tiny", 512, 8, 2, 64, 1376, layers=3, tied=True, rope_theta=1e4, seed=18,
                     qtypes={"attn": Q8, "ffn": Q4, "embd": Q8})
-    (tmp_path / "as_llama").mkdir()
-    llama = write_tiny_gguf(spec, tmp_path / "as_llama" / "m.gguf")  # the same tensors, filed as Llama
-    path = write_tiny_gguf(dataclasses.replace(spec, arch="granite", scales=keys), tmp_path / "granite.gguf")
-    plain = tf.AutoModelForCausalLM.from_pretrained(str(llama.parent), gguf_file=llama.name, dtype=torch.float32)
-    c = plain.config
-    ref = tf.GraniteForCausalLM(tf.GraniteConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads, rms_norm_eps=c.rms_norm_eps, rope_theta=1e4,
-        tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2, embedding_multiplier=12.0,
-        residual_multiplier=0.22, attention_multiplier=0.0078125, logits_scaling=8.0))
-    assert ref.load_state_dict(plain.state_dict()).missing_keys == []
-    ref.eval()
+    path, plain, ref = _llama_variant(
+        dataclasses.replace(spec, scales=keys), tmp_path, "granite", {
+            "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.0078125,
+            "logits_scaling": 8.0}, "Granite")
     want = [hf_greedy(ref, p) for p in PROMPTS]
     llm = LLM(str(path), num_blocks=64)
     assert llm.engine.loaded.config.attention_scale == 0.0078125
     assert greedy(llm) == want
-    assert want != [hf_greedy(plain.eval(), p) for p in PROMPTS]  # (Llama's scales part from it)
+    assert want != [hf_greedy(plain, p) for p in PROMPTS]  # (Llama's scales part from it)
     out = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=1, logprobs=5))[0]
     with torch.no_grad():
         lp = torch.log_softmax(ref(torch.tensor([PROMPTS[1]])).logits[0, -1], -1)
