@@ -312,6 +312,14 @@ FULL_SPECS = {
                                  vocab=256000, window=4096, rope_theta=1e4, softcaps=(50.0, 30.0), seed=14,
                                  chat=True, qtypes={"attn": Q.Q4_K, "attn_v": Q.Q6_K, "ffn": Q.Q4_K,
                                                     "ffn_down": Q.Q4_K, "ffn_down_odd": Q.Q6_K, "embd": Q.Q6_K}),
+    # Phi-4-mini's shapes (3.8B: 32 layers, hidden 3072, 24 / 8 heads of 128, RoPE over 96 of them,
+    # LongRoPE from 4,096, tied 200,064-row embeddings) in a Q4_K_M-like mix: Q5_K fused qkv, Q4_K
+    # gate|up, Q6_K every other ffn_down and the embeddings / LM head: 2.4 GB
+    "phi4-mini-q4_k_m": TinySpec("phi3", "Phi 4 mini synthetic", 3072, 24, 8, 128, 8192, layers=32,
+                                 vocab=200064, fused=True, tied=True, rope_theta=1e4, longrope=4096, rotary=96,
+                                 seed=19, chat=True,
+                                 qtypes={"attn": Q.Q5_K, "ffn": Q.Q4_K, "ffn_down": Q.Q4_K, "ffn_down_odd": Q.Q6_K,
+                                         "embd": Q.Q6_K}),
 }
 
 
