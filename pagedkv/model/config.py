@@ -147,17 +147,17 @@ class ModelConfig:
                                  f"{self.num_layers}, got {self.nope_layers!r}")
         if self.granite_scales is not None and (
             set(self.granite_scales) != set(GRANITE_SCALES)
-            or not all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in self.granite_scales.values())):
+            or not all(_finite_positive(v) for v in self.granite_scales.values())):
             raise ModelLoadError(f"config: granite_scales must give {sorted(GRANITE_SCALES)} as finite "
                                  f"positive floats, got {self.granite_scales!r}")
         for name in ("attn_logit_softcapping", "final_logit_softcapping"):
             v = getattr(self, name)
-            if v is not None and not (isinstance(v, float) and math.isfinite(v) and v > 0):
+            if v is not None and not _finite_positive(v):
                 raise ModelLoadError(f"config: {name} must be a finite positive float or None, got {v!r}")
         if self.rope_freq_factors is not None:
             self._check_freq_factors()
         a = self.rope_attention_factor
-        if not (isinstance(a, float) and math.isfinite(a) and a > 0):
+        if not _finite_positive(a):
             raise ModelLoadError(f"config: rope_attention_factor must be a finite positive float, got {a!r}")
 
     def _check_rotary_dim(self) -> None:
@@ -502,8 +502,8 @@ def _gemma_from_hf(d: Mapping[str, Any], arch: str) -> ModelConfig:
             local.get("rope_theta") or d.get("rope_local_base_freq") or GEMMA3_LOCAL_THETA),
         query_pre_attn_scalar=float(d.get("query_pre_attn_scalar") or 256),
         hidden_act="gelu_tanh",
-        attn_logit_softcapping=None if caps[0] is None else _positive(caps[0], "attn_logit_softcapping"),
-        final_logit_softcapping=None if caps[1] is None else _positive(caps[1], "final_logit_softcapping"),
+        attn_logit_softcapping=_optional_positive(caps[0], "attn_logit_softcapping"),
+        final_logit_softcapping=_optional_positive(caps[1], "final_logit_softcapping"),
     )
 
 
@@ -562,8 +562,8 @@ def _gemma_from_gguf(metadata: Mapping[str, Any], names: set[str], arch: str) ->
         rope_local_theta=None if gemma2 else GEMMA3_LOCAL_THETA,
         query_pre_attn_scalar=float(hidden // heads if n == (46 if gemma2 else 62) else head_dim),
         hidden_act="gelu_tanh",
-        attn_logit_softcapping=None if caps[0] is None else _positive(caps[0], "gemma2.attn_logit_softcapping"),
-        final_logit_softcapping=None if caps[1] is None else _positive(caps[1], "gemma2.final_logit_softcapping"),
+        attn_logit_softcapping=_optional_positive(caps[0], "gemma2.attn_logit_softcapping"),
+        final_logit_softcapping=_optional_positive(caps[1], "gemma2.final_logit_softcapping"),
     )
 
 
@@ -668,6 +668,16 @@ def _context(value: Any, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 2:
         raise ModelLoadError(f"{what} must be an int of at least 2, got {value!r}")
     return value
+
+
+def _finite_positive(v: Any) -> bool:
+    """A ModelConfig field's check: a finite positive float."""
+    return isinstance(v, float) and math.isfinite(v) and v > 0
+
+
+def _optional_positive(value: Any, what: str) -> float | None:
+    """None stays None (a feature turned off); else _positive."""
+    return None if value is None else _positive(value, what)
 
 
 def _positive(value: Any, what: str) -> float:

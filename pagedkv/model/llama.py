@@ -42,6 +42,8 @@ from pagedkv.model.quant import QPart, QWeight
 
 # HF checkpoint entries that carry no weights we need
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# the tensors partial rotary reorders (LlamaModel._rotary_rows): q and k rows, QK-norm weights
+_ROTARY_PROJ = ("q_proj", "k_proj", "qkv_proj", "q_norm", "k_norm")
 
 
 class Linear(nn.Module):
@@ -609,25 +611,30 @@ class LlamaModel(nn.Module):
         """Partial rotary: q/k projection rows (and QK-norm weights) from transformers' order
         into the one RoPE runs in (partial_rotary_order); any other tensor as it is."""
         c = self.config
-        if c.rotary == c.head_dim or not name.endswith((".weight", ".bias")):
+        proj = name.rsplit(".", 2)[-2] if ".self_attn." in name and name.endswith((".weight", ".bias")) else None
+        if c.rotary == c.head_dim or proj not in _ROTARY_PROJ:
             return w
-        d, per = c.head_dim, partial_rotary_order(c.head_dim, c.rotary)
-
-        def heads(n: int, first: int = 0) -> torch.Tensor:
-            return (first + torch.arange(n)[:, None] * d + per).flatten()
-
-        q, kv = c.num_heads * d, c.num_kv_heads * d
-        make = {"q_proj": lambda: heads(c.num_heads), "k_proj": lambda: heads(c.num_kv_heads),
-                "qkv_proj": lambda: torch.cat([heads(c.num_heads), heads(c.num_kv_heads, q),
-                                               torch.arange(q + kv, q + 2 * kv)]),
-                "q_norm": lambda: per, "k_norm": lambda: per}.get(name.rsplit(".", 2)[-2])
-        if make is None or ".self_attn." not in name:
-            return w
-        rows, idx = (w.data if isinstance(w, QPart) else w), make()
+        rows, idx = (w.data if isinstance(w, QPart) else w), self._rotary_index(proj)
         if rows.shape[0] != idx.numel():  # load_weights names the shape mismatch
             return w
         rows = rows.index_select(0, idx)
         return QPart(w.qtype, rows, w.k) if isinstance(w, QPart) else rows
+
+    def _rotary_index(self, proj: str) -> torch.Tensor:
+        """The rows of `proj` (one of _ROTARY_PROJ) in the order RoPE runs in: each head's
+        partial_rotary_order; a fused qkv's v rows as they are."""
+        c, d = self.config, self.config.head_dim
+        per = partial_rotary_order(d, c.rotary)
+        if proj in ("q_norm", "k_norm"):
+            return per
+
+        def heads(n: int, first: int = 0) -> torch.Tensor:
+            return (first + torch.arange(n)[:, None] * d + per).flatten()
+
+        if proj != "qkv_proj":
+            return heads(c.num_heads if proj == "q_proj" else c.num_kv_heads)
+        q, kv = c.num_heads * d, c.num_kv_heads * d
+        return torch.cat([heads(c.num_heads), heads(c.num_kv_heads, q), torch.arange(q + kv, q + 2 * kv)])
 
     def _attach_quantized(self, pending: dict[int, tuple[Any, dict[int, QPart]]]) -> None:
         """Build each QWeight from its parts (all present, in row order). Its blocks are also
