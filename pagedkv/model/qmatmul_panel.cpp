@@ -307,12 +307,24 @@ inline __m256i quad(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
-// quads [j0, j0 + n) of a block: sum of maddubs(u[j], x quad j) in int16 pairs, then int32 lanes
-inline __m256i dot_quads(const __m256i* u, const int8_t* x, int j0, int n) {
-  __m256i s = _mm256_maddubs_epi16(_mm256_loadu_si256(u + j0), quad(x + 4 * j0));
-  for (int j = j0 + 1; j < j0 + n; ++j)
-    s = _mm256_add_epi16(s, _mm256_maddubs_epi16(_mm256_loadu_si256(u + j), quad(x + 4 * j)));
-  return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
+// quads [j0, j0 + n) of a block against R activation rows x + r K, into acc[r] (int32 lanes):
+// maddubs(u[j], x quad j) summed in int16 pairs over G quads at a time, then widened. Quad
+// outer, row inner: each u[j] is loaded once for the R rows.
+template <int R, int G>
+inline void dot_rows(const __m256i* u, const int8_t* x, int64_t K, int j0, int n, __m256i* acc) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int g = j0; g < j0 + n; g += G) {
+    __m256i s[R];
+    for (int j = g; j < g + G; ++j) {
+      const __m256i v = _mm256_loadu_si256(u + j);
+      for (int r = 0; r < R; ++r) {
+        const __m256i p = _mm256_maddubs_epi16(v, quad(x + r * K + 4 * j));
+        s[r] = j == g ? p : _mm256_add_epi16(s[r], p);
+        asm("" : "+x"(s[r]));  // keeps the running sum: without it GCC builds a tree and spills
+      }
+    }
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(s[r], ones));
+  }
 }
 
 // R activation rows x the panel (rows_scalar's arithmetic): out[r * ldo + n] for n < cols
@@ -329,14 +341,16 @@ void rows_avx2(const Buf& p, int64_t nb, const int8_t* xq, const float* xd, cons
     const int8_t* x = xq + QK * b;
     const __m256 d = _mm256_loadu_ps(p.d.data() + b * NR2);
     if constexpr (QT == Q6_K) {  // halves of 4 quads, each 2 + 2 in int16; q - 32 by the half's sum
+      __m256i i0[R], i1[R];
       for (int r = 0; r < R; ++r) {
-        const int8_t* xr = x + r * K;
-        const __m256i i0 = _mm256_add_epi32(_mm256_set1_epi32(-32 * x16[r * 2 * nb + 2 * b]),
-                                            _mm256_add_epi32(dot_quads(u, xr, 0, 2), dot_quads(u, xr, 2, 2)));
-        const __m256i i1 = _mm256_add_epi32(_mm256_set1_epi32(-32 * x16[r * 2 * nb + 2 * b + 1]),
-                                            _mm256_add_epi32(dot_quads(u, xr, 4, 2), dot_quads(u, xr, 6, 2)));
-        const __m256 m = _mm256_loadu_ps(p.m.data() + b * NR2);
-        const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), d, _mm256_mul_ps(_mm256_cvtepi32_ps(i1), m));
+        i0[r] = _mm256_set1_epi32(-32 * x16[r * 2 * nb + 2 * b]);
+        i1[r] = _mm256_set1_epi32(-32 * x16[r * 2 * nb + 2 * b + 1]);
+      }
+      dot_rows<R, 2>(u, x, K, 0, 4, i0);
+      dot_rows<R, 2>(u, x, K, 4, 4, i1);
+      const __m256 m = _mm256_loadu_ps(p.m.data() + b * NR2);
+      for (int r = 0; r < R; ++r) {
+        const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0[r]), d, _mm256_mul_ps(_mm256_cvtepi32_ps(i1[r]), m));
         y[r] = _mm256_fmadd_ps(t, _mm256_set1_ps(xd[r * nb + b]), y[r]);
       }
       continue;
@@ -353,6 +367,7 @@ void rows_avx2(const Buf& p, int64_t nb, const int8_t* xq, const float* xd, cons
           const __m256i q = quad(x + r * K + 4 * j);
           lo[r] = _mm256_add_epi16(lo[r], _mm256_maddubs_epi16(vl, q));
           hi[r] = _mm256_add_epi16(hi[r], _mm256_maddubs_epi16(vh, q));
+          asm("" : "+x"(lo[r]), "+x"(hi[r]));  // as in dot_rows
         }
       }
       const __m256i ones = _mm256_set1_epi16(1);
@@ -361,10 +376,8 @@ void rows_avx2(const Buf& p, int64_t nb, const int8_t* xq, const float* xd, cons
                                 _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(hi[r], ones), 4),
                                                  _mm256_madd_epi16(lo[r], ones)));
     } else {
-      for (int r = 0; r < R; ++r) {
-        i[r] = _mm256_set1_epi32(-bi * xsum[r * nb + b]);
-        for (int j = 0; j < 8; j += G) i[r] = _mm256_add_epi32(i[r], dot_quads(u, x + r * K, j, G));
-      }
+      for (int r = 0; r < R; ++r) i[r] = _mm256_set1_epi32(-bi * xsum[r * nb + b]);
+      dot_rows<R, G>(u, x, K, 0, 8, i);
     }
     for (int r = 0; r < R; ++r)
       y[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i[r]), _mm256_mul_ps(d, _mm256_set1_ps(xd[r * nb + b])), y[r]);
