@@ -311,7 +311,7 @@ inline __m256i quad(const int8_t* p) {
 // maddubs(u[j], x quad j) summed in int16 pairs over G quads at a time, then widened. Quad
 // outer, row inner: each u[j] is loaded once for the R rows.
 template <int R, int G>
-inline void dot_rows(const __m256i* u, const int8_t* x, int64_t K, int j0, int n, __m256i* acc) {
+PQ_INLINE void dot_rows(const __m256i* u, const int8_t* x, int64_t K, int j0, int n, __m256i* acc) {
   const __m256i ones = _mm256_set1_epi16(1);
   for (int g = j0; g < j0 + n; g += G) {
     __m256i s[R];
