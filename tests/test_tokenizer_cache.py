@@ -3,6 +3,7 @@ damaged or foreign entry is never used, and a cache that cannot be written costs
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,17 @@ def test_second_start_loads_the_cached_tokenizer(cached_pair: tuple[Any, Any]) -
     assert built.apply_chat_template(chat, add_generation_prompt=True) == cached.apply_chat_template(
         chat, add_generation_prompt=True
     )
+
+
+def test_entry_lists_the_added_tokens(cache: Path) -> None:
+    # loading then never parses tokenizer.json in Python for them (transformers' legacy path)
+    built = tokenizer_cache.load_or_build(_digest(), lambda: loader._gguf_tokenizer(default_model_path()))
+    (entry,) = cache.iterdir()
+    table = json.loads((entry / "tokenizer_config.json").read_text(encoding="utf-8"))["added_tokens_decoder"]
+    assert table == {str(i): t.__getstate__() for i, t in built.added_tokens_decoder.items()}
+    assert table  # SmolLM2 has added (special) tokens
+    cached = tokenizer_cache.load_or_build(_digest(), _never)
+    assert cached.added_tokens_decoder == built.added_tokens_decoder
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -6,7 +6,8 @@ converted tokenizer is saved under `$PAGEDKV_CACHE_DIR/tokenizers/<key>` (defaul
 `~/.cache/pagedkv`), where the key is the sha256 of the metadata items it is built from (every
 `tokenizer.*` item, with the architecture: vocabulary, merges, special tokens, chat template) and
 of the transformers and tokenizers versions: another vocabulary, or another converter, never
-gets it; files that differ only in their weights share it.
+gets it; files that differ only in their weights share it. The entry's tokenizer_config.json
+also lists the added tokens, so that loading it reads tokenizer.json once (in Rust).
 
 Invariants:
 - A cache entry is written only after it was loaded back and behaved as the tokenizer it came
@@ -29,7 +30,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "1"  # bump when what is saved changes
+FORMAT = "2"  # bump when what is saved changes
 _PROBES = (
     "Hello, world! The quick brown fox jumps over the lazy dog.",
     "  leading spaces,\ttabs\nand new lines\r\n  ",
@@ -108,6 +109,7 @@ def _save(tok: Any, entry: Path) -> None:
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         tok.save_pretrained(str(tmp))
+        _add_token_table(tok, tmp / "tokenizer_config.json")
         if not same_tokenizer(tok, PreTrainedTokenizerFast.from_pretrained(str(tmp))):
             logger.info("tokenizer does not survive saving; not cached")
             return
@@ -116,3 +118,14 @@ def _save(tok: Any, entry: Path) -> None:
         logger.debug("tokenizer not cached at %s: %s", entry, e)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _add_token_table(tok: Any, config: Path) -> None:
+    """Writes the added tokens into the saved tokenizer_config.json (`added_tokens_decoder`, as
+    transformers reads it): without it, loading parses the whole tokenizer.json a second time in
+    Python for them (Gemma 3's 33 MB with 6,384 added tokens: 2.65 -> 1.31 s a load)."""
+    import json
+
+    cfg = json.loads(config.read_text(encoding="utf-8"))
+    cfg["added_tokens_decoder"] = {str(i): t.__getstate__() for i, t in tok.added_tokens_decoder.items()}
+    config.write_text(json.dumps(cfg, ensure_ascii=False, indent=2), encoding="utf-8")
