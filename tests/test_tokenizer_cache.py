@@ -68,6 +68,30 @@ def test_entry_lists_the_added_tokens(cache: Path) -> None:
     assert cached.added_tokens_decoder == built.added_tokens_decoder
 
 
+@pytest.mark.parametrize("change", ["table", "tokens", "sum", "extra"])
+def test_entry_changed_after_saving_is_rebuilt(cache: Path, change: str) -> None:
+    calls: list[int] = []
+    first = tokenizer_cache.load_or_build(_digest(), lambda: _build_counted(calls))
+    (entry,) = cache.iterdir()
+    cfg_path = entry / "tokenizer_config.json"
+    if change == "table":  # well-formed, loads, but says another token is the eos
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+        first_id = next(iter(cfg["added_tokens_decoder"]))
+        cfg["added_tokens_decoder"][first_id]["content"] = "<evil>"
+        cfg_path.write_text(json.dumps(cfg), encoding="utf-8")
+    elif change == "tokens":
+        tj = entry / "tokenizer.json"
+        tj.write_bytes(tj.read_bytes().replace(b'"hello"', b'"hellp"', 1))
+    elif change == "sum":
+        (entry / tokenizer_cache.SUM_FILE).unlink()
+    else:
+        (entry / "special_tokens_map.json").write_text("{}")
+    again = tokenizer_cache.load_or_build(_digest(), lambda: _build_counted(calls))
+    assert calls == [1, 1]
+    assert tokenizer_cache.same_tokenizer(first, again)
+    assert tokenizer_cache.same_tokenizer(first, tokenizer_cache.load_or_build(_digest(), _never))
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=st.text(max_size=200))
 def test_cached_tokenizer_encodes_any_text_alike(cached_pair: tuple[Any, Any], text: str) -> None:

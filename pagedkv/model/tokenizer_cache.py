@@ -13,7 +13,8 @@ Invariants:
 - A cache entry is written only after it was loaded back and behaved as the tokenizer it came
   from (`same_tokenizer`): a conversion that does not survive the round trip is never cached.
 - An entry appears whole or not at all (written to a temporary folder, then renamed).
-- An entry that fails to load, or is not what was saved, is discarded and rebuilt from the file;
+- An entry that fails to load, or is not what was saved (its files against the sha256 written
+  beside them last, `pagedkv-entry.sha256`), is discarded and rebuilt from the file;
   a cache that cannot be written (read-only, full) costs only the cache.
 """
 
@@ -38,6 +39,7 @@ _PROBES = (
     "<s></s><|im_start|>user\n<|im_end|><bos><eos><start_of_turn><end_of_turn><|endoftext|>",
     "def f(x):\n    return {'a': [1, 2]}  # code",
 )
+SUM_FILE = "pagedkv-entry.sha256"  # the sha256 of the entry's other files, as saved
 _ATTRS = ("bos_token", "eos_token", "pad_token", "unk_token", "chat_template", "all_special_tokens")
 
 
@@ -90,6 +92,8 @@ def load_or_build(digest: str, build: Callable[[], Any]) -> Any:
     if entry.is_dir():
         t0 = time.perf_counter()
         try:
+            if not _intact(entry):
+                raise ValueError("its files are not the ones saved")
             tok = PreTrainedTokenizerFast.from_pretrained(str(entry))
             logger.info("tokenizer loaded from %s in %.2f s", entry, time.perf_counter() - t0)
             return tok
@@ -113,6 +117,7 @@ def _save(tok: Any, entry: Path) -> None:
         if not same_tokenizer(tok, PreTrainedTokenizerFast.from_pretrained(str(tmp))):
             logger.info("tokenizer does not survive saving; not cached")
             return
+        (tmp / SUM_FILE).write_text(_files_digest(tmp), encoding="ascii")
         tmp.rename(entry)  # atomic; fails if another process got there first (that one is as good)
     except Exception as e:  # no cache: only the next start pays
         logger.debug("tokenizer not cached at %s: %s", entry, e)
@@ -129,3 +134,23 @@ def _add_token_table(tok: Any, config: Path) -> None:
     cfg = json.loads(config.read_text(encoding="utf-8"))
     cfg["added_tokens_decoder"] = {str(i): t.__getstate__() for i, t in tok.added_tokens_decoder.items()}
     config.write_text(json.dumps(cfg, ensure_ascii=False, indent=2), encoding="utf-8")
+
+
+def _files_digest(entry: Path) -> str:
+    """sha256 over the entry's files (names and bytes, in name order), the sum file excepted."""
+    h = hashlib.sha256()
+    for f in sorted(p for p in entry.iterdir() if p.name != SUM_FILE):
+        h.update(f.name.encode() + b"\0" + str(f.stat().st_size).encode() + b"\0")
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 20):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def _intact(entry: Path) -> bool:
+    """Whether the entry's files are those its sum was written for (a changed, truncated, added
+    or missing file, or no sum: not intact)."""
+    try:
+        return (entry / SUM_FILE).read_text(encoding="ascii").strip() == _files_digest(entry)
+    except (OSError, UnicodeDecodeError):
+        return False
