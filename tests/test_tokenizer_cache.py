@@ -68,7 +68,7 @@ def test_entry_lists_the_added_tokens(cache: Path) -> None:
     assert cached.added_tokens_decoder == built.added_tokens_decoder
 
 
-@pytest.mark.parametrize("change", ["table", "tokens", "sum", "extra"])
+@pytest.mark.parametrize("change", ["table", "tokens", "sum", "extra", "link"])
 def test_entry_changed_after_saving_is_rebuilt(cache: Path, change: str) -> None:
     calls: list[int] = []
     first = tokenizer_cache.load_or_build(_digest(), lambda: _build_counted(calls))
@@ -84,8 +84,11 @@ def test_entry_changed_after_saving_is_rebuilt(cache: Path, change: str) -> None
         tj.write_bytes(tj.read_bytes().replace(b'"hello"', b'"hellp"', 1))
     elif change == "sum":
         (entry / tokenizer_cache.SUM_FILE).unlink()
-    else:
+    elif change == "extra":
         (entry / "special_tokens_map.json").write_text("{}")
+    else:  # a link in place of a file (never followed: /dev/zero would never end)
+        (entry / "tokenizer.json").unlink()
+        (entry / "tokenizer.json").symlink_to("/dev/zero")
     again = tokenizer_cache.load_or_build(_digest(), lambda: _build_counted(calls))
     assert calls == [1, 1]
     assert tokenizer_cache.same_tokenizer(first, again)

@@ -137,9 +137,12 @@ def _add_token_table(tok: Any, config: Path) -> None:
 
 
 def _files_digest(entry: Path) -> str:
-    """sha256 over the entry's files (names and bytes, in name order), the sum file excepted."""
+    """sha256 over the entry's files (names and bytes, in name order), the sum file excepted;
+    OSError for anything but a regular file (a folder, a link: never followed)."""
     h = hashlib.sha256()
     for f in sorted(p for p in entry.iterdir() if p.name != SUM_FILE):
+        if f.is_symlink() or not f.is_file():
+            raise OSError(f"{f.name} is not a regular file")
         h.update(f.name.encode() + b"\0" + str(f.stat().st_size).encode() + b"\0")
         with open(f, "rb") as fh:
             while chunk := fh.read(1 << 20):
