@@ -212,7 +212,7 @@ def _replaceable(model: torch.nn.Module) -> list[torch.Tensor]:
     `bind` when a second engine moves the model): held, so their memory is never reused
     while a graph still reads it."""
     held = []
-    for rope in (getattr(model, name, None) for name in ("rope", "rope_local", "rope_none")):
+    for rope in getattr(model, "ropes", tuple)():
         if rope is not None:
             held += [rope.cos, rope.sin_signed]
     for layer in getattr(model, "layers", ()):

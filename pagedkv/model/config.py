@@ -37,6 +37,8 @@ _GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "s
 # Granite's four scalars: transformers' config names -> llama.cpp's GGUF keys (under granite.)
 GRANITE_SCALES = {"embedding_multiplier": "embedding_scale", "residual_multiplier": "residual_scale",
                   "attention_multiplier": "attention.scale", "logits_scaling": "logit_scale"}
+# configs whose sliding_window applies only with use_sliding_window (Qwen's layout)
+_WINDOW_FLAG_ARCHS = ("qwen2", "qwen3", "smollm3")
 # SmolLM3: every 4th layer (3, 7, ...) attends without RoPE (llama.cpp fixes the step; no GGUF key)
 SMOLLM3_NOPE_STEP = 4
 # Gemma 3: every 6th layer (5, 11, ...) attends to the whole context, the others to a window
@@ -293,9 +295,9 @@ class ModelConfig:
                 short, long, context_asked)
             scaling = None
         window, types = d.get("sliding_window"), _hf_layer_types(d)
-        if arch in ("qwen2", "qwen3", "smollm3") and not d.get("use_sliding_window", False):
+        if arch in _WINDOW_FLAG_ARCHS and not d.get("use_sliding_window", False):
             window = types = None
-        elif arch in ("qwen2", "qwen3", "smollm3") and window and types is None:  # older configs
+        elif arch in _WINDOW_FLAG_ARCHS and window and types is None:  # older configs
             first = d.get("max_window_layers", 0)
             types = ["sliding" if i >= first else "full" for i in range(d["num_hidden_layers"])]
         if types is not None and "sliding" not in types:
