@@ -233,3 +233,29 @@ def test_avx2_cpu_takes_the_avx2_panel_from_its_rows(monkeypatch: pytest.MonkeyP
                     assert np.array_equal(got, row.numpy()), (parts[0][0].name, t)
     finally:
         torch.ops.pagedkv_q.limit_isa(limit)
+
+
+@needs_kernel
+@pytest.mark.parametrize("impl", VECTOR)
+def test_panel_and_qgemm_equal_at_every_thread_count(impl: int) -> None:
+    """The many-row kernels hand their panels out in chunks to whichever thread asks (work_split.h):
+    1, 2, 3 and 5 threads (more than this machine's cores, so threads are preempted mid-op) write
+    the same bits, segments and panels of odd lengths included."""
+    k = 256
+    parts = [(Q.Q5_0, _blocks(Q.Q5_0, 203, k, 1)), (Q.Q4_K, _blocks(Q.Q4_K, 77, k, 2)), (Q.Q6_K, _blocks(Q.Q6_K, 45, k, 3))]
+    x = _acts(40, k, seed=7)
+    w = torch.from_numpy(_blocks(Q.Q4_K, 333, k, 4))
+    xt = torch.from_numpy(x)
+    before = torch.get_num_threads()
+    got = []
+    try:
+        for threads in (1, 2, 3, 5):
+            torch.set_num_threads(threads)
+            g = torch.empty(40, 333)
+            torch.ops.pagedkv_q.qgemm(xt, w, int(Q.Q4_K), g, 0)
+            got.append((_panel(x, parts, impl), g))
+    finally:
+        torch.set_num_threads(before)
+    for p, g in got[1:]:
+        assert np.array_equal(p, got[0][0]) and torch.equal(g, got[0][1])
+    assert not np.isnan(got[0][0]).any()

@@ -13,6 +13,7 @@
 #include "ggml_blocks.h"
 #include "qmatmul_simd.h"
 #include "vec.h"
+#include "work_split.h"
 
 #ifdef PQ_AVX2
 namespace y {

@@ -14,6 +14,7 @@
 #include "ggml_blocks.h"
 #include "qmatmul_simd.h"
 #include "vec.h"
+#include "work_split.h"
 
 #ifdef PQ_AVX2
 #pragma GCC push_options

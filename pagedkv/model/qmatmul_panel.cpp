@@ -48,6 +48,7 @@
 #include "kquant_values.h"
 #include "qmatmul_a8.h"
 #include "vec.h"
+#include "work_split.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -772,9 +773,13 @@ void panel(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, at::T
   for (size_t i = 0; i < ws.size(); ++i)
     for (int64_t n = 0; n < ws[i].size(0); n += nr) panels.emplace_back(static_cast<int64_t>(i), n);
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, static_cast<int64_t>(panels.size()), 1, [&](int64_t p0, int64_t p1) {
-    Buf buf;
-    buf.size(nb);
+  const int64_t np = static_cast<int64_t>(panels.size());
+  auto buffer = [&] {
+    Buf b;
+    b.size(nb);
+    return b;
+  };
+  auto run = [&](Buf& buf, int64_t p0, int64_t p1) {
     for (int64_t pi = p0; pi < p1; ++pi) {
       const auto [seg, n0] = panels[pi];
       const at::Tensor& w = ws[seg];
@@ -800,7 +805,8 @@ void panel(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, at::T
       unpack_scalar(qtypes[seg], base + n0 * rb, rb, cols, nb, buf);
       rows_scalar(qtypes[seg], buf, nb, T, xq.data(), dp, sp, xsum.data(), x16.data(), K, o, N, cols);
     }
-  });
+  };
+  sched::chunks(np, sched::chunk_for(np, 8), buffer, run);
 }
 
 }  // namespace panel
