@@ -619,6 +619,29 @@ def test_bench_serve_against_fake(serve_fake: Any) -> None:
     assert_idle(server)
 
 
+def test_bench_serve_peer_warms_both_servers_alike(serve_fake: Any) -> None:
+    """--peer: before each level both servers get the same untimed warm-up (that level's
+    concurrency in requests of WARMUP_TOKENS tokens), then the measured requests."""
+    import argparse
+
+    from pagedkv.bench import bench_serve
+
+    ours, peer = serve_fake(FakeEngine(max_model_len=1024)), serve_fake(FakeEngine(max_model_len=1024))
+    ap = argparse.ArgumentParser()
+    bench_serve.add_args(ap)
+    args = ap.parse_args(["--base-url", ours.url, "--peer", peer.url, "--peer-concurrency", "1,2",
+                          "--no-in-process", "--prompt", "abc"])
+    args.quick = True  # (the bench command's common flag): 16 tokens, one request per client
+    result = bench_serve.run_peer(args)
+    assert set(result["clients"]) == {"1", "2"} and str(bench_serve.WARMUP_TOKENS) in result["warmup"]
+    for server in (ours, peer):
+        m = server.metrics()
+        assert m["pagedkv:time_to_first_token_seconds_count"] == 2 * (1 + 2)  # warm-up + measured
+        assert m["pagedkv:generation_tokens_total"] == (1 + 2) * (bench_serve.WARMUP_TOKENS + 16)
+    for row in result["clients"].values():
+        assert row["pagedkv"]["completed"] == row["peer"]["completed"] > 0 and row["ratio"] is not None
+
+
 # --- the real engine -------------------------------------------------------------------------
 
 

@@ -13,7 +13,10 @@ With --peer (for example llama.cpp's llama-server on the same GGUF and threads; 
 the same client sends the same chat prompts (128 new tokens, greedy, ignore_eos) to pagedkv and
 to the peer at each of --peer-concurrency (1, 8, 40 clients), one server at a time, and reports
 output tok/s, TTFT and TPOT of both and pagedkv's output-throughput ratio. pagedkv is started as
-its own `pagedkv serve --threads N` process unless --base-url names a running one.
+its own `pagedkv serve --threads N` process unless --base-url names a running one. Before each
+level both servers get the same untimed warm-up (`concurrency` requests of WARMUP_TOKENS tokens
+at once), as `vllm bench serve` sends a test prompt first: a server's first requests after
+start-up (or at a new batch size) pay one-time costs that are not its serving speed.
 
 Each --peer level also runs the same requests in this process, through `LLMEngine.step` with
 the same threads and `concurrency` requests in flight, no HTTP (`in_process`): what the server
@@ -244,6 +247,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                     help="with --peer: skip the in-process reference (LLMEngine.step, no HTTP)")
 
 
+WARMUP_TOKENS = 4  # per warm-up request (run_peer)
+
+
 def _requests_for(concurrency: int) -> int:
     """Enough requests that every client is busy for a while, few enough for a ~3 min run."""
     return max(4, 2 * concurrency) if concurrency < 40 else concurrency
@@ -351,6 +357,9 @@ def run_peer(args: argparse.Namespace) -> dict[str, Any]:
             n = c if args.quick else _requests_for(c)
             kw = dict(num_requests=n, concurrency=c, max_tokens=max_tokens, prompts=prompts,
                       api_key=args.api_key)
+            for url in (ours, args.peer):  # untimed, the same for both
+                asyncio.run(arun_serve_bench(url, num_requests=c, concurrency=c, max_tokens=WARMUP_TOKENS,
+                                             prompts=prompts, api_key=args.api_key))
             a = asyncio.run(arun_serve_bench(ours, **kw))
             b = asyncio.run(arun_serve_bench(args.peer, **kw))
             ratio = a["output_throughput"] / b["output_throughput"] if b["output_throughput"] else None
@@ -370,6 +379,7 @@ def run_peer(args: argparse.Namespace) -> dict[str, Any]:
     from pagedkv.model import qkernel
 
     return {"peer": args.peer, "pagedkv_threads": args.threads, "max_tokens": max_tokens,
+            "warmup": f"each level: its concurrency in requests of {WARMUP_TOKENS} tokens, both servers",
             "weights": args.weights or "default", "activations": args.activations or "default",
             "kernels": qkernel.isa() if proc is not None else None,  # the server started here
             "clients": rows}
