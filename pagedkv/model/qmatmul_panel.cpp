@@ -806,7 +806,7 @@ void panel(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, at::T
       rows_scalar(qtypes[seg], buf, nb, T, xq.data(), dp, sp, xsum.data(), x16.data(), K, o, N, cols);
     }
   };
-  sched::chunks(np, sched::chunk_for(np, 8), buffer, run);
+  split::chunks(np, split::chunk_for(np, 8), buffer, run);
 }
 
 }  // namespace panel

@@ -16,7 +16,7 @@
 #include <atomic>
 #include <cstdint>
 
-namespace sched {
+namespace split {
 
 // fn(state, b, e) for consecutive chunks [b, e) of [0, n), each at most `chunk` long, in any
 // order and on any thread; state = make() once per thread that takes part.
@@ -45,4 +45,4 @@ inline int64_t chunk_for(int64_t n, int64_t per_thread) {
   return std::max<int64_t>(1, (n + parts - 1) / parts);
 }
 
-}  // namespace sched
+}  // namespace split
