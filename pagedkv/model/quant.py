@@ -115,8 +115,29 @@ PANEL_ROWS = 4
 # rows, 0.068 vs 0.059 at 6, 0.070 vs 0.079 at 8, 0.099 vs 0.141 at 16 (1536x8960: 0.041 vs 0.040
 # at 4, 0.058 vs 0.075 at 8); Q5_K 0.080 vs 0.083 at 8, IQ4_XS 0.062 vs 0.082; Q6_K 0.113 vs 0.074
 # at 8, 0.122 vs 0.107 at 12, 0.143 vs 0.144 at 16 (1536x8960: 0.160 vs 0.169 at 16).
+# On an Intel Xeon (AVX-512 VNNI, full-width 512-bit units) the Q6_K panel overtakes sooner: the
+# same measure, panel vs row kernel, Q6_K 8960x1536 0.067 vs 0.077 at 8, 0.090 vs 0.115 at 12;
+# 1536x8960 0.073 vs 0.071 at 8, 0.088 vs 0.111 at 12; 32768x1536 0.092 vs 0.111 at 12. In process
+# the 1.5B K-quant file's int8 decode step (alternated, medians), Q6_K from 12 rows instead of 16:
+# 12 rows 176.7 -> 166.7 and 177.7 -> 167.7 ms; from 8: 8 rows 135.2 -> 138.2 (slower: not taken).
+# Its K-quant panel leads from 6 rows there (Q4_K 0.045 vs 0.060), but the step at 6 rows moved
+# within the noise (119.9 -> 117.8 ms): PANEL_SB_ROWS stays.
 PANEL_SB_ROWS = 8
-PANEL_Q6_K_ROWS = 16
+
+
+def _intel_cpu() -> bool:
+    """Whether /proc/cpuinfo names an Intel CPU (False where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return "GenuineIntel" in line
+    except OSError:
+        pass
+    return False
+
+
+PANEL_Q6_K_ROWS = 12 if _intel_cpu() else 16
 # Without VNNI (an AVX2 CPU: the panel's maddubs code, 8 weight rows a panel) the AVX2 row kernel
 # holds out longer where a type's products cost more there (Q8_0 / IQ4_NL / IQ4_XS: two maddubs
 # a quad; the K-quants: scales unpacked per row): PANEL_AVX2_ROWS for weights of only Q4_0 / Q4_1
