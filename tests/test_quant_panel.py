@@ -18,8 +18,9 @@ from pagedkv.model.quant import QWeight
 needs_kernel = pytest.mark.skipif(not qkernel.load(), reason="needs the compiled kernel")
 needs_vnni = pytest.mark.skipif(not qkernel.load() or not torch.ops.pagedkv_a8.panel_vnni(),
                                 reason="needs a CPU with AVX-512 VNNI")
-# the vector paths: impl 0 (VNNI where the CPU has it, else AVX2) and impl 2 (AVX2)
-VECTOR = [pytest.param(0, id="impl0"), pytest.param(2, id="avx2")]
+# the vector paths: impl 0 (VNNI where the CPU has it, else AVX2), impl 3 (VNNI, the 32-element
+# types two panels at a time at every row count) and impl 2 (AVX2)
+VECTOR = [pytest.param(0, id="impl0"), pytest.param(3, id="pairs"), pytest.param(2, id="avx2")]
 ROWS = [1, 2, 3, 4, 5, 8, 9, 13, 40]
 
 
@@ -92,7 +93,7 @@ def test_other_types_on_the_panel(qtype: Q) -> None:
         ref, mag = ref_matmul_deq(qtype, data, x, 32)
         err = np.abs(scalar - ref)
         assert (err <= 1e-5 * mag + 1e-30).all(), f"T={t}: max err {err.max()} (mag {mag.max()})"
-        for impl in (0, 2):  # VNNI (where the CPU has it, else AVX2) and AVX2
+        for impl in (0, 3, 2):  # VNNI (where the CPU has it, else AVX2), VNNI pairs and AVX2
             assert np.array_equal(_panel(x, [(qtype, data)], impl), scalar), (t, impl)
     assert qtype in quant.PANEL_TYPES
 
