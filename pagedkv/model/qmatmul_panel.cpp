@@ -795,7 +795,6 @@ void panel_vnni2(int64_t qt, const uint8_t* const* ra, const uint8_t* const* rb2
   });
 }
 
-
 template <int64_t QT, int R>
 void rows_at(const Buf& buf, const Acts& a, float* out, int64_t ldo, __mmask16 mask) {
   rows_vnni<QT, R>(buf, a.nb, a.q, a.d, a.s, a.sum, a.x16, a.K, out, ldo, mask);
@@ -895,14 +894,17 @@ void panel(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, at::T
       const int64_t rb = w.size(1), cols = std::min<int64_t>(nr, w.size(0) - n0);
       const uint8_t* base = w.data_ptr<uint8_t>();
       float* o = op + first[seg] + n0;
-      const uint8_t* rows[NR];  // rows past the segment's end repeat its last one
-      for (int64_t n = 0; n < nr; ++n) rows[n] = base + (n0 + std::min(n, cols - 1)) * rb;
+      auto rows_from = [&](int64_t r0, int64_t c, const uint8_t** out) {  // past the segment's end: its last row again
+        for (int64_t n = 0; n < nr; ++n) out[n] = base + (r0 + std::min(n, c - 1)) * rb;
+      };
+      const uint8_t* rows[NR];
+      rows_from(n0, cols, rows);
 #ifdef PANEL_X86
       if (fast && NR * rb <= INT32_MAX) {  // (Rows' gathers take int32 offsets)
         if (pairs && pair_type(qtypes[seg]) && cols == NR && pi + 1 < p1 && panels[pi + 1].first == seg) {
           const int64_t n1 = panels[pi + 1].second, cols_b = std::min<int64_t>(nr, w.size(0) - n1);
           const uint8_t* rows_b[NR];
-          for (int64_t n = 0; n < nr; ++n) rows_b[n] = base + (n1 + std::min(n, cols_b - 1)) * rb;
+          rows_from(n1, cols_b, rows_b);
           if (pi + 2 < p1) prefetch_panel(ws, panels[pi + 2], nr);
           if (pi + 3 < p1) prefetch_panel(ws, panels[pi + 3], nr);
           panel_vnni2(qtypes[seg], rows, rows_b, T, acts, o, op + first[seg] + n1, N, cols_b, bufs.a, bufs.b);
