@@ -28,8 +28,8 @@
 //   panel(x [T, K] f32, ws [w_i [N_i, rb_i] u8], qtypes, out [T, sum N_i] f32, impl): as
 //     linear; impl 0 = VNNI where this CPU has it (within the ISA limit of isa.h), else AVX2
 //     (else scalar); 1 = scalar; 2 = AVX2; 3 = VNNI with two panels at a time (rows_vnni2) at
-//     every row count (impl 0 takes them from PAIR_ROWS rows on an Intel CPU). Every impl gives
-//     the same bits.
+//     every row count (impl 0 takes them from pair_rows(): PAIR_ROWS on an Intel CPU, every row
+//     count on a Zen 5 or later AMD one, never elsewhere). Every impl gives the same bits.
 //   panel_vnni() -> bool: whether impl 0 runs the VNNI code; panel_avx2(): the AVX2 code.
 // The VNNI code is compiled with a target attribute and chosen at run time, so the build flags
 // (and the build cache's name) stay those of the other kernels.
@@ -45,6 +45,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "ahead.h"
 #include "ggml_blocks.h"
 #include "isa.h"
 #include "kquant_values.h"
@@ -69,11 +70,7 @@ constexpr int32_t bias(int64_t qt) {
   return qt == Q4_0 ? 8 : qt == Q5_0 ? 16 : qt == Q8_0 || qt == IQ4_NL || qt == IQ4_XS ? 128 : 0;
 }
 constexpr bool has_m(int64_t qt) { return qt == Q4_1 || qt == Q5_1 || qt == Q4_K || qt == Q5_K; }
-// the types the VNNI code multiplies two panels at a time (rows_vnni2): one scale per 32 elements
-constexpr bool pair_type(int64_t qt) {
-  return qt == Q4_0 || qt == Q4_1 || qt == Q5_0 || qt == Q5_1 || qt == Q8_0 || qt == IQ4_NL;
-}
-constexpr int64_t PAIR_ROWS = 32;  // impl 0 takes pairs from this many activation rows (Intel CPUs)
+constexpr int64_t PAIR_ROWS = 32;  // an Intel CPU's impl 0 takes pairs from this many activation rows
 
 // chunk c (32 elements; K-quants: sub-block c % 8 of block c / 8) of a row -> u, d, m
 void chunk_scalar(int64_t qt, const uint8_t* row, int64_t c, uint8_t u[QK], float& d, float& m) {
@@ -715,18 +712,28 @@ constexpr int RB = 4;  // activation rows per register block
 
 // Two panels (32 weight rows) x R activation rows: each activation quad is broadcast once into a
 // register for both panels' vpdpbusd (rows_vnni broadcasts it from memory for each: one load per
-// vpdpbusd, and an Intel core that runs two vpdpbusd a cycle is short of load ports), with the
-// same integer sums and float steps per output as rows_vnni, so the same bits. The 32-element
-// types only (pair_type). Measured on an Intel Xeon (2 vpdpbusd a cycle), 2 threads, ns per
+// vpdpbusd, and a core that runs two vpdpbusd a cycle is short of load ports), with the same
+// integer sums and float steps per output as rows_vnni, so the same bits; every panel type (Q6_K
+// with its two halves). Measured on an Intel Xeon (2 vpdpbusd a cycle), 2 threads, ns per
 // multiply-add and thread, one panel / pairs, alternated: Q5_0 9728x896 0.0088 / 0.0085 at 24
 // rows, 0.0080 / 0.0074 at 32, 0.0077 / 0.0070 at 40, 1 thread 0.0069 / 0.0055 at 256; Q8_0
-// 16384x896 0.0083 / 0.0080 at 32, 0.0080 / 0.0076 at 40, 1 thread 0.0071 / 0.0056 at 256; Q4_1
-// 4864x896 0.0086 / 0.0095 at 16, 0.0079 / 0.0075 at 40; Q4_K 17920x1536 0.0079 / 0.0080 at 40
-// (no gain: not a pair type). The 0.5B Q4_K_M mix's 40-row int8 step 116.6 -> 111.3 ms, 8 rows
-// 49.2 / 49.0. Taken by impl 0 from PAIR_ROWS rows on an Intel CPU (not measured elsewhere yet).
+// 16384x896 0.0083 / 0.0080 at 32, 0.0080 / 0.0076 at 40; Q4_1 4864x896 0.0086 / 0.0095 at 16,
+// 0.0079 / 0.0075 at 40 (hence PAIR_ROWS there; the K-quants were not measured with pairs on it).
+// On a Zen 5 EPYC (family 0x1A, full-width AVX-512), 2 threads, 8960x1536, ps per multiply-add
+// and thread, min of 9 alternated, one panel / pairs: Q4_K 9.34 / 7.53 at 8 rows, 6.47 / 5.09 at
+// 16, 5.46 / 4.39 at 40; Q6_K 9.80 / 7.14 at 16, 8.28 / 5.79 at 40; Q5_0 11.28 / 9.69 at 8, 6.23
+// / 4.62 at 40; Q8_0 17.24 / 16.04 at 4, 11.75 / 10.10 at 8: pairs from the first row there. The
+// 1.5B Q4_K + Q6_K file's 40-row int8 step 239 / 278 / 238 -> 212 / 218 / 186 ms (alternated).
+// the 4 activation bytes at p in every dword lane
+PQ_INLINE __m512i quad512(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
 template <int64_t QT, int R>
 void rows_vnni2(const Buf& pa, const Buf& pb, int64_t nb, const int8_t* xq, const float* xd, const float* xs,
-                const int32_t* xsum, int64_t K, float* oa, float* ob, int64_t ldo, __mmask16 ma, __mmask16 mb) {
+                const int32_t* xsum, const int32_t* x16, int64_t K, float* oa, float* ob, int64_t ldo, __mmask16 ma, __mmask16 mb) {
   const int32_t bi = bias(QT);
   __m512 ya[R], yb[R];
   for (int r = 0; r < R; ++r) ya[r] = yb[r] = _mm512_setzero_ps();
@@ -735,6 +742,33 @@ void rows_vnni2(const Buf& pa, const Buf& pb, int64_t nb, const int8_t* xq, cons
     const __m512i* ub = reinterpret_cast<const __m512i*>(pb.u.data() + b * 8 * NR * 4);
     const int8_t* x = xq + QK * b;
     __m512i a0[R], a1[R], b0[R], b1[R];
+    if constexpr (QT == Q6_K) {  // rows_vnni's halves (quads 0-3, 4-7), both panels per broadcast
+      for (int r = 0; r < R; ++r) {
+        a0[r] = b0[r] = _mm512_set1_epi32(-32 * x16[r * 2 * nb + 2 * b]);
+        a1[r] = b1[r] = _mm512_set1_epi32(-32 * x16[r * 2 * nb + 2 * b + 1]);
+      }
+      for (int j = 0; j < 4; ++j) {
+        const __m512i wa0 = _mm512_loadu_si512(ua + j), wa1 = _mm512_loadu_si512(ua + 4 + j);
+        const __m512i wb0 = _mm512_loadu_si512(ub + j), wb1 = _mm512_loadu_si512(ub + 4 + j);
+        for (int r = 0; r < R; ++r) {
+          const __m512i x0 = quad512(x + r * K + 4 * j), x1 = quad512(x + r * K + 16 + 4 * j);
+          a0[r] = _mm512_dpbusd_epi32(a0[r], wa0, x0);
+          b0[r] = _mm512_dpbusd_epi32(b0[r], wb0, x0);
+          a1[r] = _mm512_dpbusd_epi32(a1[r], wa1, x1);
+          b1[r] = _mm512_dpbusd_epi32(b1[r], wb1, x1);
+        }
+      }
+      const __m512 da = _mm512_loadu_ps(pa.d.data() + b * NR), ma_ = _mm512_loadu_ps(pa.m.data() + b * NR);
+      const __m512 db = _mm512_loadu_ps(pb.d.data() + b * NR), mb_ = _mm512_loadu_ps(pb.m.data() + b * NR);
+      for (int r = 0; r < R; ++r) {  // rows_vnni's float steps
+        const __m512 dx = _mm512_set1_ps(xd[r * nb + b]);
+        const __m512 ta = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0[r]), da, _mm512_mul_ps(_mm512_cvtepi32_ps(a1[r]), ma_));
+        const __m512 tb = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b0[r]), db, _mm512_mul_ps(_mm512_cvtepi32_ps(b1[r]), mb_));
+        ya[r] = _mm512_fmadd_ps(ta, dx, ya[r]);
+        yb[r] = _mm512_fmadd_ps(tb, dx, yb[r]);
+      }
+      continue;
+    }
     for (int r = 0; r < R; ++r) {
       a0[r] = b0[r] = _mm512_set1_epi32(-bi * xsum[r * nb + b]);
       a1[r] = b1[r] = _mm512_setzero_si512();
@@ -743,10 +777,7 @@ void rows_vnni2(const Buf& pa, const Buf& pb, int64_t nb, const int8_t* xq, cons
       const __m512i wa0 = _mm512_loadu_si512(ua + j), wa1 = _mm512_loadu_si512(ua + j + 1);
       const __m512i wb0 = _mm512_loadu_si512(ub + j), wb1 = _mm512_loadu_si512(ub + j + 1);
       for (int r = 0; r < R; ++r) {
-        int32_t q0, q1;
-        std::memcpy(&q0, x + r * K + 4 * j, 4);
-        std::memcpy(&q1, x + r * K + 4 * j + 4, 4);
-        const __m512i x0 = _mm512_set1_epi32(q0), x1 = _mm512_set1_epi32(q1);
+        const __m512i x0 = quad512(x + r * K + 4 * j), x1 = quad512(x + r * K + 4 * j + 4);
         a0[r] = _mm512_dpbusd_epi32(a0[r], wa0, x0);
         b0[r] = _mm512_dpbusd_epi32(b0[r], wb0, x0);
         a1[r] = _mm512_dpbusd_epi32(a1[r], wa1, x1);
@@ -776,23 +807,22 @@ void rows_vnni2(const Buf& pa, const Buf& pb, int64_t nb, const int8_t* xq, cons
 
 template <int64_t QT>
 void panel_vnni2(const uint8_t* const* ra, const uint8_t* const* rb2, int64_t T, const Acts& a, float* oa, float* ob,
-                 int64_t ldo, int64_t cols_b, Buf& bufa, Buf& bufb) {
+                 int64_t ldo, int64_t cols_b, Buf& bufa, Buf& bufb, const ahead::Ranges& next) {
   unpack_vnni<QT>(Rows(ra), a.nb, bufa);
   unpack_vnni<QT>(Rows(rb2), a.nb, bufb);
   const __mmask16 mb = static_cast<__mmask16>((1u << cols_b) - 1);
+  const int64_t groups = (T + RB - 1) / RB;
   by_groups<RB>(T, [&](auto r, int64_t t) {
+    next.part(t / RB, groups);
     const Acts s = a.at(t);
-    rows_vnni2<QT, decltype(r)::value>(bufa, bufb, s.nb, s.q, s.d, s.s, s.sum, s.K, oa + t * ldo, ob + t * ldo, ldo,
+    rows_vnni2<QT, decltype(r)::value>(bufa, bufb, s.nb, s.q, s.d, s.s, s.sum, s.x16, s.K, oa + t * ldo, ob + t * ldo, ldo,
                                        0xFFFF, mb);
   });
 }
 
 void panel_vnni2(int64_t qt, const uint8_t* const* ra, const uint8_t* const* rb2, int64_t T, const Acts& a, float* oa,
-                 float* ob, int64_t ldo, int64_t cols_b, Buf& bufa, Buf& bufb) {
-  with_panel_type(qt, [&](auto q) {
-    if constexpr (pair_type(decltype(q)::value))
-      panel_vnni2<decltype(q)::value>(ra, rb2, T, a, oa, ob, ldo, cols_b, bufa, bufb);
-  });
+                 float* ob, int64_t ldo, int64_t cols_b, Buf& bufa, Buf& bufb, const ahead::Ranges& next) {
+  with_panel_type(qt, [&](auto q) { panel_vnni2<decltype(q)::value>(ra, rb2, T, a, oa, ob, ldo, cols_b, bufa, bufb, next); });
 }
 
 template <int64_t QT, int R>
@@ -802,15 +832,19 @@ void rows_at(const Buf& buf, const Acts& a, float* out, int64_t ldo, __mmask16 m
 
 template <int64_t QT>
 void panel_vnni(const uint8_t* const* rows, int64_t T, const Acts& a, float* out, int64_t ldo, int64_t cols,
-                Buf& buf) {
+                Buf& buf, const ahead::Ranges& next) {
   unpack_vnni<QT>(Rows(rows), a.nb, buf);
   const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
-  by_groups<RB>(T, [&](auto r, int64_t t) { rows_at<QT, decltype(r)::value>(buf, a.at(t), out + t * ldo, ldo, mask); });
+  const int64_t groups = (T + RB - 1) / RB;
+  by_groups<RB>(T, [&](auto r, int64_t t) {
+    next.part(t / RB, groups);
+    rows_at<QT, decltype(r)::value>(buf, a.at(t), out + t * ldo, ldo, mask);
+  });
 }
 
 void panel_vnni(int64_t qt, const uint8_t* const* rows, int64_t T, const Acts& a, float* out, int64_t ldo,
-                int64_t cols, Buf& buf) {
-  with_panel_type(qt, [&](auto q) { panel_vnni<decltype(q)::value>(rows, T, a, out, ldo, cols, buf); });
+                int64_t cols, Buf& buf, const ahead::Ranges& next) {
+  with_panel_type(qt, [&](auto q) { panel_vnni<decltype(q)::value>(rows, T, a, out, ldo, cols, buf, next); });
 }
 
 #pragma GCC pop_options
@@ -818,15 +852,24 @@ void panel_vnni(int64_t qt, const uint8_t* const* rows, int64_t T, const Acts& a
 bool cpu_has_vnni() { return false; }
 #endif
 
-bool intel() {  // the CPU's vendor string (cpuid leaf 0) is Intel's
+// From how many activation rows impl 0 takes two panels at a time (rows_vnni2): where the CPU
+// runs 512-bit vpdpbusd at full width, an Intel core (from PAIR_ROWS) or AMD's Zen 5 and later
+// (cpuid family 0x1A on: from the panel's first row); never on Zen 4 (double-pumped 512 bits,
+// not measured with pairs).
+int64_t pair_rows() {
 #ifdef PANEL_X86
-  static const bool is = [] {
+  static const int64_t rows = [] {
     unsigned a = 0, b = 0, c = 0, d = 0;
-    return __get_cpuid(0, &a, &b, &c, &d) && b == 0x756e6547 && d == 0x49656e69 && c == 0x6c65746e;  // "GenuineIntel"
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return INT64_MAX;
+    if (b == 0x756e6547 && d == 0x49656e69 && c == 0x6c65746e) return PAIR_ROWS;  // "GenuineIntel"
+    const bool amd = b == 0x68747541 && d == 0x69746e65 && c == 0x444d4163;  // "AuthenticAMD"
+    if (!amd || !__get_cpuid(1, &a, &b, &c, &d)) return INT64_MAX;
+    const unsigned base = (a >> 8) & 0xF, family = base == 0xF ? base + ((a >> 20) & 0xFF) : base;
+    return family >= 0x1A ? int64_t{1} : INT64_MAX;
   }();
-  return is;
+  return rows;
 #else
-  return false;
+  return INT64_MAX;
 #endif
 }
 
@@ -837,17 +880,12 @@ bool vnni() {  // within the library's ISA limit (isa.h)
 
 bool avx2() { return !vnni() && a8::use_avx2(0); }  // impl 0 runs the AVX2 code
 
-// the weight rows of a panel, towards L2 (a panel is unpacked once and computed for a while:
-// fetching the next one meanwhile hides most of its memory latency)
-void prefetch_panel(at::TensorList ws, std::pair<int64_t, int64_t> panel, int64_t nr) {
-#ifdef PANEL_X86
+// the weight rows of a panel, to fetch towards L2 (a panel is unpacked once and computed for a
+// while: fetching the next one meanwhile hides most of its memory latency)
+void ahead_of(at::TensorList ws, std::pair<int64_t, int64_t> panel, int64_t nr, ahead::Ranges& next) {
   const at::Tensor& w = ws[panel.first];
   const int64_t rb = w.size(1), rows = std::min<int64_t>(nr, w.size(0) - panel.second);
-  const char* p = reinterpret_cast<const char*>(w.data_ptr<uint8_t>() + panel.second * rb);
-  for (int64_t i = 0; i < rows * rb; i += 64) _mm_prefetch(p + i, _MM_HINT_T1);
-#else
-  (void)ws, (void)panel, (void)nr;
-#endif
+  next.add(w.data_ptr<uint8_t>() + panel.second * rb, rows * rb);
 }
 
 void panel(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, at::Tensor& out, int64_t impl) {
@@ -868,7 +906,7 @@ void panel(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, at::T
     }
   const Acts acts{xq.data(), dp, sp, xsum.data(), x16.data(), K, nb};
   const bool fast = (impl == 0 || impl == 3) && vnni();
-  const bool pairs = fast && (impl == 3 || (T >= PAIR_ROWS && intel()));  // rows_vnni2 for the pair types
+  const bool pairs = fast && (impl == 3 || T >= pair_rows());  // rows_vnni2
   const bool avx2 = !fast && a8::use_avx2(impl);
   const int64_t nr = avx2 ? NR2 : NR;  // rows per panel
   // the panels: (segment, first row), never across segments
@@ -901,24 +939,30 @@ void panel(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, at::T
       rows_from(n0, cols, rows);
 #ifdef PANEL_X86
       if (fast && NR * rb <= INT32_MAX) {  // (Rows' gathers take int32 offsets)
-        if (pairs && pair_type(qtypes[seg]) && cols == NR && pi + 1 < p1 && panels[pi + 1].first == seg) {
+        if (pairs && cols == NR && pi + 1 < p1 && panels[pi + 1].first == seg) {
           const int64_t n1 = panels[pi + 1].second, cols_b = std::min<int64_t>(nr, w.size(0) - n1);
           const uint8_t* rows_b[NR];
           rows_from(n1, cols_b, rows_b);
-          if (pi + 2 < p1) prefetch_panel(ws, panels[pi + 2], nr);
-          if (pi + 3 < p1) prefetch_panel(ws, panels[pi + 3], nr);
-          panel_vnni2(qtypes[seg], rows, rows_b, T, acts, o, op + first[seg] + n1, N, cols_b, bufs.a, bufs.b);
+          ahead::Ranges next;
+          if (pi + 2 < p1) ahead_of(ws, panels[pi + 2], nr, next);
+          if (pi + 3 < p1) ahead_of(ws, panels[pi + 3], nr, next);
+          panel_vnni2(qtypes[seg], rows, rows_b, T, acts, o, op + first[seg] + n1, N, cols_b, bufs.a, bufs.b, next);
           ++pi;
           continue;
         }
-        if (pi + 1 < p1) prefetch_panel(ws, panels[pi + 1], nr);  // from memory while this one computes
-        panel_vnni(qtypes[seg], rows, T, acts, o, N, cols, buf);
+        ahead::Ranges next;  // from memory while this one computes
+        if (pi + 1 < p1) ahead_of(ws, panels[pi + 1], nr, next);
+        panel_vnni(qtypes[seg], rows, T, acts, o, N, cols, buf, next);
         continue;
       }
 #endif
 #ifdef PQ_AVX2
       if (avx2) {
-        if (pi + 1 < p1) prefetch_panel(ws, panels[pi + 1], nr);
+        if (pi + 1 < p1) {
+          ahead::Ranges next;
+          ahead_of(ws, panels[pi + 1], nr, next);
+          next.part(0, 1);
+        }
         panel_avx2(qtypes[seg], rows, T, acts, o, N, cols, buf);
         continue;
       }
