@@ -184,6 +184,7 @@ def test_k_quant_weights_take_the_panel_from_panel_sb_rows() -> None:
     panel from there on; a weight with a Q6_K segment beside a Q4_K one waits for Q6_K's count."""
     k = 512
     assert quant.PANEL_Q6_K_ROWS == (12 if quant._intel_cpu() else 16)  # measured per vendor (quant.py)
+    assert quant.PANEL_SB_ROWS == (12 if quant._zen5_cpu() else 8)
     assert quant.panel_rows([Q.Q4_K, Q.Q6_K]) == quant.PANEL_Q6_K_ROWS > quant.PANEL_SB_ROWS
     assert quant.panel_rows([Q.Q4_1, Q.Q8_0]) == quant.PANEL_ROWS
     for qtype in (Q.Q4_K, Q.Q5_K, Q.IQ4_XS, Q.Q6_K):
@@ -261,3 +262,19 @@ def test_panel_and_qgemm_equal_at_every_thread_count(impl: int) -> None:
     for p, g in got[1:]:
         assert np.array_equal(p, got[0][0]) and torch.equal(g, got[0][1])
     assert not np.isnan(got[0][0]).any()
+
+
+def test_cpu_vendor_and_family_from_cpuinfo(tmp_path) -> None:
+    """The per-CPU thresholds read the first CPU's vendor and family; anything unreadable is
+    ("", 0), which takes the defaults."""
+    def cpu(text: str) -> tuple[str, int]:
+        path = tmp_path / "cpuinfo"
+        path.write_text(text)
+        return quant._cpu(str(path))
+
+    zen5 = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n\n"
+    assert cpu(zen5 + zen5.replace("26", "25")) == ("AuthenticAMD", 26)
+    assert cpu("vendor_id\t: GenuineIntel\ncpu family\t: 6\n") == ("GenuineIntel", 6)
+    assert cpu("vendor_id\t: AuthenticAMD\ncpu family\t: x\n") == ("AuthenticAMD", 0)
+    assert cpu("") == ("", 0)
+    assert quant._cpu(str(tmp_path / "missing")) == ("", 0)

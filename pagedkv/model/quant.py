@@ -121,22 +121,44 @@ PANEL_ROWS = 4
 # the 1.5B K-quant file's int8 decode step (alternated, medians), Q6_K from 12 rows instead of 16:
 # 12 rows 176.7 -> 166.7 and 177.7 -> 167.7 ms; from 8: 8 rows 135.2 -> 138.2 (slower: not taken).
 # Its K-quant panel leads from 6 rows there (Q4_K 0.045 vs 0.060), but the step at 6 rows moved
-# within the noise (119.9 -> 117.8 ms): PANEL_SB_ROWS stays.
-PANEL_SB_ROWS = 8
+# within the noise (119.9 -> 117.8 ms): PANEL_SB_ROWS stays 8 there.
+# On a Zen 5 EPYC (cpuid family 0x1A) the row kernel holds out longer for weights streamed from
+# DRAM: 2 threads, 65536 x 1536, ps per multiply-add and thread, row kernel vs panel (pairs),
+# min of 9 alternated: Q4_K 10.3 vs 13.0 at 8 rows, 10.3 vs 9.6 at 12, 10.2 vs 8.0 at 16; Q6_K
+# 10.5 vs 20.0 at 8, 10.2 vs 11.7 at 16 (in L3, 8960 x 1536, the panel led from 4 rows). The
+# 1.5B K-quant file's int8 step (one engine, alternated, medians), K-quants from 12 rows instead
+# of 8: 8 rows 90.1 -> 82.3 and 104.6 -> 84.0 ms, 12 / 16 / 20 rows the same within 1%; Q6_K
+# from 24 instead of 16: 16 rows 134.6 -> 132.0, 20 rows 140.5 -> 146.6 (not taken).
+
+
+def _cpu(path: str = "/proc/cpuinfo") -> tuple[str, int]:
+    """The first CPU's vendor_id and cpu family in /proc/cpuinfo ("", 0 where it cannot be read)."""
+    vendor, family = "", 0
+    try:
+        with open(path, encoding="ascii", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "vendor_id":
+                    vendor = value.strip()
+                elif key.strip() == "cpu family" and value.strip().isdigit():
+                    family = int(value.strip())
+                elif not line.strip() and vendor:
+                    break
+    except OSError:
+        pass
+    return vendor, family
 
 
 def _intel_cpu() -> bool:
-    """Whether /proc/cpuinfo names an Intel CPU (False where it cannot be read)."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return "GenuineIntel" in line
-    except OSError:
-        pass
-    return False
+    return _cpu()[0] == "GenuineIntel"
 
 
+def _zen5_cpu() -> bool:  # AMD Zen 5 and later (family 0x1A on)
+    vendor, family = _cpu()
+    return vendor == "AuthenticAMD" and family >= 0x1A
+
+
+PANEL_SB_ROWS = 12 if _zen5_cpu() else 8
 PANEL_Q6_K_ROWS = 12 if _intel_cpu() else 16
 # Without VNNI (an AVX2 CPU: the panel's maddubs code, 8 weight rows a panel) the AVX2 row kernel
 # holds out longer where a type's products cost more there (Q8_0 / IQ4_NL / IQ4_XS: two maddubs
