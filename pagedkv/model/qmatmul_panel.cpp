@@ -710,6 +710,13 @@ void rows_vnni(const Buf& p, int64_t nb, const int8_t* xq, const float* xd, cons
 
 constexpr int RB = 4;  // activation rows per register block
 
+// the 4 activation bytes at p in every dword lane
+inline __m512i quad512(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
 // Two panels (32 weight rows) x R activation rows: each activation quad is broadcast once into a
 // register for both panels' vpdpbusd (rows_vnni broadcasts it from memory for each: one load per
 // vpdpbusd, and a core that runs two vpdpbusd a cycle is short of load ports), with the same
@@ -724,13 +731,6 @@ constexpr int RB = 4;  // activation rows per register block
 // 16, 5.46 / 4.39 at 40; Q6_K 9.80 / 7.14 at 16, 8.28 / 5.79 at 40; Q5_0 11.28 / 9.69 at 8, 6.23
 // / 4.62 at 40; Q8_0 17.24 / 16.04 at 4, 11.75 / 10.10 at 8: pairs from the first row there. The
 // 1.5B Q4_K + Q6_K file's 40-row int8 step 239 / 278 / 238 -> 212 / 218 / 186 ms (alternated).
-// the 4 activation bytes at p in every dword lane
-PQ_INLINE __m512i quad512(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
-}
-
 template <int64_t QT, int R>
 void rows_vnni2(const Buf& pa, const Buf& pb, int64_t nb, const int8_t* xq, const float* xd, const float* xs,
                 const int32_t* xsum, const int32_t* x16, int64_t K, float* oa, float* ob, int64_t ldo, __mmask16 ma, __mmask16 mb) {
