@@ -30,7 +30,8 @@ CHROMIUM = "/usr/bin/chromium"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
          "--disable-component-update", "--disable-sync", "--no-first-run"]
 KEY = "dashboard-test-key"
-NUM_BLOCKS = 96
+NUM_BLOCKS = 192  # room for every prompt and MAX_TOKENS without preemption
+MAX_TOKENS = 400
 SHARED = {shared_rgb(r) for r in range(2, SHARED_MAX + 1)}
 PROMPTS = ["Name a quokka habit.", "Tell me about zebras.", "Describe the moon briefly.",
            "What is a paged KV cache?", "List two rivers.", "Write one line about rain."]
@@ -145,9 +146,10 @@ def _classes(cells: list[tuple[int, int, int]]) -> dict[str, int]:
     return out
 
 
-def _stream(server: str, prompt: str, done: list[int]) -> None:
-    # 64 tokens each whatever the model says: long enough for the page's 1 s polls to see them
-    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 64,
+def _stream(server: str, prompt: str, done: list[int], release: threading.Event) -> None:
+    """Streams one long answer and hangs up once the test has looked (`release`): the requests
+    stay in flight however fast the machine is, and the hang-up aborts the rest of each."""
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": MAX_TOKENS,
             "ignore_eos": True, "temperature": 0, "stream": True}
     chunks = 0
     with httpx.stream("POST", f"{server}/v1/chat/completions", json=body, headers=auth(),
@@ -155,6 +157,8 @@ def _stream(server: str, prompt: str, done: list[int]) -> None:
         assert r.status_code == 200
         for line in r.iter_lines():
             chunks += line.startswith("data: ")
+            if chunks > 1 and release.is_set():
+                break
     done.append(chunks)
 
 
@@ -173,7 +177,9 @@ def test_dashboard_in_the_browser(server: str, browser) -> None:
     assert idle["other"] == 0 and idle["owned"] == idle["shared"] == 0, idle
 
     done: list[int] = []
-    threads = [threading.Thread(target=_stream, args=(server, p, done)) for p in PROMPTS]
+    release = threading.Event()
+    threads = [threading.Thread(target=_stream, args=(server, p, done, release))
+               for p in PROMPTS]
     for t in threads:
         t.start()
     busy, deadline = None, time.monotonic() + 60
@@ -204,6 +210,7 @@ def test_dashboard_in_the_browser(server: str, browser) -> None:
     tip = _hover_owned(page)
     assert tip is None or "owned by chatcmpl-" in tip
 
+    release.set()  # the clients hang up: their requests end and free their blocks
     for t in threads:
         t.join(120)
     assert len(done) == len(PROMPTS) and all(n > 1 for n in done)
@@ -216,7 +223,7 @@ def test_dashboard_in_the_browser(server: str, browser) -> None:
         time.sleep(0.3)
     assert after["owned"] == after["shared"] == after["other"] == 0, after
     assert after["free"] + after["cached"] == NUM_BLOCKS
-    assert after["cached"] > 0  # finished prompts stay as a prefix cache
+    assert after["cached"] > 0  # the ended requests' full blocks stay as a prefix cache
     assert page.eval_on_selector("#running", "e => e.textContent") == "0"
     assert not errors, errors
     page.close()
