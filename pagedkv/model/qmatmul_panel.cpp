@@ -658,52 +658,59 @@ inline __m512i dp(__m512i acc, __m512i u, const int8_t* p) {
   return acc;
 }
 
+// One output's two integer sums of block b before its products: Q6_K's halves (quads 0-3, 4-7)
+// start at -32 times the half's activation sum (its q - 32), the other types' even quads at -bias
+// times the block's sum and their odd quads at 0
+template <int64_t QT>
+inline void sums0(const int32_t* xsum, const int32_t* x16, int64_t nb, int64_t b, int r, __m512i& s0, __m512i& s1) {
+  if constexpr (QT == Q6_K) {
+    s0 = _mm512_set1_epi32(-32 * x16[r * 2 * nb + 2 * b]);
+    s1 = _mm512_set1_epi32(-32 * x16[r * 2 * nb + 2 * b + 1]);
+  } else {
+    s0 = _mm512_set1_epi32(-bias(QT) * xsum[r * nb + b]);
+    s1 = _mm512_setzero_si512();
+  }
+}
+
+// y + block b's float steps for one output from its two integer sums (sums0, then the products):
+// Q6_K each half by its scale (d, m) then by the activation scale dx (3 multiplies a block, not
+// 4); the others their sum by d dx, then (Q4_1, Q5_1) + m times the activations' scaled sum.
+// Every kernel folds with this, so one output gets the same bits from each.
+template <int64_t QT>
+inline __m512 fold(__m512 y, __m512i s0, __m512i s1, const Buf& p, int64_t b, const float* xd, const float* xs, int64_t i) {
+  const __m512 d = _mm512_loadu_ps(p.d.data() + b * NR);
+  if constexpr (QT == Q6_K) {
+    const __m512 m = _mm512_loadu_ps(p.m.data() + b * NR);
+    const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), d, _mm512_mul_ps(_mm512_cvtepi32_ps(s1), m));
+    return _mm512_fmadd_ps(t, _mm512_set1_ps(xd[i]), y);
+  } else {
+    y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_mul_ps(d, _mm512_set1_ps(xd[i])), y);
+    if constexpr (has_m(QT)) y = _mm512_fmadd_ps(_mm512_loadu_ps(p.m.data() + b * NR), _mm512_set1_ps(xs[i]), y);
+    return y;
+  }
+}
+
 // R activation rows x the panel: out[r * ldo + n] for the first `cols` of its NR rows
 template <int64_t QT, int R>
 void rows_vnni(const Buf& p, int64_t nb, const int8_t* xq, const float* xd, const float* xs,
                const int32_t* xsum, const int32_t* x16, int64_t K, float* out, int64_t ldo, __mmask16 mask) {
-  const int32_t bi = bias(QT);
   __m512 y[R];
   for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const __m512i* u = reinterpret_cast<const __m512i*>(p.u.data() + b * 8 * NR * 4);
     const int8_t* x = xq + QK * b;
-    if constexpr (QT == Q6_K) {  // quads 0-3 and 4-7: a scale each (d, m), q - 32 by the half's sum
-      __m512i lo[R], hi[R];
-      for (int r = 0; r < R; ++r)
-        lo[r] = _mm512_set1_epi32(-32 * x16[r * 2 * nb + 2 * b]), hi[r] = _mm512_set1_epi32(-32 * x16[r * 2 * nb + 2 * b + 1]);
-      for (int j = 0; j < 4; ++j) {
-        const __m512i w0 = _mm512_loadu_si512(u + j), w1 = _mm512_loadu_si512(u + 4 + j);
-        for (int r = 0; r < R; ++r) {
-          lo[r] = dp(lo[r], w0, x + r * K + 4 * j);
-          hi[r] = dp(hi[r], w1, x + r * K + 16 + 4 * j);
-        }
-      }
-      const __m512 d = _mm512_loadu_ps(p.d.data() + b * NR), m = _mm512_loadu_ps(p.m.data() + b * NR);
-      for (int r = 0; r < R; ++r) {  // both halves' scales, then dx: 3 multiplies a block, not 4
-        const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[r]), d, _mm512_mul_ps(_mm512_cvtepi32_ps(hi[r]), m));
-        y[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(xd[r * nb + b]), y[r]);
-      }
-      continue;
-    }
-    // two sums per row (even and odd quads): twice the independent dpbusd chains
-    __m512i acc[R], odd[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_set1_epi32(-bi * xsum[r * nb + b]), odd[r] = _mm512_setzero_si512();
-    for (int j = 0; j < 8; j += 2) {
-      const __m512i w0 = _mm512_loadu_si512(u + j), w1 = _mm512_loadu_si512(u + j + 1);
+    __m512i s0[R], s1[R];  // Q6_K: the halves' sums; else even and odd quads (twice the chains)
+    for (int r = 0; r < R; ++r) sums0<QT>(xsum, x16, nb, b, r, s0[r], s1[r]);
+    for (int j = 0; j < 4; ++j) {
+      // Q6_K: quad j of each half (j, 4 + j); else quads 2 j, 2 j + 1
+      const int j0 = QT == Q6_K ? j : 2 * j, j1 = QT == Q6_K ? 4 + j : 2 * j + 1;
+      const __m512i w0 = _mm512_loadu_si512(u + j0), w1 = _mm512_loadu_si512(u + j1);
       for (int r = 0; r < R; ++r) {
-        acc[r] = dp(acc[r], w0, x + r * K + 4 * j);
-        odd[r] = dp(odd[r], w1, x + r * K + 4 * j + 4);
+        s0[r] = dp(s0[r], w0, x + r * K + 4 * j0);
+        s1[r] = dp(s1[r], w1, x + r * K + 4 * j1);
       }
     }
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_add_epi32(acc[r], odd[r]);
-    const __m512 d = _mm512_loadu_ps(p.d.data() + b * NR);
-    for (int r = 0; r < R; ++r)
-      y[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_mul_ps(d, _mm512_set1_ps(xd[r * nb + b])), y[r]);
-    if (has_m(QT)) {
-      const __m512 m = _mm512_loadu_ps(p.m.data() + b * NR);
-      for (int r = 0; r < R; ++r) y[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * nb + b]), y[r]);
-    }
+    for (int r = 0; r < R; ++r) y[r] = fold<QT>(y[r], s0[r], s1[r], p, b, xd, xs, r * nb + b);
   }
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * ldo, mask, y[r]);
 }
@@ -734,7 +741,6 @@ inline __m512i quad512(const int8_t* p) {
 template <int64_t QT, int R>
 void rows_vnni2(const Buf& pa, const Buf& pb, int64_t nb, const int8_t* xq, const float* xd, const float* xs,
                 const int32_t* xsum, const int32_t* x16, int64_t K, float* oa, float* ob, int64_t ldo, __mmask16 ma, __mmask16 mb) {
-  const int32_t bi = bias(QT);
   __m512 ya[R], yb[R];
   for (int r = 0; r < R; ++r) ya[r] = yb[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -742,61 +748,25 @@ void rows_vnni2(const Buf& pa, const Buf& pb, int64_t nb, const int8_t* xq, cons
     const __m512i* ub = reinterpret_cast<const __m512i*>(pb.u.data() + b * 8 * NR * 4);
     const int8_t* x = xq + QK * b;
     __m512i a0[R], a1[R], b0[R], b1[R];
-    if constexpr (QT == Q6_K) {  // rows_vnni's halves (quads 0-3, 4-7), both panels per broadcast
-      for (int r = 0; r < R; ++r) {
-        a0[r] = b0[r] = _mm512_set1_epi32(-32 * x16[r * 2 * nb + 2 * b]);
-        a1[r] = b1[r] = _mm512_set1_epi32(-32 * x16[r * 2 * nb + 2 * b + 1]);
-      }
-      for (int j = 0; j < 4; ++j) {
-        const __m512i wa0 = _mm512_loadu_si512(ua + j), wa1 = _mm512_loadu_si512(ua + 4 + j);
-        const __m512i wb0 = _mm512_loadu_si512(ub + j), wb1 = _mm512_loadu_si512(ub + 4 + j);
-        for (int r = 0; r < R; ++r) {
-          const __m512i x0 = quad512(x + r * K + 4 * j), x1 = quad512(x + r * K + 16 + 4 * j);
-          a0[r] = _mm512_dpbusd_epi32(a0[r], wa0, x0);
-          b0[r] = _mm512_dpbusd_epi32(b0[r], wb0, x0);
-          a1[r] = _mm512_dpbusd_epi32(a1[r], wa1, x1);
-          b1[r] = _mm512_dpbusd_epi32(b1[r], wb1, x1);
-        }
-      }
-      const __m512 da = _mm512_loadu_ps(pa.d.data() + b * NR), ma_ = _mm512_loadu_ps(pa.m.data() + b * NR);
-      const __m512 db = _mm512_loadu_ps(pb.d.data() + b * NR), mb_ = _mm512_loadu_ps(pb.m.data() + b * NR);
-      for (int r = 0; r < R; ++r) {  // rows_vnni's float steps
-        const __m512 dx = _mm512_set1_ps(xd[r * nb + b]);
-        const __m512 ta = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0[r]), da, _mm512_mul_ps(_mm512_cvtepi32_ps(a1[r]), ma_));
-        const __m512 tb = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b0[r]), db, _mm512_mul_ps(_mm512_cvtepi32_ps(b1[r]), mb_));
-        ya[r] = _mm512_fmadd_ps(ta, dx, ya[r]);
-        yb[r] = _mm512_fmadd_ps(tb, dx, yb[r]);
-      }
-      continue;
-    }
     for (int r = 0; r < R; ++r) {
-      a0[r] = b0[r] = _mm512_set1_epi32(-bi * xsum[r * nb + b]);
-      a1[r] = b1[r] = _mm512_setzero_si512();
+      sums0<QT>(xsum, x16, nb, b, r, a0[r], a1[r]);
+      b0[r] = a0[r], b1[r] = a1[r];
     }
-    for (int j = 0; j < 8; j += 2) {
-      const __m512i wa0 = _mm512_loadu_si512(ua + j), wa1 = _mm512_loadu_si512(ua + j + 1);
-      const __m512i wb0 = _mm512_loadu_si512(ub + j), wb1 = _mm512_loadu_si512(ub + j + 1);
+    for (int j = 0; j < 4; ++j) {  // the quads of rows_vnni, both panels per broadcast
+      const int j0 = QT == Q6_K ? j : 2 * j, j1 = QT == Q6_K ? 4 + j : 2 * j + 1;
+      const __m512i wa0 = _mm512_loadu_si512(ua + j0), wa1 = _mm512_loadu_si512(ua + j1);
+      const __m512i wb0 = _mm512_loadu_si512(ub + j0), wb1 = _mm512_loadu_si512(ub + j1);
       for (int r = 0; r < R; ++r) {
-        const __m512i x0 = quad512(x + r * K + 4 * j), x1 = quad512(x + r * K + 4 * j + 4);
+        const __m512i x0 = quad512(x + r * K + 4 * j0), x1 = quad512(x + r * K + 4 * j1);
         a0[r] = _mm512_dpbusd_epi32(a0[r], wa0, x0);
         b0[r] = _mm512_dpbusd_epi32(b0[r], wb0, x0);
         a1[r] = _mm512_dpbusd_epi32(a1[r], wa1, x1);
         b1[r] = _mm512_dpbusd_epi32(b1[r], wb1, x1);
       }
     }
-    const __m512 da = _mm512_loadu_ps(pa.d.data() + b * NR), db = _mm512_loadu_ps(pb.d.data() + b * NR);
     for (int r = 0; r < R; ++r) {
-      const __m512 dx = _mm512_set1_ps(xd[r * nb + b]);
-      ya[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a0[r], a1[r])), _mm512_mul_ps(da, dx), ya[r]);
-      yb[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(b0[r], b1[r])), _mm512_mul_ps(db, dx), yb[r]);
-    }
-    if constexpr (has_m(QT)) {
-      const __m512 ma_ = _mm512_loadu_ps(pa.m.data() + b * NR), mb_ = _mm512_loadu_ps(pb.m.data() + b * NR);
-      for (int r = 0; r < R; ++r) {
-        const __m512 sx = _mm512_set1_ps(xs[r * nb + b]);
-        ya[r] = _mm512_fmadd_ps(ma_, sx, ya[r]);
-        yb[r] = _mm512_fmadd_ps(mb_, sx, yb[r]);
-      }
+      ya[r] = fold<QT>(ya[r], a0[r], a1[r], pa, b, xd, xs, r * nb + b);
+      yb[r] = fold<QT>(yb[r], b0[r], b1[r], pb, b, xd, xs, r * nb + b);
     }
   }
   for (int r = 0; r < R; ++r) {
