@@ -672,6 +672,13 @@ inline void sums0(const int32_t* xsum, const int32_t* x16, int64_t nb, int64_t b
   }
 }
 
+// the two quads of step j (0-3) of a block's products, one for each of sums0's sums: Q6_K quad j
+// of each half (j, 4 + j); the other types quads 2 j and 2 j + 1 (even and odd)
+template <int64_t QT>
+constexpr int quad(int j, int sum) {
+  return QT == Q6_K ? j + 4 * sum : 2 * j + sum;
+}
+
 // y + block b's float steps for one output from its two integer sums (sums0, then the products):
 // Q6_K each half by its scale (d, m) then by the activation scale dx (3 multiplies a block, not
 // 4); the others their sum by d dx, then (Q4_1, Q5_1) + m times the activations' scaled sum.
@@ -702,8 +709,7 @@ void rows_vnni(const Buf& p, int64_t nb, const int8_t* xq, const float* xd, cons
     __m512i s0[R], s1[R];  // Q6_K: the halves' sums; else even and odd quads (twice the chains)
     for (int r = 0; r < R; ++r) sums0<QT>(xsum, x16, nb, b, r, s0[r], s1[r]);
     for (int j = 0; j < 4; ++j) {
-      // Q6_K: quad j of each half (j, 4 + j); else quads 2 j, 2 j + 1
-      const int j0 = QT == Q6_K ? j : 2 * j, j1 = QT == Q6_K ? 4 + j : 2 * j + 1;
+      const int j0 = quad<QT>(j, 0), j1 = quad<QT>(j, 1);
       const __m512i w0 = _mm512_loadu_si512(u + j0), w1 = _mm512_loadu_si512(u + j1);
       for (int r = 0; r < R; ++r) {
         s0[r] = dp(s0[r], w0, x + r * K + 4 * j0);
@@ -752,8 +758,8 @@ void rows_vnni2(const Buf& pa, const Buf& pb, int64_t nb, const int8_t* xq, cons
       sums0<QT>(xsum, x16, nb, b, r, a0[r], a1[r]);
       b0[r] = a0[r], b1[r] = a1[r];
     }
-    for (int j = 0; j < 4; ++j) {  // the quads of rows_vnni, both panels per broadcast
-      const int j0 = QT == Q6_K ? j : 2 * j, j1 = QT == Q6_K ? 4 + j : 2 * j + 1;
+    for (int j = 0; j < 4; ++j) {  // both panels per broadcast
+      const int j0 = quad<QT>(j, 0), j1 = quad<QT>(j, 1);
       const __m512i wa0 = _mm512_loadu_si512(ua + j0), wa1 = _mm512_loadu_si512(ua + j1);
       const __m512i wb0 = _mm512_loadu_si512(ub + j0), wb1 = _mm512_loadu_si512(ub + j1);
       for (int r = 0; r < R; ++r) {
