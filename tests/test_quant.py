@@ -147,10 +147,10 @@ def test_rows_of_one_and_three_super_blocks(qtype: Q, blocks: int, monkeypatch: 
 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda q: q.name)
 def test_gemm_for_many_rows(qtype: Q) -> None:
-    """qgemm (QWeight's path from gemm_min_rows(k) to GEMM_MAX_ROWS rows), on its AVX2 path and on
-    its AVX-512 one where the CPU has it (pagedkv_q.limit_isa): gguf's values up to summation
-    order, only its columns written, each row the same bits at every row count, and QWeight
-    routes those calls to it."""
+    """qgemm (QWeight's path from gemm_min_rows(k) rows, in blocks of GEMM_MAX_ROWS), on its AVX2
+    path and on its AVX-512 one where the CPU has it (pagedkv_q.limit_isa): gguf's values up to
+    summation order, only its columns written, each row the same bits at every row count, and
+    QWeight routes those calls to it, past GEMM_MAX_ROWS in blocks (the same bits)."""
     if not qkernel.load():
         pytest.skip(f"kernel unavailable: {qkernel.info()['error']}")
     qw, ref = _case(qtype, n=75)  # 75 rows: a partial panel of weight rows (past 16 and 32)
@@ -172,6 +172,10 @@ def test_gemm_for_many_rows(qtype: Q) -> None:
                     assert torch.equal(out[:, 2:-1], full[:t]), (level, t)
                 if quant.gemm_min_rows(qw.k) <= t <= quant.GEMM_MAX_ROWS and qkernel.gemm() is not None:
                     assert torch.equal(qw.linear(x[:t]), full[:t])
+            if qkernel.gemm() is not None:  # 100 rows in blocks of 24: four and a partial one
+                with pytest.MonkeyPatch.context() as mp:
+                    mp.setattr(quant, "GEMM_MAX_ROWS", 24)
+                    assert torch.equal(qw.linear(x), full), level
     finally:
         limit(2)
 

@@ -168,8 +168,6 @@ def crossover(threads: int) -> dict:
             x = torch.randn(rows, q.k)
             t = {}
             for mode, (tiled, gemm) in modes.items():
-                if mode == "gemm" and rows > quant.GEMM_MAX_ROWS:
-                    continue
                 quant.TILED_ROWS, quant.GEMM_MIN_ROWS = tiled, gemm
                 q.linear(x)
                 t[mode] = round(min(_timed(q.linear, x) for _ in range(7)) * 1e3, 3)

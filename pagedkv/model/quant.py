@@ -23,10 +23,11 @@ for the stored blocks; only the summation order differs.
   Opt-in `set_batch_weights("float32")`: those calls multiply a float32 copy pre-packed for
   oneDNN instead (the memory of a float32 model on top of the quantized one; no per-call
   dequantizing, so large batches and prefill run at float32 speed).
-  Calls of gemm_min_rows(k) to GEMM_MAX_ROWS rows (many users decoding at once; not with the
-  float32 copy) go to the kernel's qgemm instead (AVX-512 or AVX2): no float32 tile in memory,
-  no oneDNN repacking, and each output one sequential FMA chain over K (the same bits whatever
-  the row count).
+  Calls of gemm_min_rows(k) rows and more (many users decoding at once, prefill; not with the
+  float32 copy; K a multiple of 32) go to the kernel's qgemm instead (AVX-512 or AVX2), in
+  blocks of GEMM_MAX_ROWS rows: no float32 tile in memory, no oneDNN repacking, and each output
+  one sequential FMA chain over K (the same bits whatever the row count). The tiles remain for
+  a build without AVX2 and for K not a multiple of 32.
 - `rows(ids)`: dequantizes only the rows looked up (token embeddings).
 - Without the kernel (no compiler, PAGEDKV_NO_KERNEL=1) the pure-torch fallback dequantizes the
   whole weight once with the gguf package, keeps the float32 copy, and uses F.linear / indexing.
@@ -209,7 +210,13 @@ def _gemm_rows(capability: str) -> tuple[int, int]:
       43.1 (tiles) / 34.7 at 40, 64.3 / 46.8 at 64, 95.9 / 83.1 at 128, 178.4 / 183.1 at 256.
     - AVX2 (our kernels limited to AVX2, oneDNN to AVX2 by ONEDNN_MAX_CPU_ISA): 30.3 / 41.5 /
       30.0 at 16, 53.3 / 48.7 / 36.4 at 24; 70.1 / 54.8 at 40, 140.3 / 82.4 at 64, 216.9 / 155.3
-      at 128, 359.8 / 358.0 at 256."""
+      at 128, 359.8 / 358.0 at 256.
+    Above GEMM_MAX_ROWS, qgemm in blocks of GEMM_MAX_ROWS rows (a block's x stays in the L3; a
+    panel is dequantized once per block), not the tiles: Zen 5 EPYC, 2 threads, ms, tiles +
+    oneDNN / qgemm blocks: 8960 x 1536 Q4_K 26.6 / 21.4 at 384 rows, 74.9 / 58.9 at 1024, 420.5
+    / 118.6 at 2048; 1536 x 8960 Q4_K 30.3 / 24.4 at 384, 140.7 / 129.9 at 2048; 4864 x 896 Q5_0
+    7.3 / 7.0 at 384, 46.3 / 37.6 at 2048; both limited to AVX2: 8960 x 1536 Q4_K 46.8 / 41.8 at
+    384, 129.4 / 114.0 at 1024; 1536 x 8960 53.8 / 43.3 at 384."""
     return (13, 192) if capability.startswith("AVX512") else (17, 192)
 
 
@@ -351,10 +358,11 @@ class QWeight:
             else:
                 self._linear_a8(x, out, op)
             return out
-        if (not packed and gemm_min_rows(self.k) <= t <= GEMM_MAX_ROWS and self.k % 32 == 0
-                and (gemm := qkernel.gemm()) is not None):
-            for data, qtype, col in self._calls:
-                gemm(x, data, qtype, out, col)
+        if not packed and t >= gemm_min_rows(self.k) and self.k % 32 == 0 and (gemm := qkernel.gemm()) is not None:
+            for a in range(0, t, GEMM_MAX_ROWS):  # row blocks (each row's bits are the same)
+                xa, oa = (x, out) if t <= GEMM_MAX_ROWS else (x[a : a + GEMM_MAX_ROWS], out[a : a + GEMM_MAX_ROWS])
+                for data, qtype, col in self._calls:
+                    gemm(xa, data, qtype, oa, col)
             return out
         if t > (PACKED_TILED_ROWS if packed else TILED_ROWS):
             if packed:  # oneDNN allocates its result: returned as is (no copy into `out`)
