@@ -630,15 +630,18 @@ void linear(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, at::
   const std::vector<int64_t> first = check_segments(x, ws, qtypes, out);
   const int64_t T = x.size(0), K = x.size(1), nb = K / QK, N = first.back();
   if (T == 0 || N == 0) return;
-  std::vector<int8_t> xq(T * K);
-  std::vector<float> xds(2 * T * nb);  // d, then s
-  quantize_blocks(x.data_ptr<float>(), xq.data(), xds.data(), xds.data() + T * nb, T * nb, impl);
+  // the 32-element types' activations, quantized per 32 (only when a segment needs them: a
+  // K-quant linear skips it, 2-5 us a call at K = 1536-8960)
+  const bool blocks = !std::all_of(qtypes.begin(), qtypes.end(), x_type);
+  std::vector<int8_t> xq(blocks ? T * K : 0);
+  std::vector<float> xds(blocks ? 2 * T * nb : 0);  // d, then s
+  if (blocks) quantize_blocks(x.data_ptr<float>(), xq.data(), xds.data(), xds.data() + T * nb, T * nb, impl);
   const int8_t* qp = xq.data();
-  const float *dp = xds.data(), *sp = xds.data() + T * nb;
+  const float *dp = xds.data(), *sp = xds.data() + (blocks ? T * nb : 0);
   float* op = out.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(16, N / (8 * std::max<int64_t>(1, at::get_num_threads())));
   const bool fast = use_avx2(impl);
-  const std::vector<float> pp = pairs(dp, sp, T * nb);
+  const std::vector<float> pp = blocks ? pairs(dp, sp, T * nb) : std::vector<float>{};
   // the super-block types' activations, quantized per 256 (only when a segment needs them)
   std::vector<int8_t> kq;
   std::vector<float> kd;
