@@ -20,6 +20,7 @@
 //   y  = fma(m, sx, y)                                  (Q4_1 only: the block's m, sx = dx * sum xq)
 // so Q4_0 and Q8_0 blocks are dotted exactly in integers (their offsets -8 and -128 folded into
 // i), and the result differs from qmatmul_a8's (which sums lanes in float) only by rounding.
+// Q4_K / Q5_K: per super-block against activations per 256 (km, below).
 // Q6_K (a scale per 16 elements): i_h per half h of a block, i_h = sum_k q[k] * xq[k] - 32 *
 // sum_k xq[k] over its 16 elements (q the 6-bit values), then t = fma(float(i_0), d sc_0,
 // float(i_1) * d sc_1) and y = fma(t, dx, y).
@@ -70,6 +71,10 @@ constexpr int32_t bias(int64_t qt) {
   return qt == Q4_0 ? 8 : qt == Q5_0 ? 16 : qt == Q8_0 || qt == IQ4_NL || qt == IQ4_XS ? 128 : 0;
 }
 constexpr bool has_m(int64_t qt) { return qt == Q4_1 || qt == Q5_1 || qt == Q4_K || qt == Q5_K; }
+// Q4_K / Q5_K (a 6-bit scale and min per 32, d and dmin per 256): activations quantized per 256
+// (as the int8 row kernel's and llama.cpp's q8_K), so that a super-block's min term is one integer
+// sum and its activation scale one multiply (see KM below)
+constexpr bool km(int64_t qt) { return qt == Q4_K || qt == Q5_K; }
 constexpr int64_t PAIR_ROWS = 32;  // an Intel CPU's impl 0 takes pairs from this many activation rows
 
 // chunk c (32 elements; K-quants: sub-block c % 8 of block c / 8) of a row -> u, d, m
@@ -136,24 +141,65 @@ void chunk_scalar(int64_t qt, const uint8_t* row, int64_t c, uint8_t u[QK], floa
 
 // One segment's panel of NR weight rows [n0, n0 + NR) (rows past the segment are zeros),
 // unpacked: u [nb][8][NR][4] bytes, d [nb][NR], m [nb][NR] (Q4_1; zeros otherwise).
+// km types: mn [nb / 8][4][NR] the sub-block mins in int16 pairs (mn 2k | mn 2k+1 << 16),
+// dm [nb / 8][NR] each super-block's -dmin (m unused).
 struct Buf {
   std::vector<uint8_t> u;
-  std::vector<float> d, m;
+  std::vector<float> d, m, dm;
+  std::vector<int32_t> mn;
   void size(int64_t nb) {
     u.assign(nb * 8 * NR * 4, 0);
     d.assign(nb * NR, 0.f);
     m.assign(nb * NR, 0.f);
+    mn.assign(nb / 8 * 4 * NR, 0);
+    dm.assign(nb / 8 * NR, 0.f);
   }
 };
 
-// the activations' quantized blocks and sums (x16: per 16 elements, for Q6_K), T rows
+// the activations' quantized blocks and sums (x16: per 16 elements, for Q6_K), T rows; for the
+// km types also quantized per 256: kq, kd (one per super-block) and ks (each 32 elements'
+// integer sum, in int16 pairs as Buf::mn: [nb / 8][4] per row)
 struct Acts {
   const int8_t* q;
   const float *d, *s;
   const int32_t *sum, *x16;
   int64_t K, nb;
-  Acts at(int64_t t) const { return {q + t * K, d + t * nb, s + t * nb, sum + t * nb, x16 + t * 2 * nb, K, nb}; }
+  const int8_t* kq;
+  const float* kd;
+  const int32_t* ks;
+  Acts at(int64_t t) const {
+    return {q + t * K, d + t * nb, s + t * nb, sum + t * nb, x16 + t * 2 * nb, K, nb,
+            kq + t * K, kd + t * (nb / 8), ks + t * (nb / 8) * 4};
+  }
 };
+
+// The km types' arithmetic, per weight row n, activation row r and super-block sb (every path,
+// bit for bit; xq, dx: the activations per 256):
+//   z  = 0; for its 8 chunks j: z = fma(float(i_j), d_j, z)   i_j = sum_k u[k] xq[k] (exact),
+//                                                                d_j = d * sc_j (chunk_scalar's d)
+//   M  = sum_j mn_j * s_j        (int32, exact: s_j the chunk's sum of xq)
+//   y  = fma(fma(float(M), -dmin, z), dx, y)
+// against a multiply and an FMA more per 32 elements with activations per 32 (its min term as
+// m_j * dx_j * s_j, which shared the pipes of vpdpbusd): Zen 4, 1 thread, 1024 x 1536 from
+// cache, 40 rows, ns per weight, alternated: Q4_K 0.287-0.289 -> 0.270-0.275, Q5_K 0.288-0.290
+// -> 0.275-0.277.
+
+// the mins of a km type's super-block sb of one weight row into lane n (stride lanes) of mn, dm
+inline void mins_km(const uint8_t* row, int64_t qt, int64_t sb, int64_t n, int64_t lanes, Buf& p) {
+  const auto& h = *reinterpret_cast<const BlockQ4_K*>(row + (qt == Q4_K ? sizeof(BlockQ4_K) : sizeof(BlockQ5_K)) * sb);
+  int mn[8];
+  for (int j = 0; j < 8; ++j) {
+    int sc;
+    scale_min_k4(h.scales, j, sc, mn[j]);
+  }
+  for (int k = 0; k < 4; ++k) p.mn[(sb * 4 + k) * lanes + n] = mn[2 * k] | mn[2 * k + 1] << 16;  // (0..63 each)
+  p.dm[sb * lanes + n] = -half(h.dmin);
+}
+
+// the integer sum of int16 pairs a . b (a dword of each: lo * lo + hi * hi)
+inline int32_t pair_dot(int32_t a, int32_t b) {
+  return static_cast<int16_t>(a & 0xFFFF) * static_cast<int16_t>(b & 0xFFFF) + (a >> 16) * (b >> 16);
+}
 
 void unpack_scalar(int64_t qt, const uint8_t* w, int64_t rb, int64_t rows, int64_t nb, Buf& p) {
   std::fill(p.u.begin(), p.u.end(), 0);
@@ -164,6 +210,28 @@ void unpack_scalar(int64_t qt, const uint8_t* w, int64_t rb, int64_t rows, int64
       uint8_t v[QK];
       chunk_scalar(qt, w + n * rb, b, v, p.d[b * NR + n], p.m[b * NR + n]);
       for (int j = 0; j < 8; ++j) std::memcpy(&p.u[((b * 8 + j) * NR + n) * 4], v + 4 * j, 4);
+      if (km(qt) && b % 8 == 0) mins_km(w + n * rb, qt, b / 8, n, NR, p);
+    }
+}
+
+void rows_scalar_km(const Buf& p, int64_t nb, int64_t T, const Acts& a, float* out, int64_t ldo, int64_t cols) {
+  for (int64_t r = 0; r < T; ++r)
+    for (int64_t n = 0; n < cols; ++n) {
+      float y = 0.f;
+      for (int64_t sb = 0; sb < nb / 8; ++sb) {
+        float z = 0.f;
+        for (int64_t b = 8 * sb; b < 8 * sb + 8; ++b) {
+          int32_t i = 0;
+          const int8_t* x = a.kq + r * a.K + QK * b;
+          for (int j = 0; j < 8; ++j)
+            for (int e = 0; e < 4; ++e) i += p.u[((b * 8 + j) * NR + n) * 4 + e] * x[4 * j + e];
+          z = std::fmaf(static_cast<float>(i), p.d[b * NR + n], z);
+        }
+        int32_t M = 0;
+        for (int k = 0; k < 4; ++k) M += pair_dot(p.mn[(sb * 4 + k) * NR + n], a.ks[(r * (nb / 8) + sb) * 4 + k]);
+        y = std::fmaf(std::fmaf(static_cast<float>(M), p.dm[sb * NR + n], z), a.kd[r * (nb / 8) + sb], y);
+      }
+      out[r * ldo + n] = y;
     }
 }
 
@@ -303,6 +371,9 @@ void unpack_avx2(const uint8_t* const* rows, int64_t nb, Buf& buf) {
     vec::V8::transpose(r);  // r[j] lane n = quad j of row n
     auto* u = reinterpret_cast<__m256*>(buf.u.data() + c * 8 * NR2 * 4);
     for (int j = 0; j < 8; ++j) _mm256_storeu_ps(reinterpret_cast<float*>(u + j), r[j]);
+    if constexpr (km(QT))
+      if (c % 8 == 0)
+        for (int n = 0; n < NR2; ++n) mins_km(rows[n], QT, c / 8, n, NR2, buf);
   }
 }
 
@@ -399,6 +470,41 @@ void rows_avx2(const Buf& p, int64_t nb, const int8_t* xq, const float* xd, cons
   }
 }
 
+// R activation rows x the panel, a km type (rows_scalar_km's arithmetic)
+template <int64_t QT, int R>
+void rows_avx2_km(const Buf& p, int64_t nb, const Acts& a, float* out, int64_t ldo, int64_t cols) {
+  constexpr int G = QT == Q4_K ? 8 : 4;  // quads summed in int16 (u <= 15 / 31)
+  const int64_t nsb = nb / 8;
+  __m256 y[R];
+  for (int r = 0; r < R; ++r) y[r] = _mm256_setzero_ps();
+  for (int64_t sb = 0; sb < nsb; ++sb) {
+    __m256 z[R];
+    for (int r = 0; r < R; ++r) z[r] = _mm256_setzero_ps();
+    for (int64_t b = 8 * sb; b < 8 * sb + 8; ++b) {
+      const __m256i* u = reinterpret_cast<const __m256i*>(p.u.data() + b * 8 * NR2 * 4);
+      __m256i i[R];
+      for (int r = 0; r < R; ++r) i[r] = _mm256_setzero_si256();
+      dot_rows<R, G>(u, a.kq + QK * b, a.K, 0, 8, i);
+      const __m256 d = _mm256_loadu_ps(p.d.data() + b * NR2);
+      for (int r = 0; r < R; ++r) z[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i[r]), d, z[r]);
+    }
+    const __m256i* mn = reinterpret_cast<const __m256i*>(p.mn.data() + sb * 4 * NR2);
+    const __m256 dm = _mm256_loadu_ps(p.dm.data() + sb * NR2);
+    for (int r = 0; r < R; ++r) {
+      const int32_t* ks = a.ks + (r * nsb + sb) * 4;
+      __m256i M = _mm256_madd_epi16(_mm256_loadu_si256(mn), _mm256_set1_epi32(ks[0]));
+      for (int k = 1; k < 4; ++k) M = _mm256_add_epi32(M, _mm256_madd_epi16(_mm256_loadu_si256(mn + k), _mm256_set1_epi32(ks[k])));
+      const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(M), dm, z[r]);
+      y[r] = _mm256_fmadd_ps(t, _mm256_set1_ps(a.kd[r * nsb + sb]), y[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float v[NR2];
+    _mm256_store_ps(v, y[r]);
+    std::memcpy(out + r * ldo, v, sizeof(float) * cols);
+  }
+}
+
 constexpr int RB2 = 4;  // activation rows per register block
 
 template <int64_t QT>
@@ -407,7 +513,8 @@ void panel_avx2(const uint8_t* const* rows, int64_t T, const Acts& a, float* out
   unpack_avx2<QT>(rows, a.nb, buf);
   by_groups<RB2>(T, [&](auto r, int64_t t) {
     const Acts s = a.at(t);
-    rows_avx2<QT, decltype(r)::value>(buf, s.nb, s.q, s.d, s.s, s.sum, s.x16, s.K, out + t * ldo, ldo, cols);
+    if constexpr (km(QT)) rows_avx2_km<QT, decltype(r)::value>(buf, s.nb, s, out + t * ldo, ldo, cols);
+    else rows_avx2<QT, decltype(r)::value>(buf, s.nb, s.q, s.d, s.s, s.sum, s.x16, s.K, out + t * ldo, ldo, cols);
   });
 }
 
@@ -492,13 +599,16 @@ inline __m512i iq4_table() {
   return _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(t)));
 }
 
-// Q4_K / Q5_K super-block at byte o of each row -> d, m of its 8 chunks (d = d sc, m = -(dmin mn))
-inline void scales_k4(const Rows& p, int64_t o, float* d, float* m) {
+// Q4_K / Q5_K super-block at byte o of each row -> d of its 8 chunks (d sc), its mins in int16
+// pairs (mn2: Buf::mn's layout) and -dmin (dm)
+inline void scales_k4(const Rows& p, int64_t o, float* d, int32_t* mn2, float* dm) {
   __m512i t[4];  // t[0] lane n = d | dmin << 16 of row n, t[1..3] = scales[0..3], [4..7], [8..11]
   transpose16(p, o, t);
   const __m512i* s = t + 1;
-  const __m512 dd = halves(t[0], false), dm = halves(t[0], true);
+  const __m512 dd = halves(t[0], false);
   const __m512i six = _mm512_set1_epi32(0x3F), hi2 = _mm512_set1_epi32(0x30), lo = _mm512_set1_epi32(0x0F);
+  _mm512_storeu_ps(dm, neg(halves(t[0], true)));
+  __m512i even;
   for (int j = 0; j < 8; ++j) {
     __m512i sc, mn;
     if (j < 4) {
@@ -510,7 +620,8 @@ inline void scales_k4(const Rows& p, int64_t o, float* d, float* m) {
       mn = _mm512_or_si512(_mm512_srli_epi32(c, 4), _mm512_and_si512(_mm512_srli_epi32(byte_of(s[1], j - 4), 2), hi2));
     }
     _mm512_storeu_ps(d + j * NR, _mm512_mul_ps(dd, cvt(sc)));
-    _mm512_storeu_ps(m + j * NR, neg(_mm512_mul_ps(dm, cvt(mn))));
+    if (j % 2 == 0) even = mn;
+    else _mm512_storeu_si512(mn2 + j / 2 * NR, _mm512_or_si512(even, _mm512_slli_epi32(mn, 16)));
   }
 }
 
@@ -540,7 +651,7 @@ void unpack_vnni(const Rows& p, int64_t nb, Buf& buf) {
     constexpr int64_t bb = QT == Q4_K ? sizeof(BlockQ4_K) : sizeof(BlockQ5_K), qs = QT == Q4_K ? 16 : 48;
     for (int64_t sb = 0; sb < nb / 8; ++sb) {
       const int64_t o = sb * bb;
-      scales_k4(p, o, buf.d.data() + 8 * sb * NR, buf.m.data() + 8 * sb * NR);
+      scales_k4(p, o, buf.d.data() + 8 * sb * NR, buf.mn.data() + 4 * sb * NR, buf.dm.data() + sb * NR);
       __m512i h[2][4];
       if constexpr (QT == Q5_K) transpose16(p, o + 16, h[0]), transpose16(p, o + 32, h[1]);
       for (int pr = 0; pr < 4; ++pr) {  // qs bytes 32 pr .. 32 pr + 31: chunks 2 pr (low), 2 pr + 1 (high)
@@ -730,6 +841,62 @@ inline __m512i quad512(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
+// R activation rows x P panels (1, or 2 as rows_vnni2: each activation quad broadcast once into
+// a register for both), a km type: rows_scalar_km's arithmetic, 16 rows per lane set
+template <int64_t QT, int R, int P>
+void rows_vnni_km(const Buf* const* pb, int64_t nb, const Acts& a, float* const* out, int64_t ldo, const __mmask16* mask) {
+  const int64_t nsb = nb / 8;
+  __m512 y[P][R];
+  for (int q = 0; q < P; ++q)
+    for (int r = 0; r < R; ++r) y[q][r] = _mm512_setzero_ps();
+  for (int64_t sb = 0; sb < nsb; ++sb) {
+    __m512 z[P][R];
+    for (int q = 0; q < P; ++q)
+      for (int r = 0; r < R; ++r) z[q][r] = _mm512_setzero_ps();
+    for (int64_t b = 8 * sb; b < 8 * sb + 8; ++b) {
+      const int8_t* x = a.kq + QK * b;
+      __m512i s0[P][R], s1[P][R];  // even and odd quads (two chains)
+      for (int q = 0; q < P; ++q)
+        for (int r = 0; r < R; ++r) s0[q][r] = s1[q][r] = _mm512_setzero_si512();
+      for (int j = 0; j < 4; ++j) {
+        __m512i w0[P], w1[P];
+        for (int q = 0; q < P; ++q) {
+          const __m512i* u = reinterpret_cast<const __m512i*>(pb[q]->u.data() + b * 8 * NR * 4);
+          w0[q] = _mm512_loadu_si512(u + 2 * j), w1[q] = _mm512_loadu_si512(u + 2 * j + 1);
+        }
+        for (int r = 0; r < R; ++r) {
+          if constexpr (P == 1) {
+            s0[0][r] = dp(s0[0][r], w0[0], x + r * a.K + 8 * j);
+            s1[0][r] = dp(s1[0][r], w1[0], x + r * a.K + 8 * j + 4);
+          } else {
+            const __m512i x0 = quad512(x + r * a.K + 8 * j), x1 = quad512(x + r * a.K + 8 * j + 4);
+            for (int q = 0; q < P; ++q) {
+              s0[q][r] = _mm512_dpbusd_epi32(s0[q][r], w0[q], x0);
+              s1[q][r] = _mm512_dpbusd_epi32(s1[q][r], w1[q], x1);
+            }
+          }
+        }
+      }
+      for (int q = 0; q < P; ++q) {
+        const __m512 d = _mm512_loadu_ps(pb[q]->d.data() + b * NR);
+        for (int r = 0; r < R; ++r) z[q][r] = _mm512_fmadd_ps(cvt(_mm512_add_epi32(s0[q][r], s1[q][r])), d, z[q][r]);
+      }
+    }
+    for (int q = 0; q < P; ++q) {
+      const __m512i* mn = reinterpret_cast<const __m512i*>(pb[q]->mn.data() + sb * 4 * NR);
+      const __m512 dm = _mm512_loadu_ps(pb[q]->dm.data() + sb * NR);
+      for (int r = 0; r < R; ++r) {
+        const int32_t* ks = a.ks + (r * nsb + sb) * 4;
+        __m512i M = _mm512_setzero_si512();
+        for (int k = 0; k < 4; ++k) M = _mm512_dpwssd_epi32(M, _mm512_loadu_si512(mn + k), _mm512_set1_epi32(ks[k]));
+        y[q][r] = _mm512_fmadd_ps(_mm512_fmadd_ps(cvt(M), dm, z[q][r]), _mm512_set1_ps(a.kd[r * nsb + sb]), y[q][r]);
+      }
+    }
+  }
+  for (int q = 0; q < P; ++q)
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out[q] + r * ldo, mask[q], y[q][r]);
+}
+
 // Two panels (32 weight rows) x R activation rows: each activation quad is broadcast once into a
 // register for both panels' vpdpbusd (rows_vnni broadcasts it from memory for each: one load per
 // vpdpbusd, and a core that runs two vpdpbusd a cycle is short of load ports), with the same
@@ -791,8 +958,15 @@ void panel_vnni2(const uint8_t* const* ra, const uint8_t* const* rb2, int64_t T,
   by_groups<RB>(T, [&](auto r, int64_t t) {
     next.part(t / RB, groups);
     const Acts s = a.at(t);
-    rows_vnni2<QT, decltype(r)::value>(bufa, bufb, s.nb, s.q, s.d, s.s, s.sum, s.x16, s.K, oa + t * ldo, ob + t * ldo, ldo,
-                                       0xFFFF, mb);
+    if constexpr (km(QT)) {
+      const Buf* pb[2] = {&bufa, &bufb};
+      float* o[2] = {oa + t * ldo, ob + t * ldo};
+      const __mmask16 m[2] = {0xFFFF, mb};
+      rows_vnni_km<QT, decltype(r)::value, 2>(pb, s.nb, s, o, ldo, m);
+    } else {
+      rows_vnni2<QT, decltype(r)::value>(bufa, bufb, s.nb, s.q, s.d, s.s, s.sum, s.x16, s.K, oa + t * ldo, ob + t * ldo,
+                                         ldo, 0xFFFF, mb);
+    }
   });
 }
 
@@ -803,7 +977,13 @@ void panel_vnni2(int64_t qt, const uint8_t* const* ra, const uint8_t* const* rb2
 
 template <int64_t QT, int R>
 void rows_at(const Buf& buf, const Acts& a, float* out, int64_t ldo, __mmask16 mask) {
-  rows_vnni<QT, R>(buf, a.nb, a.q, a.d, a.s, a.sum, a.x16, a.K, out, ldo, mask);
+  if constexpr (km(QT)) {
+    const Buf* pb[1] = {&buf};
+    float* o[1] = {out};
+    rows_vnni_km<QT, R, 1>(pb, a.nb, a, o, ldo, &mask);
+  } else {
+    rows_vnni<QT, R>(buf, a.nb, a.q, a.d, a.s, a.sum, a.x16, a.K, out, ldo, mask);
+  }
 }
 
 template <int64_t QT>
@@ -880,7 +1060,21 @@ void panel(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, at::T
       for (int e = 0; e < 16; ++e) v += xq[16 * i + e];
       x16[i] = v;
     }
-  const Acts acts{xq.data(), dp, sp, xsum.data(), x16.data(), K, nb};
+  // the km types' activations per 256 (only when a segment needs them)
+  const int64_t nsb = nb / 8;
+  std::vector<int8_t> kq;
+  std::vector<float> kd;
+  std::vector<int32_t> ks;
+  if (std::any_of(qtypes.begin(), qtypes.end(), km)) {
+    std::vector<int16_t> bs(16 * T * nsb);
+    kq.resize(T * K), kd.resize(T * nsb), ks.resize(4 * T * nsb);
+    a8::quantize_sb(x.data_ptr<float>(), kq.data(), kd.data(), bs.data(), T * nsb, impl == 1 ? 1 : 0);
+    for (int64_t i = 0; i < 4 * T * nsb; ++i) {  // chunk sums 2k, 2k + 1 of each super-block, paired
+      const int32_t s0 = bs[4 * i] + bs[4 * i + 1], s1 = bs[4 * i + 2] + bs[4 * i + 3];
+      ks[i] = static_cast<int32_t>((static_cast<uint32_t>(s0) & 0xFFFF) | static_cast<uint32_t>(s1) << 16);
+    }
+  }
+  const Acts acts{xq.data(), dp, sp, xsum.data(), x16.data(), K, nb, kq.data(), kd.data(), ks.data()};
   const bool fast = (impl == 0 || impl == 3) && vnni();
   const bool pairs = fast && (impl == 3 || T >= pair_rows());  // rows_vnni2
   const bool avx2 = !fast && a8::use_avx2(impl);
@@ -944,7 +1138,8 @@ void panel(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, at::T
       }
 #endif
       unpack_scalar(qtypes[seg], base + n0 * rb, rb, cols, nb, buf);
-      rows_scalar(qtypes[seg], buf, nb, T, xq.data(), dp, sp, xsum.data(), x16.data(), K, o, N, cols);
+      if (km(qtypes[seg])) rows_scalar_km(buf, nb, T, acts, o, N, cols);
+      else rows_scalar(qtypes[seg], buf, nb, T, xq.data(), dp, sp, xsum.data(), x16.data(), K, o, N, cols);
     }
   };
   split::chunks(np, split::chunk_for(np, 8), buffer, run);
