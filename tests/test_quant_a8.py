@@ -320,3 +320,31 @@ def test_without_the_kernel_int8_mode_is_the_exact_fallback(monkeypatch: pytest.
     w.set_activations("int8")
     assert torch.equal(w.linear(x), exact)
     assert torch.allclose(exact, x @ w.dequantize().t(), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_odd_activation_blocks_give_the_same_bits_on_every_path(qtype: Q) -> None:
+    """Activation blocks whose scale max|x| / 127 is subnormal (they quantize to zeros: 1 / d
+    would overflow), or that hold an inf or a NaN (carried into the outputs): the scalar and
+    vector quantizers take the same steps, so the row kernel (impl 0, 2, 1) and the panel (0, 3,
+    2, 1) each give one set of bits, NaNs in the same places; finite rows stay finite."""
+    k, n = 512, 21
+    data = _blocks(qtype, n, k, 5)
+    x = _acts(6, k, seed=2)
+    x[1] *= np.float32(1e-38)  # every block's scale subnormal
+    x[2, 40] = np.inf
+    x[3, 300] = np.nan
+    x[4, 7] = -np.inf
+    x[4, 400] = np.nan
+    for op, impls in (("linear", (0, 2, 1)), ("panel", (0, 3, 2, 1))):
+        outs = []
+        for impl in impls:
+            out = torch.full((6, n), 7.0)
+            getattr(torch.ops.pagedkv_a8, op)(torch.from_numpy(x), [torch.from_numpy(data)], [int(qtype)], out, impl)
+            outs.append(out.numpy())
+        for o in outs[1:]:
+            assert np.array_equal(o, outs[0], equal_nan=True), op
+        got = outs[0]
+        assert np.isfinite(got[[0, 1, 5]]).all() and not (got[1] != 0).any(), op  # subnormal blocks: zeros
+        assert not np.isfinite(got[[2, 3, 4]]).all(axis=1).any(), op  # a non-finite input shows

@@ -84,14 +84,15 @@ int64_t row_bytes(int64_t t, int64_t K) {
 
 void quant_block_scalar(const float* x, int8_t* q, float* d, float* s, int32_t* isum) {
   float amax = 0.f;
-  for (int i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(x[i]));
-  const float dd = amax / 127.f;
-  const float id = dd != 0.f ? 1.f / dd : 0.f;
-  int sum = 0;
+  bool nan = false;
+  for (int i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(x[i])), nan |= std::isnan(x[i]);
+  const float dd = nan ? NAN : amax / 127.f;
+  const float id = inv_scale(dd);  // (qmatmul_a8.h: the same steps as the AVX2 code)
+  int32_t sum = 0;
   for (int i = 0; i < QK; ++i) {
-    const int v = static_cast<int>(std::nearbyint(x[i] * id));
-    q[i] = static_cast<int8_t>(v);
-    sum += v;
+    const int32_t v = round_i32(x[i] * id);
+    q[i] = sat8(v);
+    sum = wrap_add(sum, v);
   }
   *d = dd;
   *s = dd * static_cast<float>(sum);
@@ -102,16 +103,17 @@ void quant_block_scalar(const float* x, int8_t* q, float* d, float* s, int32_t* 
 void quant_block_avx2(const float* x, int8_t* q, float* d, float* s, int32_t* isum) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 v[4];
-  __m256 m = _mm256_setzero_ps();
+  __m256 m = _mm256_setzero_ps(), un = _mm256_setzero_ps();
   for (int k = 0; k < 4; ++k) {
     v[k] = _mm256_loadu_ps(x + 8 * k);
-    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[k]));
+    m = _mm256_max_ps(_mm256_andnot_ps(sign, v[k]), m);  // a NaN dropped, as std::max does,
+    un = _mm256_or_ps(un, _mm256_cmp_ps(v[k], v[k], _CMP_UNORD_Q));  // and flagged
   }
   __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
   h = _mm_max_ps(h, _mm_movehl_ps(h, h));
   h = _mm_max_ss(h, _mm_movehdup_ps(h));
-  const float dd = _mm_cvtss_f32(h) / 127.f;
-  const __m256 id = _mm256_set1_ps(dd != 0.f ? 1.f / dd : 0.f);
+  const float dd = _mm256_movemask_ps(un) ? NAN : _mm_cvtss_f32(h) / 127.f;
+  const __m256 id = _mm256_set1_ps(inv_scale(dd));
   __m256i i[4];
   for (int k = 0; k < 4; ++k)
     i[k] = _mm256_cvtps_epi32(

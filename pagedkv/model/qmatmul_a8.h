@@ -4,10 +4,30 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
 namespace a8 {
+
+// The activation quantizers' scalar steps, as their AVX2 code does them, so that both give the
+// same bits for any input: d = NaN for a block holding a NaN (its max|x| taken over the other
+// values), the reciprocal scale 1 / d only where d is a normal float (a block whose max|x| / 127
+// is subnormal or zero quantizes to zeros; 1 / d would overflow to inf), and a value rounded to
+// int32 as cvtps2dq does (NaN and out of range: INT32_MIN), then saturated to int8 as packs does.
+// A NaN or an inf in x so reaches the outputs through d (NaN / inf), as in the exact mode.
+inline float inv_scale(float d) { return d >= FLT_MIN ? 1.f / d : 0.f; }
+inline int32_t round_i32(float v) {
+  const float r = std::nearbyint(v);
+  return r >= -2147483648.f && r < 2147483648.f ? static_cast<int32_t>(r) : INT32_MIN;
+}
+inline int8_t sat8(int32_t v) { return static_cast<int8_t>(std::clamp(v, -128, 127)); }
+// int32 sums that wrap as the vector adds do (no signed overflow)
+inline int32_t wrap_add(int32_t a, int32_t b) {
+  return static_cast<int32_t>(static_cast<uint32_t>(a) + static_cast<uint32_t>(b));
+}
 
 // bytes per block of a 32-element weight type of qmatmul_a8.cpp's row kernel (Q4_0, Q4_1, Q8_0,
 // Q5_0, Q5_1, IQ4_NL), 0 for any other type

@@ -60,15 +60,16 @@ namespace {
 
 void quant_sb_scalar(const float* x, int8_t* q, float* d, int16_t* bs) {
   float amax = 0.f;
-  for (int i = 0; i < QK_K; ++i) amax = std::max(amax, std::fabs(x[i]));
-  const float dd = amax / 127.f;
-  const float id = dd != 0.f ? 1.f / dd : 0.f;
+  bool nan = false;
+  for (int i = 0; i < QK_K; ++i) amax = std::max(amax, std::fabs(x[i])), nan |= std::isnan(x[i]);
+  const float dd = nan ? NAN : amax / 127.f;
+  const float id = inv_scale(dd);
   for (int k = 0; k < QK_K / 16; ++k) {
-    int s = 0;
+    int32_t s = 0;
     for (int i = 16 * k; i < 16 * k + 16; ++i) {
-      const int v = static_cast<int>(std::nearbyint(x[i] * id));
-      q[i] = static_cast<int8_t>(v);
-      s += v;
+      const int32_t v = round_i32(x[i] * id);
+      q[i] = sat8(v);
+      s = wrap_add(s, v);
     }
     bs[k] = static_cast<int16_t>(s);
   }
@@ -85,13 +86,19 @@ PQ_INLINE int32_t hsum_i32(__m256i v) {
 
 void quant_sb_avx2(const float* x, int8_t* q, float* d, int16_t* bs) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
-  __m256 m = _mm256_setzero_ps();
-  for (int i = 0; i < QK_K; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+  __m256 m = _mm256_setzero_ps(), un = _mm256_setzero_ps();
+  // max(|x|, m): a NaN in x is dropped (maxps returns its second operand then), as std::max does,
+  // and flagged in un
+  for (int i = 0; i < QK_K; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    m = _mm256_max_ps(_mm256_andnot_ps(sign, v), m);
+    un = _mm256_or_ps(un, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
   __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
   h = _mm_max_ps(h, _mm_movehl_ps(h, h));
   h = _mm_max_ss(h, _mm_movehdup_ps(h));
-  const float dd = _mm_cvtss_f32(h) / 127.f;
-  const __m256 id = _mm256_set1_ps(dd != 0.f ? 1.f / dd : 0.f);
+  const float dd = _mm256_movemask_ps(un) ? NAN : _mm_cvtss_f32(h) / 127.f;
+  const __m256 id = _mm256_set1_ps(inv_scale(dd));
   constexpr int R = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   for (int k = 0; k < QK_K / 16; ++k) {
     const __m256i a = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 16 * k), id), R));
