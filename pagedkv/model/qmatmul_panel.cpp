@@ -20,8 +20,10 @@
 //   y  = fma(m, sx, y)                                  (Q4_1 only: the block's m, sx = dx * sum xq)
 // so Q4_0 and Q8_0 blocks are dotted exactly in integers (their offsets -8 and -128 folded into
 // i), and the result differs from qmatmul_a8's (which sums lanes in float) only by rounding.
-// Q4_K / Q5_K / Q6_K: per super-block against activations per 256 (per256, below; Q6_K's two
-// 16-element halves a chunk each with its own scale, q - 32 folded into the integer sums).
+// Q4_K / Q5_K: per super-block against activations per 256 (km, below).
+// Q6_K (a scale per 16 elements): i_h per half h of a block, i_h = sum_k q[k] * xq[k] - 32 *
+// sum_k xq[k] over its 16 elements (q the 6-bit values), then t = fma(float(i_0), d sc_0,
+// float(i_1) * d sc_1) and y = fma(t, dx, y).
 //
 // Op (torch.ops.pagedkv_a8.*, fragment of qmatmul_a8.cpp's library):
 //   panel(x [T, K] f32, ws [w_i [N_i, rb_i] u8], qtypes, out [T, sum N_i] f32, impl): as
@@ -73,9 +75,6 @@ constexpr bool has_m(int64_t qt) { return qt == Q4_1 || qt == Q5_1 || qt == Q4_K
 // (as the int8 row kernel's and llama.cpp's q8_K), so that a super-block's min term is one integer
 // sum and its activation scale one multiply (see KM below)
 constexpr bool km(int64_t qt) { return qt == Q4_K || qt == Q5_K; }
-// the types whose panel takes activations per 256: km and Q6_K (its two halves' sums folded
-// into the super-block's float sum by their scales, then one multiply by dx)
-constexpr bool per256(int64_t qt) { return km(qt) || qt == Q6_K; }
 constexpr int64_t PAIR_ROWS = 32;  // an Intel CPU's impl 0 takes pairs from this many activation rows
 
 // chunk c (32 elements; K-quants: sub-block c % 8 of block c / 8) of a row -> u, d, m
@@ -157,20 +156,20 @@ struct Buf {
   }
 };
 
-// the activations' quantized blocks and sums, T rows; for the per256 types also quantized per
-// 256: kq, kd (one per super-block), ks (each 32 elements' integer sum, in int16 pairs as
-// Buf::mn: [nb / 8][4] per row) and k16 (each 16 elements' sum, [2 nb] per row)
+// the activations' quantized blocks and sums (x16: per 16 elements, for Q6_K), T rows; for the
+// km types also quantized per 256: kq, kd (one per super-block) and ks (each 32 elements'
+// integer sum, in int16 pairs as Buf::mn: [nb / 8][4] per row)
 struct Acts {
   const int8_t* q;
   const float *d, *s;
-  const int32_t* sum;
+  const int32_t *sum, *x16;
   int64_t K, nb;
   const int8_t* kq;
   const float* kd;
-  const int32_t *ks, *k16;  // k16: each 16 elements' sum of kq (Q6_K)
+  const int32_t* ks;
   Acts at(int64_t t) const {
-    return {q + t * K, d + t * nb, s + t * nb, sum + t * nb, K, nb,
-            kq + t * K, kd + t * (nb / 8), ks + t * (nb / 8) * 4, k16 + t * 2 * nb};
+    return {q + t * K, d + t * nb, s + t * nb, sum + t * nb, x16 + t * 2 * nb, K, nb,
+            kq + t * K, kd + t * (nb / 8), ks + t * (nb / 8) * 4};
   }
 };
 
@@ -180,9 +179,6 @@ struct Acts {
 //                                                                d_j = d * sc_j (chunk_scalar's d)
 //   M  = sum_j mn_j * s_j        (int32, exact: s_j the chunk's sum of xq)
 //   y  = fma(fma(float(M), -dmin, z), dx, y)
-// Q6_K likewise, with its two 16-element halves per chunk and no min: i_h = sum_k q xq - 32 *
-// (the half's sum of xq), z = fma(float(i_0), d sc_0, z), z = fma(float(i_1), d sc_1, z), and
-// y = fma(z, dx, y) per super-block (one multiply a chunk fewer than with x per 32).
 // against a multiply and an FMA more per 32 elements with activations per 32 (its min term as
 // m_j * dx_j * s_j, which shared the pipes of vpdpbusd): Zen 4, 1 thread, 1024 x 1536 from
 // cache, 40 rows, ns per weight, alternated: Q4_K 0.287-0.289 -> 0.270-0.275, Q5_K 0.288-0.290
@@ -218,31 +214,18 @@ void unpack_scalar(int64_t qt, const uint8_t* w, int64_t rb, int64_t rows, int64
     }
 }
 
-void rows_scalar_km(int64_t qt, const Buf& p, int64_t nb, int64_t T, const Acts& a, float* out, int64_t ldo,
-                    int64_t cols) {
+void rows_scalar_km(const Buf& p, int64_t nb, int64_t T, const Acts& a, float* out, int64_t ldo, int64_t cols) {
   for (int64_t r = 0; r < T; ++r)
     for (int64_t n = 0; n < cols; ++n) {
       float y = 0.f;
       for (int64_t sb = 0; sb < nb / 8; ++sb) {
         float z = 0.f;
         for (int64_t b = 8 * sb; b < 8 * sb + 8; ++b) {
-          const int8_t* x = a.kq + r * a.K + QK * b;
-          if (qt == Q6_K) {
-            for (int h = 0; h < 2; ++h) {
-              int32_t i = -32 * a.k16[r * 2 * nb + 2 * b + h];
-              for (int e = 0; e < 16; ++e) i += p.u[((b * 8 + 4 * h + e / 4) * NR + n) * 4 + e % 4] * x[16 * h + e];
-              z = std::fmaf(static_cast<float>(i), (h ? p.m : p.d)[b * NR + n], z);
-            }
-            continue;
-          }
           int32_t i = 0;
+          const int8_t* x = a.kq + r * a.K + QK * b;
           for (int j = 0; j < 8; ++j)
             for (int e = 0; e < 4; ++e) i += p.u[((b * 8 + j) * NR + n) * 4 + e] * x[4 * j + e];
           z = std::fmaf(static_cast<float>(i), p.d[b * NR + n], z);
-        }
-        if (qt == Q6_K) {
-          y = std::fmaf(z, a.kd[r * (nb / 8) + sb], y);
-          continue;
         }
         int32_t M = 0;
         for (int k = 0; k < 4; ++k) M += pair_dot(p.mn[(sb * 4 + k) * NR + n], a.ks[(r * (nb / 8) + sb) * 4 + k]);
@@ -253,13 +236,24 @@ void rows_scalar_km(int64_t qt, const Buf& p, int64_t nb, int64_t T, const Acts&
 }
 
 void rows_scalar(int64_t qt, const Buf& p, int64_t nb, int64_t T, const int8_t* xq, const float* xd,
-                 const float* xs, const int32_t* xsum, int64_t K, float* out, int64_t ldo,
+                 const float* xs, const int32_t* xsum, const int32_t* x16, int64_t K, float* out, int64_t ldo,
                  int64_t cols) {
   const int32_t bi = bias(qt);
   for (int64_t r = 0; r < T; ++r)
     for (int64_t n = 0; n < cols; ++n) {
       float y = 0.f;
       for (int64_t b = 0; b < nb; ++b) {
+        if (qt == Q6_K) {  // a sum per 16-element half: w = scale * (q - 32)
+          const int8_t* x = xq + r * K + QK * b;
+          int32_t i[2];
+          for (int h = 0; h < 2; ++h) {
+            i[h] = -32 * x16[r * 2 * nb + 2 * b + h];
+            for (int e = 0; e < 16; ++e) i[h] += p.u[((b * 8 + 4 * h + e / 4) * NR + n) * 4 + e % 4] * x[16 * h + e];
+          }
+          const float t = std::fmaf(static_cast<float>(i[0]), p.d[b * NR + n], static_cast<float>(i[1]) * p.m[b * NR + n]);
+          y = std::fmaf(t, xd[r * nb + b], y);
+          continue;
+        }
         int32_t i = -bi * xsum[r * nb + b];
         const int8_t* x = xq + r * K + QK * b;
         for (int j = 0; j < 8; ++j)
@@ -413,7 +407,7 @@ PQ_INLINE void dot_rows(const __m256i* u, const int8_t* x, int64_t K, int j0, in
 // R activation rows x the panel (rows_scalar's arithmetic): out[r * ldo + n] for n < cols
 template <int64_t QT, int R>
 void rows_avx2(const Buf& p, int64_t nb, const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum,
-               int64_t K, float* out, int64_t ldo, int64_t cols) {
+               const int32_t* x16, int64_t K, float* out, int64_t ldo, int64_t cols) {
   constexpr bool wide = QT == Q8_0 || QT == IQ4_NL || QT == IQ4_XS;  // u up to 255
   constexpr int G = QT == Q4_0 || QT == Q4_1 || QT == Q4_K ? 8 : 4;  // quads summed in int16 (u <= 15 / 31)
   const int32_t bi = bias(QT);
@@ -423,6 +417,21 @@ void rows_avx2(const Buf& p, int64_t nb, const int8_t* xq, const float* xd, cons
     const __m256i* u = reinterpret_cast<const __m256i*>(p.u.data() + b * 8 * NR2 * 4);
     const int8_t* x = xq + QK * b;
     const __m256 d = _mm256_loadu_ps(p.d.data() + b * NR2);
+    if constexpr (QT == Q6_K) {  // halves of 4 quads, each 2 + 2 in int16; q - 32 by the half's sum
+      __m256i i0[R], i1[R];
+      for (int r = 0; r < R; ++r) {
+        i0[r] = _mm256_set1_epi32(-32 * x16[r * 2 * nb + 2 * b]);
+        i1[r] = _mm256_set1_epi32(-32 * x16[r * 2 * nb + 2 * b + 1]);
+      }
+      dot_rows<R, 2>(u, x, K, 0, 4, i0);
+      dot_rows<R, 2>(u, x, K, 4, 4, i1);
+      const __m256 m = _mm256_loadu_ps(p.m.data() + b * NR2);
+      for (int r = 0; r < R; ++r) {
+        const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0[r]), d, _mm256_mul_ps(_mm256_cvtepi32_ps(i1[r]), m));
+        y[r] = _mm256_fmadd_ps(t, _mm256_set1_ps(xd[r * nb + b]), y[r]);
+      }
+      continue;
+    }
     __m256i i[R];
     if constexpr (wide) {  // u = 16 hi + lo: two nibble sums over the block's 8 quads
       const __m256i lo4 = _mm256_set1_epi8(0x0F);
@@ -464,7 +473,7 @@ void rows_avx2(const Buf& p, int64_t nb, const int8_t* xq, const float* xd, cons
 // R activation rows x the panel, a km type (rows_scalar_km's arithmetic)
 template <int64_t QT, int R>
 void rows_avx2_km(const Buf& p, int64_t nb, const Acts& a, float* out, int64_t ldo, int64_t cols) {
-  constexpr int G = QT == Q4_K ? 8 : 4;  // quads summed in int16 (u <= 15 / 31; Q6_K: 2, above)
+  constexpr int G = QT == Q4_K ? 8 : 4;  // quads summed in int16 (u <= 15 / 31)
   const int64_t nsb = nb / 8;
   __m256 y[R];
   for (int r = 0; r < R; ++r) y[r] = _mm256_setzero_ps();
@@ -473,30 +482,11 @@ void rows_avx2_km(const Buf& p, int64_t nb, const Acts& a, float* out, int64_t l
     for (int r = 0; r < R; ++r) z[r] = _mm256_setzero_ps();
     for (int64_t b = 8 * sb; b < 8 * sb + 8; ++b) {
       const __m256i* u = reinterpret_cast<const __m256i*>(p.u.data() + b * 8 * NR2 * 4);
-      const __m256 d = _mm256_loadu_ps(p.d.data() + b * NR2);
-      if constexpr (QT == Q6_K) {  // halves of 4 quads, each 2 + 2 in int16; q - 32 by the half's sum
-        __m256i i0[R], i1[R];
-        for (int r = 0; r < R; ++r) {
-          i0[r] = _mm256_set1_epi32(-32 * a.k16[r * 2 * nb + 2 * b]);
-          i1[r] = _mm256_set1_epi32(-32 * a.k16[r * 2 * nb + 2 * b + 1]);
-        }
-        dot_rows<R, 2>(u, a.kq + QK * b, a.K, 0, 4, i0);
-        dot_rows<R, 2>(u, a.kq + QK * b, a.K, 4, 4, i1);
-        const __m256 m = _mm256_loadu_ps(p.m.data() + b * NR2);
-        for (int r = 0; r < R; ++r) {
-          z[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0[r]), d, z[r]);
-          z[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1[r]), m, z[r]);
-        }
-        continue;
-      }
       __m256i i[R];
       for (int r = 0; r < R; ++r) i[r] = _mm256_setzero_si256();
       dot_rows<R, G>(u, a.kq + QK * b, a.K, 0, 8, i);
+      const __m256 d = _mm256_loadu_ps(p.d.data() + b * NR2);
       for (int r = 0; r < R; ++r) z[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i[r]), d, z[r]);
-    }
-    if constexpr (QT == Q6_K) {
-      for (int r = 0; r < R; ++r) y[r] = _mm256_fmadd_ps(z[r], _mm256_set1_ps(a.kd[r * nsb + sb]), y[r]);
-      continue;
     }
     const __m256i* mn = reinterpret_cast<const __m256i*>(p.mn.data() + sb * 4 * NR2);
     const __m256 dm = _mm256_loadu_ps(p.dm.data() + sb * NR2);
@@ -523,8 +513,8 @@ void panel_avx2(const uint8_t* const* rows, int64_t T, const Acts& a, float* out
   unpack_avx2<QT>(rows, a.nb, buf);
   by_groups<RB2>(T, [&](auto r, int64_t t) {
     const Acts s = a.at(t);
-    if constexpr (per256(QT)) rows_avx2_km<QT, decltype(r)::value>(buf, s.nb, s, out + t * ldo, ldo, cols);
-    else rows_avx2<QT, decltype(r)::value>(buf, s.nb, s.q, s.d, s.s, s.sum, s.K, out + t * ldo, ldo, cols);
+    if constexpr (km(QT)) rows_avx2_km<QT, decltype(r)::value>(buf, s.nb, s, out + t * ldo, ldo, cols);
+    else rows_avx2<QT, decltype(r)::value>(buf, s.nb, s.q, s.d, s.s, s.sum, s.x16, s.K, out + t * ldo, ldo, cols);
   });
 }
 
@@ -779,12 +769,18 @@ inline __m512i dp(__m512i acc, __m512i u, const int8_t* p) {
   return acc;
 }
 
-// One output's two integer sums of block b before its products (the 32-element types and
-// IQ4_XS): the even quads at -bias times the block's activation sum, the odd ones at 0
+// One output's two integer sums of block b before its products: Q6_K's halves (quads 0-3, 4-7)
+// start at -32 times the half's activation sum (its q - 32), the other types' even quads at -bias
+// times the block's sum and their odd quads at 0
 template <int64_t QT>
-inline void sums0(const int32_t* xsum, int64_t nb, int64_t b, int r, __m512i& s0, __m512i& s1) {
-  s0 = _mm512_set1_epi32(-bias(QT) * xsum[r * nb + b]);
-  s1 = _mm512_setzero_si512();
+inline void sums0(const int32_t* xsum, const int32_t* x16, int64_t nb, int64_t b, int r, __m512i& s0, __m512i& s1) {
+  if constexpr (QT == Q6_K) {
+    s0 = _mm512_set1_epi32(-32 * x16[r * 2 * nb + 2 * b]);
+    s1 = _mm512_set1_epi32(-32 * x16[r * 2 * nb + 2 * b + 1]);
+  } else {
+    s0 = _mm512_set1_epi32(-bias(QT) * xsum[r * nb + b]);
+    s1 = _mm512_setzero_si512();
+  }
 }
 
 // the two quads of step j (0-3) of a block's products, one for each of sums0's sums: Q6_K quad j
@@ -795,27 +791,34 @@ constexpr int quad(int j, int sum) {
 }
 
 // y + block b's float steps for one output from its two integer sums (sums0, then the products):
-// their sum by d dx, then (Q4_1, Q5_1) + m times the activations' scaled sum. Every kernel folds
-// with this, so one output gets the same bits from each (the per256 types: rows_vnni_km).
+// Q6_K each half by its scale (d, m) then by the activation scale dx (3 multiplies a block, not
+// 4); the others their sum by d dx, then (Q4_1, Q5_1) + m times the activations' scaled sum.
+// Every kernel folds with this, so one output gets the same bits from each.
 template <int64_t QT>
 inline __m512 fold(__m512 y, __m512i s0, __m512i s1, const Buf& p, int64_t b, const float* xd, const float* xs, int64_t i) {
   const __m512 d = _mm512_loadu_ps(p.d.data() + b * NR);
-  y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_mul_ps(d, _mm512_set1_ps(xd[i])), y);
-  if constexpr (has_m(QT)) y = _mm512_fmadd_ps(_mm512_loadu_ps(p.m.data() + b * NR), _mm512_set1_ps(xs[i]), y);
-  return y;
+  if constexpr (QT == Q6_K) {
+    const __m512 m = _mm512_loadu_ps(p.m.data() + b * NR);
+    const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), d, _mm512_mul_ps(_mm512_cvtepi32_ps(s1), m));
+    return _mm512_fmadd_ps(t, _mm512_set1_ps(xd[i]), y);
+  } else {
+    y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_mul_ps(d, _mm512_set1_ps(xd[i])), y);
+    if constexpr (has_m(QT)) y = _mm512_fmadd_ps(_mm512_loadu_ps(p.m.data() + b * NR), _mm512_set1_ps(xs[i]), y);
+    return y;
+  }
 }
 
 // R activation rows x the panel: out[r * ldo + n] for the first `cols` of its NR rows
 template <int64_t QT, int R>
 void rows_vnni(const Buf& p, int64_t nb, const int8_t* xq, const float* xd, const float* xs,
-               const int32_t* xsum, int64_t K, float* out, int64_t ldo, __mmask16 mask) {
+               const int32_t* xsum, const int32_t* x16, int64_t K, float* out, int64_t ldo, __mmask16 mask) {
   __m512 y[R];
   for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const __m512i* u = reinterpret_cast<const __m512i*>(p.u.data() + b * 8 * NR * 4);
     const int8_t* x = xq + QK * b;
-    __m512i s0[R], s1[R];  // even and odd quads (twice the chains)
-    for (int r = 0; r < R; ++r) sums0<QT>(xsum, nb, b, r, s0[r], s1[r]);
+    __m512i s0[R], s1[R];  // Q6_K: the halves' sums; else even and odd quads (twice the chains)
+    for (int r = 0; r < R; ++r) sums0<QT>(xsum, x16, nb, b, r, s0[r], s1[r]);
     for (int j = 0; j < 4; ++j) {
       const int j0 = quad<QT>(j, 0), j1 = quad<QT>(j, 1);
       const __m512i w0 = _mm512_loadu_si512(u + j0), w1 = _mm512_loadu_si512(u + j1);
@@ -852,25 +855,21 @@ void rows_vnni_km(const Buf* const* pb, int64_t nb, const Acts& a, float* const*
       for (int r = 0; r < R; ++r) z[q][r] = _mm512_setzero_ps();
     for (int64_t b = 8 * sb; b < 8 * sb + 8; ++b) {
       const int8_t* x = a.kq + QK * b;
-      __m512i s0[P][R], s1[P][R];  // even and odd quads (two chains); Q6_K: its halves' sums
-      for (int r = 0; r < R; ++r) {
-        const __m512i h0 = QT == Q6_K ? _mm512_set1_epi32(-32 * a.k16[r * 2 * nb + 2 * b]) : _mm512_setzero_si512();
-        const __m512i h1 = QT == Q6_K ? _mm512_set1_epi32(-32 * a.k16[r * 2 * nb + 2 * b + 1]) : _mm512_setzero_si512();
-        for (int q = 0; q < P; ++q) s0[q][r] = h0, s1[q][r] = h1;
-      }
+      __m512i s0[P][R], s1[P][R];  // even and odd quads (two chains)
+      for (int q = 0; q < P; ++q)
+        for (int r = 0; r < R; ++r) s0[q][r] = s1[q][r] = _mm512_setzero_si512();
       for (int j = 0; j < 4; ++j) {
-        const int j0 = quad<QT>(j, 0), j1 = quad<QT>(j, 1);
         __m512i w0[P], w1[P];
         for (int q = 0; q < P; ++q) {
           const __m512i* u = reinterpret_cast<const __m512i*>(pb[q]->u.data() + b * 8 * NR * 4);
-          w0[q] = _mm512_loadu_si512(u + j0), w1[q] = _mm512_loadu_si512(u + j1);
+          w0[q] = _mm512_loadu_si512(u + 2 * j), w1[q] = _mm512_loadu_si512(u + 2 * j + 1);
         }
         for (int r = 0; r < R; ++r) {
           if constexpr (P == 1) {
-            s0[0][r] = dp(s0[0][r], w0[0], x + r * a.K + 4 * j0);
-            s1[0][r] = dp(s1[0][r], w1[0], x + r * a.K + 4 * j1);
+            s0[0][r] = dp(s0[0][r], w0[0], x + r * a.K + 8 * j);
+            s1[0][r] = dp(s1[0][r], w1[0], x + r * a.K + 8 * j + 4);
           } else {
-            const __m512i x0 = quad512(x + r * a.K + 4 * j0), x1 = quad512(x + r * a.K + 4 * j1);
+            const __m512i x0 = quad512(x + r * a.K + 8 * j), x1 = quad512(x + r * a.K + 8 * j + 4);
             for (int q = 0; q < P; ++q) {
               s0[q][r] = _mm512_dpbusd_epi32(s0[q][r], w0[q], x0);
               s1[q][r] = _mm512_dpbusd_epi32(s1[q][r], w1[q], x1);
@@ -880,18 +879,8 @@ void rows_vnni_km(const Buf* const* pb, int64_t nb, const Acts& a, float* const*
       }
       for (int q = 0; q < P; ++q) {
         const __m512 d = _mm512_loadu_ps(pb[q]->d.data() + b * NR);
-        if constexpr (QT == Q6_K) {
-          const __m512 m = _mm512_loadu_ps(pb[q]->m.data() + b * NR);
-          for (int r = 0; r < R; ++r) z[q][r] = _mm512_fmadd_ps(cvt(s1[q][r]), m, _mm512_fmadd_ps(cvt(s0[q][r]), d, z[q][r]));
-        } else {
-          for (int r = 0; r < R; ++r) z[q][r] = _mm512_fmadd_ps(cvt(_mm512_add_epi32(s0[q][r], s1[q][r])), d, z[q][r]);
-        }
+        for (int r = 0; r < R; ++r) z[q][r] = _mm512_fmadd_ps(cvt(_mm512_add_epi32(s0[q][r], s1[q][r])), d, z[q][r]);
       }
-    }
-    if constexpr (QT == Q6_K) {
-      for (int q = 0; q < P; ++q)
-        for (int r = 0; r < R; ++r) y[q][r] = _mm512_fmadd_ps(z[q][r], _mm512_set1_ps(a.kd[r * nsb + sb]), y[q][r]);
-      continue;
     }
     for (int q = 0; q < P; ++q) {
       const __m512i* mn = reinterpret_cast<const __m512i*>(pb[q]->mn.data() + sb * 4 * NR);
@@ -924,7 +913,7 @@ void rows_vnni_km(const Buf* const* pb, int64_t nb, const Acts& a, float* const*
 // 1.5B Q4_K + Q6_K file's 40-row int8 step 239 / 278 / 238 -> 212 / 218 / 186 ms (alternated).
 template <int64_t QT, int R>
 void rows_vnni2(const Buf& pa, const Buf& pb, int64_t nb, const int8_t* xq, const float* xd, const float* xs,
-                const int32_t* xsum, int64_t K, float* oa, float* ob, int64_t ldo, __mmask16 ma, __mmask16 mb) {
+                const int32_t* xsum, const int32_t* x16, int64_t K, float* oa, float* ob, int64_t ldo, __mmask16 ma, __mmask16 mb) {
   __m512 ya[R], yb[R];
   for (int r = 0; r < R; ++r) ya[r] = yb[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -933,7 +922,7 @@ void rows_vnni2(const Buf& pa, const Buf& pb, int64_t nb, const int8_t* xq, cons
     const int8_t* x = xq + QK * b;
     __m512i a0[R], a1[R], b0[R], b1[R];
     for (int r = 0; r < R; ++r) {
-      sums0<QT>(xsum, nb, b, r, a0[r], a1[r]);
+      sums0<QT>(xsum, x16, nb, b, r, a0[r], a1[r]);
       b0[r] = a0[r], b1[r] = a1[r];
     }
     for (int j = 0; j < 4; ++j) {  // both panels per broadcast
@@ -969,13 +958,13 @@ void panel_vnni2(const uint8_t* const* ra, const uint8_t* const* rb2, int64_t T,
   by_groups<RB>(T, [&](auto r, int64_t t) {
     next.part(t / RB, groups);
     const Acts s = a.at(t);
-    if constexpr (per256(QT)) {
+    if constexpr (km(QT)) {
       const Buf* pb[2] = {&bufa, &bufb};
       float* o[2] = {oa + t * ldo, ob + t * ldo};
       const __mmask16 m[2] = {0xFFFF, mb};
       rows_vnni_km<QT, decltype(r)::value, 2>(pb, s.nb, s, o, ldo, m);
     } else {
-      rows_vnni2<QT, decltype(r)::value>(bufa, bufb, s.nb, s.q, s.d, s.s, s.sum, s.K, oa + t * ldo, ob + t * ldo,
+      rows_vnni2<QT, decltype(r)::value>(bufa, bufb, s.nb, s.q, s.d, s.s, s.sum, s.x16, s.K, oa + t * ldo, ob + t * ldo,
                                          ldo, 0xFFFF, mb);
     }
   });
@@ -988,12 +977,12 @@ void panel_vnni2(int64_t qt, const uint8_t* const* ra, const uint8_t* const* rb2
 
 template <int64_t QT, int R>
 void rows_at(const Buf& buf, const Acts& a, float* out, int64_t ldo, __mmask16 mask) {
-  if constexpr (per256(QT)) {
+  if constexpr (km(QT)) {
     const Buf* pb[1] = {&buf};
     float* o[1] = {out};
     rows_vnni_km<QT, R, 1>(pb, a.nb, a, o, ldo, &mask);
   } else {
-    rows_vnni<QT, R>(buf, a.nb, a.q, a.d, a.s, a.sum, a.K, out, ldo, mask);
+    rows_vnni<QT, R>(buf, a.nb, a.q, a.d, a.s, a.sum, a.x16, a.K, out, ldo, mask);
   }
 }
 
@@ -1064,22 +1053,28 @@ void panel(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, at::T
   std::vector<int32_t> xsum(T * nb);  // each block's integer sum
   a8::quantize_blocks(x.data_ptr<float>(), xq.data(), xds.data(), xds.data() + T * nb, T * nb, impl, xsum.data());
   const float *dp = xds.data(), *sp = xds.data() + T * nb;
-  // the per256 types' activations per 256 (only when a segment needs them)
+  std::vector<int32_t> x16(T * 2 * nb);  // each 16-element half's sum (Q6_K)
+  if (std::find(qtypes.begin(), qtypes.end(), Q6_K) != qtypes.end())
+    for (int64_t i = 0; i < T * 2 * nb; ++i) {
+      int32_t v = 0;
+      for (int e = 0; e < 16; ++e) v += xq[16 * i + e];
+      x16[i] = v;
+    }
+  // the km types' activations per 256 (only when a segment needs them)
   const int64_t nsb = nb / 8;
   std::vector<int8_t> kq;
   std::vector<float> kd;
-  std::vector<int32_t> ks, k16;
-  if (std::any_of(qtypes.begin(), qtypes.end(), per256)) {
+  std::vector<int32_t> ks;
+  if (std::any_of(qtypes.begin(), qtypes.end(), km)) {
     std::vector<int16_t> bs(16 * T * nsb);
     kq.resize(T * K), kd.resize(T * nsb), ks.resize(4 * T * nsb);
     a8::quantize_sb(x.data_ptr<float>(), kq.data(), kd.data(), bs.data(), T * nsb, impl == 1 ? 1 : 0);
-    k16.assign(bs.begin(), bs.end());
     for (int64_t i = 0; i < 4 * T * nsb; ++i) {  // chunk sums 2k, 2k + 1 of each super-block, paired
       const int32_t s0 = bs[4 * i] + bs[4 * i + 1], s1 = bs[4 * i + 2] + bs[4 * i + 3];
       ks[i] = static_cast<int32_t>((static_cast<uint32_t>(s0) & 0xFFFF) | static_cast<uint32_t>(s1) << 16);
     }
   }
-  const Acts acts{xq.data(), dp, sp, xsum.data(), K, nb, kq.data(), kd.data(), ks.data(), k16.data()};
+  const Acts acts{xq.data(), dp, sp, xsum.data(), x16.data(), K, nb, kq.data(), kd.data(), ks.data()};
   const bool fast = (impl == 0 || impl == 3) && vnni();
   const bool pairs = fast && (impl == 3 || T >= pair_rows());  // rows_vnni2
   const bool avx2 = !fast && a8::use_avx2(impl);
@@ -1143,8 +1138,8 @@ void panel(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, at::T
       }
 #endif
       unpack_scalar(qtypes[seg], base + n0 * rb, rb, cols, nb, buf);
-      if (per256(qtypes[seg])) rows_scalar_km(qtypes[seg], buf, nb, T, acts, o, N, cols);
-      else rows_scalar(qtypes[seg], buf, nb, T, xq.data(), dp, sp, xsum.data(), K, o, N, cols);
+      if (km(qtypes[seg])) rows_scalar_km(buf, nb, T, acts, o, N, cols);
+      else rows_scalar(qtypes[seg], buf, nb, T, xq.data(), dp, sp, xsum.data(), x16.data(), K, o, N, cols);
     }
   };
   split::chunks(np, split::chunk_for(np, 8), buffer, run);
