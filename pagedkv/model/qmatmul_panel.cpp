@@ -70,7 +70,7 @@ constexpr int64_t NR2 = 8;  // the AVX2 code's (a ymm lane each)
 constexpr int32_t bias(int64_t qt) {
   return qt == Q4_0 ? 8 : qt == Q5_0 ? 16 : qt == Q8_0 || qt == IQ4_NL || qt == IQ4_XS ? 128 : 0;
 }
-constexpr bool has_m(int64_t qt) { return qt == Q4_1 || qt == Q5_1 || qt == Q4_K || qt == Q5_K; }
+constexpr bool has_m(int64_t qt) { return qt == Q4_1 || qt == Q5_1; }  // (the K-quants' mins: Buf::mn)
 // Q4_K / Q5_K (a 6-bit scale and min per 32, d and dmin per 256): activations quantized per 256
 // (as the int8 row kernel's and llama.cpp's q8_K), so that a super-block's min term is one integer
 // sum and its activation scale one multiply (see KM below)
@@ -113,12 +113,11 @@ void chunk_scalar(int64_t qt, const uint8_t* row, int64_t c, uint8_t u[QK], floa
     case Q4_K: case Q5_K: {
       const uint8_t* b = row + (qt == Q4_K ? sizeof(BlockQ4_K) : sizeof(BlockQ5_K)) * (c / 8);
       const auto& h = *reinterpret_cast<const BlockQ4_K*>(b);  // d, dmin, scales at the same offsets
-      int sc, mn;
+      int sc, mn;  // (the mins: mins_km)
       scale_min_k4(h.scales, j, sc, mn);
       for (int i = 0; i < QK; ++i)
         u[i] = static_cast<uint8_t>(qt == Q4_K ? kq::u_of<Q4_K>(b, QK * j + i) : kq::u_of<Q5_K>(b, QK * j + i));
       d = half(h.d) * static_cast<float>(sc);
-      m = -(half(h.dmin) * static_cast<float>(mn));
       return;
     }
     case Q6_K: {  // u = the 6-bit q (w = d sc (q - 32)); m: the second half's scale
@@ -140,9 +139,9 @@ void chunk_scalar(int64_t qt, const uint8_t* row, int64_t c, uint8_t u[QK], floa
 }
 
 // One segment's panel of NR weight rows [n0, n0 + NR) (rows past the segment are zeros),
-// unpacked: u [nb][8][NR][4] bytes, d [nb][NR], m [nb][NR] (Q4_1; zeros otherwise).
-// km types: mn [nb / 8][4][NR] the sub-block mins in int16 pairs (mn 2k | mn 2k+1 << 16),
-// dm [nb / 8][NR] each super-block's -dmin (m unused).
+// unpacked: u [nb][8][NR][4] bytes, d [nb][NR], m [nb][NR] (Q4_1, Q5_1: the block's m; Q6_K: the
+// second half's scale; zeros otherwise). km types: mn [nb / 8][4][NR] the sub-block mins in
+// int16 pairs (mn 2k | mn 2k+1 << 16), dm [nb / 8][NR] each super-block's -dmin.
 struct Buf {
   std::vector<uint8_t> u;
   std::vector<float> d, m, dm;
@@ -167,9 +166,10 @@ struct Acts {
   const int8_t* kq;
   const float* kd;
   const int32_t* ks;
-  Acts at(int64_t t) const {
-    return {q + t * K, d + t * nb, s + t * nb, sum + t * nb, x16 + t * 2 * nb, K, nb,
-            kq + t * K, kd + t * (nb / 8), ks + t * (nb / 8) * 4};
+  Acts at(int64_t t) const {  // (an array a call does not need is empty: its pointer stays null)
+    const auto row = [](auto* p, int64_t n) { return p ? p + n : p; };
+    return {row(q, t * K), row(d, t * nb), row(s, t * nb), row(sum, t * nb), row(x16, t * 2 * nb), K, nb,
+            row(kq, t * K), row(kd, t * (nb / 8)), row(ks, t * (nb / 8) * 4)};
   }
 };
 
@@ -186,6 +186,7 @@ struct Acts {
 
 // the mins of a km type's super-block sb of one weight row into lane n (stride lanes) of mn, dm
 inline void mins_km(const uint8_t* row, int64_t qt, int64_t sb, int64_t n, int64_t lanes, Buf& p) {
+  // (Q5_K's d, dmin and scales are at Q4_K's offsets)
   const auto& h = *reinterpret_cast<const BlockQ4_K*>(row + (qt == Q4_K ? sizeof(BlockQ4_K) : sizeof(BlockQ5_K)) * sb);
   int mn[8];
   for (int j = 0; j < 8; ++j) {
@@ -337,10 +338,9 @@ inline __m256i chunk_avx2(const uint8_t* row, int64_t c, float& d, float& m) {
     using B = std::conditional_t<QT == Q4_K, BlockQ4_K, BlockQ5_K>;
     const auto& b = reinterpret_cast<const B*>(row)[c / 8];
     const int j = static_cast<int>(c % 8);
-    int sc, mn;
+    int sc, mn;  // (the mins: mins_km)
     scale_min_k4(b.scales, j, sc, mn);
     d = half(b.d) * static_cast<float>(sc);
-    m = -(half(b.dmin) * static_cast<float>(mn));
     __m256i u = vec::bits(b.qs + 32 * (j / 2), 4 * (j % 2), 0x0F);
     if constexpr (QT == Q5_K) u = _mm256_or_si256(u, vec::bit_at(b.qh, j, 4));
     return u;
@@ -1048,13 +1048,16 @@ void panel(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, at::T
   const std::vector<int64_t> first = a8::check_segments(x, ws, qtypes, out, /*panel=*/true);
   const int64_t T = x.size(0), K = x.size(1), nb = K / QK, N = first.back();
   if (T == 0 || N == 0) return;
-  std::vector<int8_t> xq(T * K);
-  std::vector<float> xds(2 * T * nb);  // d, then s
-  std::vector<int32_t> xsum(T * nb);  // each block's integer sum
-  a8::quantize_blocks(x.data_ptr<float>(), xq.data(), xds.data(), xds.data() + T * nb, T * nb, impl, xsum.data());
-  const float *dp = xds.data(), *sp = xds.data() + T * nb;
-  std::vector<int32_t> x16(T * 2 * nb);  // each 16-element half's sum (Q6_K)
-  if (std::find(qtypes.begin(), qtypes.end(), Q6_K) != qtypes.end())
+  // the activations per 32 (only when a segment is not a km type)
+  const bool blocks = !std::all_of(qtypes.begin(), qtypes.end(), km);
+  std::vector<int8_t> xq(blocks ? T * K : 0);
+  std::vector<float> xds(blocks ? 2 * T * nb : 0);  // d, then s
+  std::vector<int32_t> xsum(blocks ? T * nb : 0);  // each block's integer sum
+  if (blocks) a8::quantize_blocks(x.data_ptr<float>(), xq.data(), xds.data(), xds.data() + T * nb, T * nb, impl, xsum.data());
+  const float *dp = xds.data(), *sp = blocks ? xds.data() + T * nb : nullptr;
+  const bool q6 = std::find(qtypes.begin(), qtypes.end(), Q6_K) != qtypes.end();
+  std::vector<int32_t> x16(q6 ? T * 2 * nb : 0);  // each 16-element half's sum (Q6_K)
+  if (q6)
     for (int64_t i = 0; i < T * 2 * nb; ++i) {
       int32_t v = 0;
       for (int e = 0; e < 16; ++e) v += xq[16 * i + e];
