@@ -619,6 +619,34 @@ def test_bench_serve_against_fake(serve_fake: Any) -> None:
     assert_idle(server)
 
 
+def test_bench_serve_reads_cached_prompt_tokens_as_untrusted() -> None:
+    """usage.prompt_tokens_details.cached_tokens (what each server took from its cache) counts
+    only as a non-negative int, and never beyond the request's prompt tokens."""
+    from pagedkv.bench.bench_serve import RequestResult, _cached_tokens, summarize
+
+    assert _cached_tokens({"prompt_tokens": 40, "prompt_tokens_details": {"cached_tokens": 32}}) == 32
+    for bad in ({}, {"prompt_tokens_details": None}, {"prompt_tokens_details": [32]},
+                {"prompt_tokens_details": {"cached_tokens": "32"}}, {"prompt_tokens_details": {"cached_tokens": True}},
+                {"prompt_tokens_details": {"cached_tokens": -5}}, {"prompt_tokens_details": {"cached_tokens": 3.5}}):
+        assert _cached_tokens(bad) == 0, bad
+    ok = [RequestResult(ok=True, prompt_tokens=40, cached_tokens=32, output_tokens=2, latency=1.0, ttft=0.5),
+          RequestResult(ok=True, prompt_tokens=10, cached_tokens=99, output_tokens=2, latency=1.0, ttft=0.5)]
+    s = summarize(ok, 1.0)
+    assert (s["total_input_tokens"], s["total_cached_input_tokens"]) == (50, 42)
+
+
+def test_bench_serve_counts_the_servers_cached_prompt_tokens(real: Running) -> None:
+    """The same prompt sent twice: the second request's whole blocks come from pagedkv's prefix
+    cache, and the bench's summary says how many prompt tokens the server did not compute."""
+    from pagedkv.bench.bench_serve import run_serve_bench
+
+    prompt = "Bench cache probe: " + " ".join(f"w{i}" for i in range(40))  # a prompt no other test sends
+    result = run_serve_bench(real.url, num_requests=2, concurrency=1, max_tokens=2, prompts=[prompt])
+    assert result["completed"] == 2, result
+    per_request = result["total_input_tokens"] // 2
+    assert result["total_cached_input_tokens"] == (per_request - 1) // 16 * 16 > 0, result
+
+
 def test_bench_serve_peer_warms_both_servers_alike(serve_fake: Any) -> None:
     """--peer: before each level both servers get the same untimed warm-up (that level's
     concurrency in requests of WARMUP_TOKENS tokens), then the measured requests."""

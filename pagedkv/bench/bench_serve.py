@@ -51,6 +51,7 @@ class RequestResult:
     latency: float = 0.0
     itls: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, served from the server's prompt/prefix cache
     output_tokens: int = 0
     error: str = ""
 
@@ -74,6 +75,14 @@ def _request_body(prompt: Prompt, model: str, max_tokens: int) -> tuple[str, dic
     if isinstance(prompt, str):
         return "/v1/completions", {**body, "prompt": prompt}
     return "/v1/chat/completions", {**body, "messages": prompt}
+
+
+def _cached_tokens(usage: dict[str, Any]) -> int:
+    """usage.prompt_tokens_details.cached_tokens (OpenAI's field; pagedkv and llama-server both
+    send it): the prompt tokens the server did not compute. 0 when absent or not a count."""
+    details = usage.get("prompt_tokens_details")
+    n = details.get("cached_tokens") if isinstance(details, dict) else None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 0
 
 
 def _chunk_has_text(obj: dict[str, Any]) -> bool:
@@ -106,6 +115,7 @@ async def _one_request(
                 if obj.get("usage"):
                     result.prompt_tokens = obj["usage"]["prompt_tokens"]
                     result.output_tokens = obj["usage"]["completion_tokens"]
+                    result.cached_tokens = _cached_tokens(obj["usage"])
                 if _chunk_has_text(obj):
                     if chunks == 0:
                         result.ttft = now - start
@@ -135,12 +145,16 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_tokens for r in ok)
+    cached = sum(min(r.cached_tokens, r.prompt_tokens) for r in ok)
     tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     summary: dict[str, Any] = {
         "completed": len(ok),
         "failed": len(results) - len(ok),
         "duration_s": duration,
         "total_input_tokens": in_tokens,
+        # prompt tokens the server took from its cache (the rest it computed): a server that
+        # kept the warm-up's prompts prefills less, and its TTFT shows that, not its speed
+        "total_cached_input_tokens": cached,
         "total_output_tokens": out_tokens,
         "request_throughput": len(ok) / duration,
         "output_throughput": out_tokens / duration,
@@ -336,7 +350,8 @@ def run_in_process(engine: Any, prompts: list[Prompt], concurrency: int, num_req
 
 
 def _brief(r: dict[str, Any]) -> dict[str, Any]:
-    keys = ("completed", "failed", "output_throughput", "median_ttft_ms", "median_tpot_ms", "duration_s")
+    keys = ("completed", "failed", "output_throughput", "median_ttft_ms", "median_tpot_ms", "duration_s",
+            "total_input_tokens", "total_cached_input_tokens")
     out = {k: round(r[k], 2) if isinstance(r[k], float) else r[k] for k in keys}
     if "first_errors" in r:
         out["first_errors"] = r["first_errors"]
