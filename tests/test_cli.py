@@ -153,6 +153,10 @@ def test_ctrl_c_ends_generate_on_a_new_line() -> None:
          "--num-blocks", "300", "--temperature", "1", "--seed", "0", "Once upon a time"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
         stdin=subprocess.DEVNULL,
+        # as from a terminal: under a shell's background job without job control (`(cmd &)`),
+        # the test inherits SIGINT ignored, the CLI's Python then installs no handler for it,
+        # and the Ctrl-C below would never arrive (the test failed so, 60 s of generation)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     first = p.stdout.read(1)  # the first streamed character: generation is under way
     p.send_signal(signal.SIGINT)
