@@ -227,7 +227,7 @@ def prefix_cache_hit() -> list[str]:
     cache = PagedKVCache(64, bs)
     system = list(range(1000, 1000 + 100))  # a 100-token system prompt
     hit1 = cache.create("req-1", system + [1, 2, 3, 4, 5])
-    cache.free("req-1")  # finished: its full blocks stay cached
+    cache.free("req-1")  # finished: its full blocks stay cached, and its partial last one
     hit2 = cache.create("req-2", system + [9, 8, 7])
     hit3 = cache.create("req-3", system + [9, 8, 7], extra_key="tenant-b")
     st = cache.stats()
@@ -236,7 +236,8 @@ def prefix_cache_hit() -> list[str]:
         f"3. Prefix caching (block size {bs}, chained sha256 block hashes)",
         f"   req-1 (105-token prompt): {hit1} tokens from the cache, then finishes",
         f"   req-2, same 100-token system prompt: {hit2} tokens reused "
-        f"({hit2 // bs} blocks), only {103 - hit2} computed",
+        f"({hit2 // bs} blocks + {hit2 % bs} tokens copied from req-1's last block), "
+        f"only {103 - hit2} computed",
         f"   req-3, same prompt but another tenant's salt: {hit3} tokens reused",
         f"   hit rate {st.prefix_hits}/{st.prefix_queries} tokens = {st.prefix_hit_rate:.1%}",
     ]

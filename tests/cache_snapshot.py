@@ -21,11 +21,13 @@ def snapshot(cache: PagedKVCache) -> tuple:
         [(b.block_id, b.ref_cnt, b.hash, b.in_free_queue) for b in pool.blocks],
         [b.block_id for b in pool.free_queue],
         {h: b.block_id for h, b in pool.hash_to_block.items()},
+        {k: [b.block_id for b in kids] for k, kids in pool.children.items()},
+        [b.link for b in pool.blocks],
         (pool.num_cached_free, pool.allocations, pool.frees, pool.evictions),
         seqs,
         [t.buf.tolist() for t in cache.tables],
         [list(t._free_rows) for t in cache.tables],
-        (cache.cow_copies, cache.prefix_queries, cache.prefix_hits),
+        (cache.cow_copies, cache.prefix_queries, cache.prefix_hits, cache.partial_hits),
         None if cache.storage is None else _storage_bytes(cache.storage),
     )
 
@@ -40,3 +42,29 @@ def _storage_bytes(storage) -> torch.Tensor:  # noqa: ANN001
 
 def same_state(a: tuple, b: tuple) -> bool:
     return a[:-1] == b[:-1] and (a[-1] is None or torch.equal(a[-1], b[-1]))
+
+
+def brute_partial(cache: PagedKVCache, prompt: list[int], extra: object, m: int) -> int:
+    """The partial hit a prompt whose first m blocks are hits must get, by brute force over
+    every indexed block's link: in each group, the longest leading run of block m's ids any
+    block under that group's parent key holds; the hit is the shortest of those (at most
+    len - 1 - m * bs tokens, and under a block)."""
+    from pagedkv.cache.hashing import HashChain
+
+    bs = cache.block_size
+    most = min(bs - 1, len(prompt) - 1 - m * bs)
+    if not cache.enable_prefix_caching or most < 1:
+        return 0
+    key = HashChain(bs, prompt, extra).parent_key(m)
+    want = prompt[m * bs : m * bs + most]
+    for g in range(cache.num_groups):
+        gk = cache.group_key(key, g)
+        runs = [0]
+        for b in cache._pool.blocks:
+            if b.hash is not None and b.link is not None and b.link[0] == gk:
+                run = 0
+                while run < len(want) and run < len(b.link[1]) and b.link[1][run] == want[run]:
+                    run += 1
+                runs.append(run)
+        most = min(most, max(runs))
+    return most

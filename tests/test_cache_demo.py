@@ -15,7 +15,7 @@ def test_cache_demo_report():
     assert len(util) == 2 and util[1] > 95 > 20 > util[0]  # paged vs contiguous
     assert "defragment moved" in text and " 0 holes" in text
     assert "cow copies: 1" in text and "each sees only its own later writes" in text
-    assert "96 tokens reused" in text and "another tenant's salt: 0 tokens reused" in text
+    assert "100 tokens reused" in text and "another tenant's salt: 0 tokens reused" in text
 
 
 def test_cache_bench_runs_and_reports():

@@ -213,7 +213,7 @@ def test_positions_past_the_end_are_typed_errors():
 
 def test_slot_is_block_id_times_block_size_plus_offset():
     c = make(8, 4)
-    c.create("x", [0])  # takes block 0
+    c.create("x", 1)  # takes block 0 (a bare count: nothing kept when freed)
     c.create("a", list(range(6)))  # blocks 1, 2
     assert [c.slot("a", p) for p in range(6)] == [4, 5, 6, 7, 8, 9]
     c.free("x")
@@ -462,10 +462,11 @@ def test_prefix_hit_reads_back_the_original_writers_kv():
 def test_last_prompt_token_is_always_recomputed():
     c = make(16, 4)
     c.create("a", list(range(8)))
-    assert c.create("same", list(range(8))) == 4  # capped at len - 1: the second block is redone
+    # capped at len - 1: the second block's first 3 tokens are a partial hit, its last is redone
+    assert c.create("same", list(range(8))) == 7
     assert c.create("longer", list(range(9))) == 8
     assert c.create("one", [0]) == 0
-    assert c.lookup(list(range(5))) == 4 and c.lookup(list(range(4))) == 0
+    assert c.lookup(list(range(5))) == 4 and c.lookup(list(range(4))) == 3
     c.check_invariants()
 
 
@@ -483,12 +484,12 @@ def test_salted_request_misses():
 def test_freed_blocks_stay_cached_until_evicted():
     c = make(8, 4)
     c.create("a", list(range(10)))  # 0, 1 hashed, 2 partial
-    c.free("a")
+    c.free("a")  # 2 is kept as a partial block (its 2 tokens, for partial hits)
     st = c.stats()
-    assert st.cached_blocks == 2 and st.free_blocks == 8 and st.used_blocks == 0
-    assert c.create("b", list(range(9))) == 8  # revives 0, 1
-    assert c.block_ids("b") == [0, 1, 2]
-    assert c.stats().cached_blocks == 0
+    assert st.cached_blocks == 3 and st.free_blocks == 8 and st.used_blocks == 0
+    assert c.create("b", list(range(9))) == 8  # revives 0, 1; a plain free block after them
+    assert c.block_ids("b") == [0, 1, 3]
+    assert c.stats().cached_blocks == 1
     c.check_invariants()
 
 
@@ -497,19 +498,20 @@ def test_exact_free_queue_and_eviction_order():
     c.create("a", [1, 2, 3, 4, 5, 6])  # 0, 1, 2: all full and hashed
     c.create("b", [7, 8, 9, 10, 11])  # 3, 4 hashed, 5 partial
     c.free("a")  # tail first to the back: 2, 1, 0
-    c.free("b")  # 5 (no hash) to the front; 4, 3 to the back
-    assert queue(c) == [5, 6, 7, 2, 1, 0, 4, 3]
-    assert c.stats().cached_blocks == 5
+    c.free("b")  # 5 (kept as a partial block: [11]), 4, 3 to the back
+    assert queue(c) == [6, 7, 2, 1, 0, 5, 4, 3]
+    assert c.stats().cached_blocks == 6
     # plain blocks are reused first, then cached ones least recently freed first, tail first
-    c.create("x", [50, 51, 52, 53, 54, 55, 56])  # 4 blocks: 5, 6, 7 then evicts 2
-    assert c.block_ids("x") == [5, 6, 7, 2]
-    assert c.stats().evictions == 1
-    assert c.lookup([1, 2, 3, 4, 5, 6, 0]) == 4  # a's first two blocks still cached
-    assert c.evict(1) == 1  # explicit eviction: block 1 next
-    assert c.lookup([1, 2, 3, 4, 5, 6, 0]) == 2
+    c.create("x", [50, 51, 52, 53, 54, 55, 56])  # 4 blocks: 6, 7 then evicts 2, 1
+    assert c.block_ids("x") == [6, 7, 2, 1]
+    assert c.stats().evictions == 2
+    assert c.lookup([1, 2, 3, 4, 5, 6, 0]) == 2  # a's first block still cached
+    assert c.evict(1) == 1  # explicit eviction: block 0 next
+    assert c.lookup([1, 2, 3, 4, 5, 6, 0]) == 0
     assert c.lookup([7, 8, 9, 10, 11]) == 4
-    assert c.evict() == 3 and c.stats().evictions == 5
-    assert c.lookup([7, 8, 9, 10, 11]) == 0 and c.stats().cached_blocks == 0
+    assert c.lookup([7, 8, 9, 10, 11, 12]) == 5  # and 11 from b's partial block
+    assert c.evict() == 3 and c.stats().evictions == 6
+    assert c.lookup([7, 8, 9, 10, 11, 12]) == 0 and c.stats().cached_blocks == 0
     c.check_invariants()
 
 
@@ -578,7 +580,7 @@ def test_lookup_changes_nothing():
     c.create("a", list(range(10)))
     c.free("a")
     before = snapshot(c)
-    assert c.lookup(list(range(10))) == 8
+    assert c.lookup(list(range(10))) == 9  # 8 whole, then 8 of a's partial last block [8 9]
     assert same_state(snapshot(c), before)
 
 
@@ -686,7 +688,7 @@ def test_defragment_without_storage_and_on_a_compact_cache():
     c.create("b", [1])
     c.free("a")
     assert c.should_defragment()
-    assert c.defragment() == 1 and c.block_ids("b") == [0]
+    assert c.defragment() == 2 and c.block_ids("b") == [0]  # a's kept partial block: 0 -> 1
     c.check_invariants()
 
 

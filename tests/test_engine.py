@@ -76,6 +76,28 @@ def test_prefix_caching_on_off_identical(smollm2) -> None:  # noqa: ANN001
     on.engine.cache.check_invariants()
 
 
+def test_a_prompt_sent_again_computes_only_its_last_token(smollm2, reference) -> None:  # noqa: ANN001
+    """Partial prefix hits: the first answer's tokens filled each prompt's tail block, so the
+    same prompts again are served from the cache but for their last token (whole blocks, then
+    the tail block's leading tokens copied); greedy output is unchanged."""
+    llm = _llm(smollm2)
+    first = llm.generate(PROMPTS, GREEDY)
+    again = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in again] == reference
+    filled = 0
+    for o, f in zip(again, first, strict=True):
+        n = len(o.prompt_token_ids)
+        whole = (n - 1) // 16 * 16
+        if n + len(f.token_ids) - 1 >= whole + 16:  # the tail block filled up: registered
+            assert o.num_cached_tokens == n - 1
+            filled += 1
+        else:  # only whole blocks, or a partial hit from another prompt's block
+            assert whole <= o.num_cached_tokens < n
+    assert filled >= 4
+    assert llm.engine.cache.stats().partial_hits > 0
+    llm.engine.cache.check_invariants()
+
+
 def test_parallel_sampling_seeded_and_shared(smollm2) -> None:  # noqa: ANN001
     params = SamplingParams(n=4, temperature=1.0, top_p=0.9, seed=7, max_tokens=12)
     a = _llm(smollm2).generate(PROMPTS[2], params)[0]
@@ -195,7 +217,10 @@ def test_failed_forward_registers_no_prefix_hash(smollm2, reference, fail_at) ->
     with pytest.raises(RuntimeError, match="injected"):
         eng.step()
     # nothing of the failed step is findable: only blocks written by earlier steps keep hashes
-    assert eng.cache._pool.hash_to_block == hashed
+    # (the preempted sequences' partial last blocks are kept up to what earlier steps wrote:
+    # the recomputation below reuses them, and its outputs equal the reference)
+    after = eng.cache._pool.hash_to_block
+    assert {h: b for h, b in after.items() if not b.partial} == hashed
     assert eng.cache.stats().used_blocks == 0  # the step's sequences wait to be recomputed
     eng.cache.check_invariants()
     done = {}

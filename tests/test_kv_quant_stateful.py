@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
 from test_cache_stateful import CacheMachine
 
-from pagedkv.cache.hashing import chain_hashes
+from pagedkv.cache.hashing import HashChain, chain_hashes
 from pagedkv.cache.quant import QUANT_DTYPES, dequantize, quantize
 from pagedkv.cache.tiers.base import BlockTier
 from pagedkv.cache.tiers.connector import TierConnector
@@ -83,7 +83,8 @@ class QuantCacheMachine(CacheMachine):
         return dequantize(q, s)
 
     def expected_hit(self, prompt: list[int], extra: object) -> int:
-        """Device hits, then the blocks right after them that the tier holds."""
+        """Device hits, then the blocks right after them that the tier holds, then a partial
+        hit of the next block."""
         dev = self.cache.lookup(prompt, extra)
         if self.tier is None or not self.cache.enable_prefix_caching or len(prompt) < 2:
             return dev
@@ -92,7 +93,10 @@ class QuantCacheMachine(CacheMachine):
         k = dev // bs
         while k < len(hashes) and hashes[k] in self.tier.data:
             k += 1
-        return k * bs
+        if k == dev // bs:
+            return dev  # no tier block: the device's partial hit of block k stands
+        # after the tier's blocks, a partial hit of the block that follows them
+        return k * bs + self.cache._partial(HashChain(bs, prompt, extra), len(prompt), k)[1]
 
     # --- blocks leaving the pool and coming back ----------------------------------------------
 

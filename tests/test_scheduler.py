@@ -234,7 +234,9 @@ def test_undo_of_decodes_requeues_them_in_order() -> None:
     assert list(sched.waiting) == [a, b] and _used(sched) == 0
     assert sched.cache.lookup(a.token_ids) == 4  # the prompt's block was written in step 1
     plan = _step(sched)
-    assert [(p.seq, p.start, p.end) for p in plan.prefills] == [(a, 4, 5), (b, 4, 6)]
+    # b's partial last block (its 5th prompt token, written in step 1) was kept when it was
+    # requeued: a partial hit
+    assert [(p.seq, p.start, p.end) for p in plan.prefills] == [(a, 4, 5), (b, 5, 6)]
 
 
 # --- in-flight prefix dedup (issue 16) --------------------------------------------------------

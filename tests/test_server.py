@@ -636,15 +636,16 @@ def test_bench_serve_reads_cached_prompt_tokens_as_untrusted() -> None:
 
 
 def test_bench_serve_counts_the_servers_cached_prompt_tokens(real: Running) -> None:
-    """The same prompt sent twice: the second request's whole blocks come from pagedkv's prefix
-    cache, and the bench's summary says how many prompt tokens the server did not compute."""
+    """The same prompt sent twice: the second request's prompt comes from pagedkv's prefix cache
+    but for its last token (whole blocks, then the first request's partial last block), and the
+    bench's summary says how many prompt tokens the server did not compute."""
     from pagedkv.bench.bench_serve import run_serve_bench
 
     prompt = "Bench cache probe: " + " ".join(f"w{i}" for i in range(40))  # a prompt no other test sends
     result = run_serve_bench(real.url, num_requests=2, concurrency=1, max_tokens=2, prompts=[prompt])
     assert result["completed"] == 2, result
     per_request = result["total_input_tokens"] // 2
-    assert result["total_cached_input_tokens"] == (per_request - 1) // 16 * 16 > 0, result
+    assert result["total_cached_input_tokens"] == per_request - 1 > 0, result  # all but 1
 
 
 def test_bench_serve_peer_warms_both_servers_alike(serve_fake: Any) -> None:

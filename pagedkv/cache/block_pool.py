@@ -6,6 +6,12 @@ Invariants (checked by `BlockPool.check_invariants`):
 - A block's `hash` is set only when it is full and its K/V are (being) computed; it is then in
   `hash_to_block`. A free block may keep its hash: it is "cached" and a prefix hit revives it
   ("touch") until it is evicted.
+- A registered block may also carry its `link`: (parent key, its token ids), indexed in
+  `children` under that key for as long as it holds its hash, so a new sequence can reuse the
+  leading tokens of a cached block it matches only in part (`best_partial`).
+- A `partial` block is the written part of a freed sequence's last block, kept for partial
+  hits only: free, its hash a key no chain hash equals (never a whole-block hit, never
+  revived), its link's ids the written ones; it records no KV events.
 - Free-queue order is eviction order: the front is taken first. Freed blocks without a hash go to
   the front (nothing is lost reusing them); freed cached blocks go to the back, so cached blocks
   are evicted least recently freed first. A sequence's blocks are freed tail first, so its block
@@ -14,10 +20,24 @@ Invariants (checked by `BlockPool.check_invariants`):
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 
 from pagedkv.errors import DoubleFreeError, InvalidBlockError, OutOfBlocksError
+
+#: Children of one parent key `best_partial` compares at most (the most recently registered).
+PARTIAL_SCAN = 64
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the common leading run of a and b."""
+    k = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        k += 1
+    return k
 
 
 @dataclass(slots=True, eq=False)
@@ -25,6 +45,8 @@ class Block:
     block_id: int
     ref_cnt: int = 0
     hash: bytes | None = None
+    link: tuple[bytes, tuple[int, ...]] | None = None  # (parent key, token ids) while hashed
+    partial: bool = False  # a freed sequence's partial last block, kept for partial hits
     prev: Block | None = field(default=None, repr=False)
     next: Block | None = field(default=None, repr=False)
     in_free_queue: bool = False
@@ -89,6 +111,7 @@ class BlockPool:
         for b in self.blocks:
             self.free_queue.push_back(b)
         self.hash_to_block: dict[bytes, Block] = {}
+        self.children: dict[bytes, dict[Block, None]] = {}  # parent key -> its registered children
         self.num_cached_free = 0  # free blocks that still hold a hash (evictable)
         self.allocations = 0
         self.frees = 0
@@ -156,8 +179,10 @@ class BlockPool:
     def lookup(self, h: bytes) -> Block | None:
         return self.hash_to_block.get(h)
 
-    def set_hash(self, b: Block, h: bytes) -> bool:
+    def set_hash(self, b: Block, h: bytes, link: tuple[bytes, tuple[int, ...]] | None = None,
+                 *, partial: bool = False) -> bool:
         """Register a full, computed block under its chained hash; True if it now holds it.
+        `link`: (parent key, token ids), to find it by a partial match too (`best_partial`).
 
         Identical full blocks are not merged: if another block already holds the hash, this one
         stays unhashed (block tables stay append-only). The caller records the stored event
@@ -166,8 +191,26 @@ class BlockPool:
         if b.hash is not None or h in self.hash_to_block:
             return False
         b.hash = h
+        b.partial = partial
         self.hash_to_block[h] = b
+        if link is not None:
+            b.link = link
+            self.children.setdefault(link[0], {})[b] = None
         return True
+
+    def best_partial(self, key: bytes, ids: Sequence[int], scan: int = PARTIAL_SCAN
+                  ) -> tuple[Block | None, int]:
+        """(the registered block under parent key `key` whose ids start with the longest run of
+        `ids`, that run's length; (None, 0) if none starts with ids[0]). Looks at the `scan`
+        most recently registered children only, so a parent with many is no slower."""
+        kids = self.children.get(key)
+        best, most = None, 0
+        if kids and ids:
+            for b in islice(reversed(kids), scan):
+                k = _common(b.link[1], ids)  # type: ignore[index]
+                if k > most:
+                    best, most = b, k
+        return best, most
 
     def drop_hash(self, b: Block) -> None:
         """Forget a block's hash (its contents are about to change)."""
@@ -181,9 +224,17 @@ class BlockPool:
         h = b.hash
         if self.hash_to_block.get(h) is b:  # type: ignore[arg-type]
             del self.hash_to_block[h]  # type: ignore[arg-type]
-            if self.events is not None:
+            if self.events is not None and not b.partial:
                 self.events.removed((h,))
+        link = b.link
+        if link is not None:
+            kids = self.children[link[0]]
+            del kids[b]
+            if not kids:
+                del self.children[link[0]]
+            b.link = None
         b.hash = None
+        b.partial = False
 
     def evict(self, n: int | None = None) -> int:
         """Drop the hashes of up to n cached free blocks (all if None), LRU first."""
@@ -239,7 +290,16 @@ class BlockPool:
             assert (b.ref_cnt == 0) == b.in_free_queue, f"block {b.block_id} free xor used broken"
             if b.hash is not None:
                 assert self.hash_to_block.get(b.hash) is b, f"block {b.block_id} hash not indexed"
+            assert not b.partial or (b.hash is not None and b.link is not None
+                                     and b.ref_cnt == 0), f"partial block {b.block_id} in use"
         for h, b in self.hash_to_block.items():
             assert b.hash == h, f"index entry for block {b.block_id} is stale"
+        for key, kids in self.children.items():
+            assert kids, "an empty children entry"
+            for b in kids:
+                assert b.hash is not None and b.link is not None and b.link[0] == key, (
+                    f"children entry for block {b.block_id} is stale")
+        linked = sum(1 for b in self.blocks if b.link is not None)
+        assert linked == sum(len(k) for k in self.children.values()), "a link not indexed"
         cached = sum(1 for b in self.free_queue if b.hash is not None)
         assert cached == self.num_cached_free, f"cached free count {self.num_cached_free} != {cached}"

@@ -88,6 +88,25 @@ class HashChain:
         del self.hashes[start // self.block_size :]
         self.rehash()
 
+    def parent_key(self, i: int) -> bytes:
+        """The key block i is indexed under for partial matches: block i - 1's hash, or for
+        block 0 a hash of the root and the extra key (so a salt keeps tenants apart here too)."""
+        return self.hashes[i - 1] if i else block_hash(ROOT_HASH, (), self.extra_key)
+
+    def partial_key(self, i: int, w: int) -> bytes:
+        """The pool key of block i's first w ids kept as a partial block (a freed sequence's
+        last block): in its own domain, never equal to a chain hash."""
+        bs = self.block_size
+        h = hashlib.sha256(b"pagedkv-partial" + self.parent_key(i))
+        h.update(array("q", self.ids[i * bs : i * bs + w]).tobytes())
+        return h.digest()
+
+    def link(self, i: int, w: int | None = None) -> tuple[bytes, tuple[int, ...]]:
+        """(parent key, ids) of block i (its first w ids; default: all): what the pool indexes
+        it under for partial hits."""
+        bs = self.block_size
+        return self.parent_key(i), tuple(self.ids[i * bs : i * bs + (bs if w is None else w)])
+
     def prefix(self, n: int) -> HashChain:
         """A new chain of the first `n` ids (their hashes copied, not recomputed)."""
         out = HashChain(self.block_size, (), self.extra_key, hashed=self.hashed)

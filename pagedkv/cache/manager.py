@@ -4,7 +4,8 @@ Ownership: a sequence's `TableRow` holds one reference to each block it lists; a
 a fork or a prefix hit has one reference per table that lists it. Only the last block of a table
 can be partly filled, and only it is ever written by an append; if it is shared, the writer first
 gets a private copy (`BlockTable.copy_on_write`, the cache's one copy-on-write), so no sequence
-ever sees another's later writes. Nothing outside this module, block_table.py and block_pool.py
+ever sees another's later writes. (A partial prefix hit also copies a block, but into a fresh
+block of the new sequence's own: nothing shared is ever written.) Nothing outside this module, block_table.py and block_pool.py
 touches the pool: the engine uses the calls below (`cached_prefix_len`, `cached_blocks`,
 `import_cached`, `attach_tier`, `block_states`).
 
@@ -38,7 +39,7 @@ from pagedkv.cache import seq_ops
 from pagedkv.cache.block_pool import NULL_BLOCK, Block, BlockPool
 from pagedkv.cache.block_table import BlockTable, TableRow
 from pagedkv.cache.groups import KVGroups, single_group
-from pagedkv.cache.hashing import HashChain, chain_hashes
+from pagedkv.cache.hashing import HashChain
 from pagedkv.cache.storage import KVStorage
 from pagedkv.errors import (
     CacheConfigError,
@@ -128,6 +129,7 @@ class CacheStats:
     prefix_queries: int  # tokens looked up
     prefix_hits: int  # tokens served from the cache
     prefix_hit_rate: float
+    partial_hits: int  # of prefix_hits: tokens copied from the leading part of a cached block
     memory_used_bytes: int
     memory_total_bytes: int
 
@@ -213,7 +215,8 @@ class PagedKVCache:
         self.table = self.tables[0]
         self.seqs: dict[SeqId, SeqState] = {}
         self.prefix_queries = 0
-        self.prefix_hits = 0
+        self.prefix_hits = 0  # tokens served: whole blocks + partial_hits
+        self.partial_hits = 0  # tokens served by copying the leading part of a cached block
         self.tier = None  # a TierConnector (pagedkv.cache.tiers): the second level under the pool
         self.rotate_k: seq_ops.RotateK | None = None
         self.events = None  # a KVEventRecorder (attach_events)
@@ -357,7 +360,10 @@ class PagedKVCache:
         for the sequences already running).
 
         Reuses cached blocks of the longest cached prefix (capped at len - 1 tokens, so the last
-        token is always computed for its logits) and allocates the rest. With a KV tier
+        token is always computed for its logits) and allocates the rest. The first block to
+        compute may be a partial hit: a cached block (per group) under the same parent
+        whose leading ids it repeats is copied into it, and those tokens count as cached (as
+        llama.cpp's slots and SGLang's radix tree reuse tokens, not blocks). With a KV tier
         attached, the blocks that follow the device hits are asked from the tier, in order, and
         every hit is loaded into the first freshly allocated blocks. Returns the number of
         tokens served from the prefix cache (device + tier; `seq(id).tier_tokens` says how many
@@ -395,18 +401,56 @@ class PagedKVCache:
             return OutOfBlocksError(needed, available, f"sequence {seq_id!r}")
         ask = chain.hashes[len(hits) : limit] if chain is not None and self.tier else []
         loaded = self.tier.fetch(ask, chain.extra_key, tier_read) if ask else []  # type: ignore[union-attr]
+        i = len(hits) + len(loaded)  # the first block to compute
+        srcs, k = self._partial(chain, n, i)
         s = SeqState(seq_id, self.table.open(hits, needed), chain, n)
-        self._load(s.blocks[len(hits) : len(hits) + len(loaded)], ask, loaded, chain, len(hits))
-        s.num_hashed = len(hits) + len(loaded)
-        s.num_written = cached = s.num_hashed * self.block_size
+        if k:  # copied before the tier blocks land: the allocation may have handed srcs to s
+            self._copy_partial(srcs, s.tables, i, k)
+        self._load(s.blocks[len(hits) : i], ask, loaded, chain, len(hits))
+        s.num_hashed = i
+        s.num_written = cached = i * self.block_size + k
         s.tier_tokens = len(loaded) * self.block_size
         self.seqs[seq_id] = s
         if chain is not None and self.enable_prefix_caching:
             self.prefix_queries += n
-            self.prefix_hits += len(hits) * self.block_size
+            self.prefix_hits += len(hits) * self.block_size + k
         if computed:
             self.mark_computed(seq_id, n)
         return cached
+
+    def _partial(self, chain: HashChain | None, n: int, i: int) -> tuple[list[Block], int]:
+        """A partial hit for block i, the first a new sequence of chain's first n ids must
+        compute: (per group, a cached block under block i's parent key (the group's) whose
+        leading ids repeat block i's; how many, in every group: at most n - 1 - i * block_size,
+        so the last token is computed), else ([], 0)."""
+        bs = self.block_size
+        if chain is None or not chain.hashed or not self.enable_prefix_caching:
+            return [], 0
+        most = min(bs - 1, n - 1 - i * bs)
+        if most < 1:
+            return [], 0
+        ids, key = chain.ids[i * bs : i * bs + most], chain.parent_key(i)
+        out = []
+        for g in range(self.num_groups):
+            b, most = self._pool.best_partial(self.group_key(key, g), ids[:most])
+            if b is None:
+                return [], 0
+            out.append(b)
+        return out, most
+
+    def _copy_partial(self, srcs: list[Block], rows: list[TableRow], i: int, k: int) -> None:
+        """Each group's block i (fresh, this sequence's) gets its source's K/V whole (one
+        copy: every source read before any block is written); its first k slots are the hit,
+        the rest are overwritten as the sequence computes them."""
+        if self.table.copy_blocks is not None:
+            self.table.copy_blocks([b.block_id for b in srcs], [r.blocks[i].block_id for r in rows])
+        self.partial_hits += k
+
+    def _link(self, chain: HashChain, i: int, g: int, w: int | None = None
+              ) -> tuple[bytes, tuple[int, ...]]:
+        """Group g's link of chain's block i (its first w ids): the parent key is the group's."""
+        key, ids = chain.link(i, w)
+        return self.group_key(key, g), ids
 
     def _try_create_groups(self, seq_id: SeqId, chain: HashChain | None, n: int, computed: bool,
                            reserve: int, tier_read: object) -> int | OutOfBlocksError:
@@ -429,17 +473,27 @@ class PagedKVCache:
         ask = self._tier_ask(chain.hashes, m, limit) if chain is not None and self.tier else []
         loaded = self.tier.fetch(ask, chain.extra_key, tier_read) if ask else []  # type: ignore[union-attr]
         t = len(loaded) // ng  # whole blocks: every group's part arrived
-        rows = [table.open(h, fresh) for table, h in zip(self.tables, hits, strict=True)]
+        i = m + t  # the first block to compute
+        srcs, k = self._partial(chain, n, i)
+        # every group's hits are revived before any group allocates: an allocation evicts
+        # from the free queue, where another group's hits may still be
+        rows = [table.open(h) for table, h in zip(self.tables, hits, strict=True)]
+        for table, r in zip(self.tables, rows, strict=True):
+            table.grow(r, fresh)
         assert len({r.index for r in rows}) == 1, "group tables out of step"
         s = SeqState(seq_id, rows[0], chain, n, tables=rows)
-        self._load([rows[g].blocks[m + j] for j in range(t) for g in range(ng)], ask, loaded[: t * ng])
-        s.num_hashed = m + t
-        s.num_written = cached = s.num_hashed * bs
+        if k:  # before the tier blocks land (as in try_create)
+            self._copy_partial(srcs, rows, i, k)
+        links = [self._link(chain, m + j, g) for j in range(t) for g in range(ng)]  # type: ignore[arg-type]
+        self._load([rows[g].blocks[m + j] for j in range(t) for g in range(ng)], ask,
+                   loaded[: t * ng], links=links)
+        s.num_hashed = i
+        s.num_written = cached = i * bs + k
         s.tier_tokens = t * bs
         self.seqs[seq_id] = s
         if chain is not None and self.enable_prefix_caching:
             self.prefix_queries += n
-            self.prefix_hits += m * bs
+            self.prefix_hits += m * bs + k
         if computed:
             self.mark_computed(seq_id, n)
         else:
@@ -462,17 +516,20 @@ class PagedKVCache:
         return HashChain(self.block_size, ids, extra_key, hashed=self.enable_prefix_caching), len(ids)
 
     def _load(self, blocks: list[Block], hashes: Sequence[bytes], parts: Sequence,
-              chain: HashChain | None = None, first: int = 0) -> None:
+              chain: HashChain | None = None, first: int = 0, links: Sequence | None = None
+              ) -> None:
         """Copy tier/snapshot block contents into `blocks` and register them under `hashes`
         (the one path by which K/V from outside the pool become prefix blocks). `chain`:
         the sequence whose blocks `first`, `first + 1`... these are (for the stored events'
-        parent and token ids; a snapshot import has none)."""
+        parent and token ids, and their links; a snapshot import has none). `links`: the
+        blocks' links when given (a hybrid cache's, per group)."""
         storage = self.storage
         events = self.events
         for i, (b, h, p) in enumerate(zip(blocks, hashes, parts, strict=False)):
             if storage is not None:
                 storage.import_blocks([b.block_id], {k: t.unsqueeze(0) for k, t in p.items()})
-            if self._pool.set_hash(b, h) and events is not None:
+            link = links[i] if links is not None else None if chain is None else chain.link(first + i)
+            if self._pool.set_hash(b, h, link) and events is not None:
                 if chain is None:
                     events.stored((h,), None, None)
                 else:
@@ -700,7 +757,7 @@ class PagedKVCache:
         blocks = s.blocks
         run = s.num_hashed  # start of the run of blocks registered here (one stored event)
         for i in range(s.num_hashed, stop):
-            if not self._pool.set_hash(blocks[i], hashes[i]):
+            if not self._pool.set_hash(blocks[i], hashes[i], s.chain.link(i)):
                 if self.events is not None and run < i:
                     self._record_stored(s.chain, run, i)
                 run = i + 1  # an identical block holds the hash already: not stored again
@@ -718,7 +775,7 @@ class PagedKVCache:
                 if b is NULL_BLOCK:
                     continue
                 k = key(hashes[i], g)
-                if self._pool.set_hash(b, k) and self.events is not None:
+                if self._pool.set_hash(b, k, self._link(s.chain, i, g)) and self.events is not None:
                     self._record_group_stored(s.chain, i, g)
                 if tier is not None:
                     tier.offer(k, b, s.chain.extra_key)  # type: ignore[union-attr]
@@ -760,11 +817,34 @@ class PagedKVCache:
         self.seqs[dst] = t
 
     def free(self, seq_id: SeqId) -> None:
-        """Release a sequence: its blocks lose one reference, tail first (evicted first)."""
+        """Release a sequence: its blocks lose one reference, tail first (evicted first). Its
+        partial last block, if written and held by it alone, stays cached for partial hits
+        (`_keep_partial`), named by the ids its chain holds there: a chain another cache
+        shares (a draft model's) must not have been edited through that one first."""
         s = self.seq(seq_id)
+        self._keep_partial(s)
         for table, r in zip(self.tables, s.tables, strict=True):
             table.close(r)
         del self.seqs[seq_id]
+
+    def _keep_partial(self, s: SeqState) -> None:
+        """Index the written part of s's last block, partly written and s's alone, as a
+        partial block (as llama.cpp's slot keeps a finished conversation: the next turn, or
+        the same prompt again, reuses it token by token). Not for edited blocks (hash_limit),
+        bare counts, or with prefix caching off. A hybrid cache keeps each group's."""
+        c = s.chain
+        if c is None or not c.hashed or not self.enable_prefix_caching:
+            return
+        i, w = divmod(s.num_written, self.block_size)
+        if w == 0 or (s.hash_limit is not None and i >= s.hash_limit):
+            return
+        if len(c) < s.num_written or len(c.hashes) < i:
+            return  # not the chain the K/V were computed from (its owner edited it): keep none
+        key = c.partial_key(i, w)
+        for g, r in enumerate(s.tables):
+            b = r.blocks[i]
+            if b is not NULL_BLOCK and b.ref_cnt == 1 and b.hash is None:
+                self._pool.set_hash(b, self.group_key(key, g), self._link(c, i, g, w), partial=True)
 
     def truncate(self, seq_id: SeqId, num_tokens: int) -> None:
         """Keep only the first `num_tokens` tokens (context trimming); later blocks go back.
@@ -845,9 +925,9 @@ class PagedKVCache:
         ids = _check_ids(_as_list(token_ids))
         if not self.enable_prefix_caching or len(ids) < 2:
             return 0
-        hashes = chain_hashes(ids, self.block_size, extra_key,
-                              max_blocks=(len(ids) - 1) // self.block_size)
-        return self.cached_prefix_len(hashes) * self.block_size
+        chain = HashChain(self.block_size, ids, extra_key)
+        m = self.cached_prefix_len(chain.hashes, (len(ids) - 1) // self.block_size)
+        return m * self.block_size + self._partial(chain, len(ids), m)[1]
 
     def cached_prefix_len(self, hashes: Sequence[bytes], limit: int | None = None) -> int:
         """How many leading blocks of a chain (at most `limit`) a new sequence would get from
@@ -921,8 +1001,9 @@ class PagedKVCache:
         return hits, limit
 
     def cached_blocks(self) -> list[tuple[bytes, int]]:
-        """(hash, block id) of every block under a prefix hash, in use or cached free."""
-        return [(h, b.block_id) for h, b in self._pool.hash_to_block.items()]
+        """(hash, block id) of every block under a prefix hash, in use or cached free (not
+        the partial blocks kept for partial hits)."""
+        return [(h, b.block_id) for h, b in self._pool.hash_to_block.items() if not b.partial]
 
     def import_cached(self, hashes: Sequence[bytes], parts: Sequence[dict[str, torch.Tensor]]) -> int:
         """Load blocks' contents (`KVStorage.block_layout` parts, one dict per block) into free
@@ -1143,6 +1224,7 @@ class PagedKVCache:
             prefix_queries=self.prefix_queries,
             prefix_hits=self.prefix_hits,
             prefix_hit_rate=self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0,
+            partial_hits=self.partial_hits,
             memory_used_bytes=used * self.bytes_per_block,
             memory_total_bytes=self.num_blocks * self.bytes_per_block,
         )
@@ -1184,6 +1266,11 @@ class PagedKVCache:
         for g, table in enumerate(self.tables):
             table.check([s.tables[g] for s in self.seqs.values()], refs)
         pool.check_refs(refs)
+        owner: dict[int, int] = {}  # a block serves one group (its layers' K/V), never two
+        for s in self.seqs.values():
+            for g, r in enumerate(s.tables):
+                for b in r.blocks[r.start :]:
+                    assert owner.setdefault(b.block_id, g) == g, f"block {b.block_id} in two groups"
         bs = self.block_size
         for s in self.seqs.values():
             assert len(s.tables) == self.num_groups and s.table is s.tables[0]

@@ -271,10 +271,12 @@ class Scheduler:
 
     def _shift(self, s: Sequence) -> bool:
         """s filled the context: shift it if context shift is on (True), else it finishes."""
-        if self.context_shift is None or not self.context_shift.apply(self.cache, s):
+        if self.context_shift is None:
             return False
-        if self.spec is not None:
-            self.spec.forget(s)  # a draft model's cache recomputes the shifted context
+        if self.spec is not None:  # a draft model's cache recomputes the shifted context; its
+            self.spec.forget(s)  # sequence goes first, while the chain still holds its context
+        if not self.context_shift.apply(self.cache, s):
+            return False
         self.num_context_shifts += 1
         return True
 
@@ -303,7 +305,9 @@ class Scheduler:
         """A finished or aborted sequence leaves; its blocks go back at once."""
         if s.status is Status.RUNNING:
             self.running.remove(s)
-            self.cache.free(s.seq_id)
+            if not s.is_prefill:  # every context token the cache holds has its K/V by now
+                self.cache.mark_computed(s.seq_id, self.cache.num_tokens(s.seq_id))
+            self.cache.free(s.seq_id)  # (its partial last block stays, for partial hits)
             if self.spec is not None:
                 self.spec.forget(s)
         elif s.status is Status.WAITING:
