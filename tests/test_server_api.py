@@ -289,7 +289,8 @@ def test_metrics_prometheus_format_vllm_names(rec: Running) -> None:
     families = {f.name: f for f in text_string_to_metric_families(r.text)}
     for name in ("pagedkv:num_requests_running", "pagedkv:num_requests_waiting",
                  "pagedkv:kv_cache_usage_perc", "pagedkv:prefix_cache_queries",
-                 "pagedkv:prefix_cache_hits", "pagedkv:num_preemptions",
+                 "pagedkv:prefix_cache_hits", "pagedkv:prefix_cache_partial_hits",
+                 "pagedkv:num_preemptions",
                  "pagedkv:prompt_tokens", "pagedkv:generation_tokens",
                  "pagedkv:request_success", "pagedkv:time_to_first_token_seconds",
                  "pagedkv:e2e_request_latency_seconds", "pagedkv:kv_cache_evictions",

@@ -71,6 +71,7 @@ class EngineStats:
     fork_saved_bytes: int  # the KV memory that sharing saved
     gen_tokens_per_s: float  # generated tokens / busy seconds, over the engine's life
     evictions: int = 0  # cached prefix blocks reused for new data (LRU)
+    prefix_cache_partial_hits: int = 0  # of the hits: tokens copied from a partly matched block
     step_seconds: float = 0.0  # wall time inside step(), over the engine's life
     forward_seconds: float = 0.0  # of which in the model's forward pass
     overhead_share: float = 0.0  # 1 - forward / step: scheduling, tensors, sampling, detokenizing
@@ -626,6 +627,7 @@ class LLMEngine:
             prefix_cache_queries=c.prefix_queries,
             prefix_cache_hits=c.prefix_hits,
             prefix_hit_rate=c.prefix_hit_rate,
+            prefix_cache_partial_hits=c.partial_hits,
             num_preemptions=self.scheduler.num_preemptions,
             num_requests_finished=self._finished,
             prompt_tokens_total=self._prompt_tokens,

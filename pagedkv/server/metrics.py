@@ -41,6 +41,8 @@ ENGINE_GAUGES = (
 ENGINE_COUNTERS = (
     ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
     ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    ("prefix_cache_partial_hits", "prefix_cache_partial_hits",
+     "Of the prefix cache hits: tokens copied from the leading part of a cached block."),
     ("num_preemptions", "num_preemptions", "Requests preempted (blocks freed, recomputed later)."),
     ("prompt_tokens", "prompt_tokens_total", "Prompt tokens processed."),
     ("generation_tokens", "generation_tokens_total", "Tokens generated."),
