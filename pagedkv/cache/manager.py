@@ -5,9 +5,9 @@ a fork or a prefix hit has one reference per table that lists it. Only the last 
 can be partly filled, and only it is ever written by an append; if it is shared, the writer first
 gets a private copy (`BlockTable.copy_on_write`, the cache's one copy-on-write), so no sequence
 ever sees another's later writes. (A partial prefix hit also copies a block, but into a fresh
-block of the new sequence's own: nothing shared is ever written.) Nothing outside this module, block_table.py and block_pool.py
-touches the pool: the engine uses the calls below (`cached_prefix_len`, `cached_blocks`,
-`import_cached`, `attach_tier`, `block_states`).
+block of the new sequence's own: nothing shared is ever written.) Nothing outside this module,
+block_table.py and block_pool.py touches the pool: the engine uses the calls below
+(`cached_prefix_len`, `cached_blocks`, `import_cached`, `attach_tier`, `block_states`).
 
 Hashes: a sequence's token ids and their block hashes are a `HashChain` (hashing.py): the caller's
 (the engine's Sequence owns one and appends to it before growing the cache by a count) or one the
