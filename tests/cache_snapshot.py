@@ -49,6 +49,8 @@ def brute_partial(cache: PagedKVCache, prompt: list[int], extra: object, m: int)
     every indexed block's link: in each group, the longest leading run of block m's ids any
     block under that group's parent key holds; the hit is the shortest of those (at most
     len - 1 - m * bs tokens, and under a block)."""
+    from array import array
+
     from pagedkv.cache.hashing import HashChain
 
     bs = cache.block_size
@@ -62,8 +64,9 @@ def brute_partial(cache: PagedKVCache, prompt: list[int], extra: object, m: int)
         runs = [0]
         for b in cache._pool.blocks:
             if b.hash is not None and b.link is not None and b.link[0] == gk:
+                have = array("q", b.link[1]).tolist()
                 run = 0
-                while run < len(want) and run < len(b.link[1]) and b.link[1][run] == want[run]:
+                while run < len(want) and run < len(have) and have[run] == want[run]:
                     run += 1
                 runs.append(run)
         most = min(most, max(runs))

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 from cache_snapshot import same_state, snapshot
+from hypothesis import given
+from hypothesis import strategies as st
 from test_cache_manager import make, read_values, refs, write_positions
 
 from pagedkv.cache import PagedKVCache
@@ -238,3 +240,18 @@ def test_a_hybrid_create_revives_every_groups_hits_before_allocating():
     assert c.block_ids("b", 0)[0] != c.block_ids("b", 1)[1]
     assert len({c.block_ids("b", g)[j] for g in (0, 1) for j in (0, 1)}) == 4
     c.check_invariants()
+
+
+@given(st.lists(st.integers(-(2**63), 2**63 - 1), max_size=17),
+       st.lists(st.integers(-(2**63), 2**63 - 1), max_size=17), st.integers(0, 17))
+def test_common_run_of_two_id_strings(a: list[int], b: list[int], shared: int) -> None:
+    """The pool's comparison of packed ids equals a plain walk over the ids."""
+    from array import array
+
+    from pagedkv.cache.block_pool import _common
+
+    b = a[:shared] + b  # often a long common run
+    want = 0
+    while want < min(len(a), len(b)) and a[want] == b[want]:
+        want += 1
+    assert _common(array("q", a).tobytes(), array("q", b).tobytes()) == want

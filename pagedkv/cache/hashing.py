@@ -101,11 +101,12 @@ class HashChain:
         h.update(array("q", self.ids[i * bs : i * bs + w]).tobytes())
         return h.digest()
 
-    def link(self, i: int, w: int | None = None) -> tuple[bytes, tuple[int, ...]]:
-        """(parent key, ids) of block i (its first w ids; default: all): what the pool indexes
-        it under for partial hits."""
+    def link(self, i: int, w: int | None = None) -> tuple[bytes, bytes]:
+        """(parent key, ids as int64 bytes) of block i (its first w ids; default: all): what
+        the pool indexes it under for partial hits (bytes: ~160 bytes a block, not a tuple's
+        ~630)."""
         bs = self.block_size
-        return self.parent_key(i), tuple(self.ids[i * bs : i * bs + (bs if w is None else w)])
+        return self.parent_key(i), array("q", self.ids[i * bs : i * bs + (bs if w is None else w)]).tobytes()
 
     def prefix(self, n: int) -> HashChain:
         """A new chain of the first `n` ids (their hashes copied, not recomputed)."""

@@ -27,6 +27,7 @@ as a PagedKVError (InvalidArgumentError, PositionError, UnknownSequenceError...)
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from operator import index
@@ -429,10 +430,10 @@ class PagedKVCache:
         most = min(bs - 1, n - 1 - i * bs)
         if most < 1:
             return [], 0
-        ids, key = chain.ids[i * bs : i * bs + most], chain.parent_key(i)
+        ids, key = array("q", chain.ids[i * bs : i * bs + most]).tobytes(), chain.parent_key(i)
         out = []
         for g in range(self.num_groups):
-            b, most = self._pool.best_partial(self.group_key(key, g), ids[:most])
+            b, most = self._pool.best_partial(self.group_key(key, g), ids[: 8 * most])
             if b is None:
                 return [], 0
             out.append(b)
@@ -447,7 +448,7 @@ class PagedKVCache:
         self.partial_hits += k
 
     def _link(self, chain: HashChain, i: int, g: int, w: int | None = None
-              ) -> tuple[bytes, tuple[int, ...]]:
+              ) -> tuple[bytes, bytes]:
         """Group g's link of chain's block i (its first w ids): the parent key is the group's."""
         key, ids = chain.link(i, w)
         return self.group_key(key, g), ids
