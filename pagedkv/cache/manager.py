@@ -407,7 +407,8 @@ class PagedKVCache:
         s = SeqState(seq_id, self.table.open(hits, needed), chain, n)
         if k:  # copied before the tier blocks land: the allocation may have handed srcs to s
             self._copy_partial(srcs, s.tables, i, k)
-        self._load(s.blocks[len(hits) : i], ask, loaded, chain, len(hits))
+        links = [chain.link(j) for j in range(len(hits), i)]  # type: ignore[union-attr]
+        self._load(s.blocks[len(hits) : i], ask, loaded, chain, len(hits), links)
         s.num_hashed = i
         s.num_written = cached = i * self.block_size + k
         s.tier_tokens = len(loaded) * self.block_size
@@ -522,15 +523,14 @@ class PagedKVCache:
         """Copy tier/snapshot block contents into `blocks` and register them under `hashes`
         (the one path by which K/V from outside the pool become prefix blocks). `chain`:
         the sequence whose blocks `first`, `first + 1`... these are (for the stored events'
-        parent and token ids, and their links; a snapshot import has none). `links`: the
-        blocks' links when given (a hybrid cache's, per group)."""
+        parent and token ids; a snapshot import has none). `links`: the blocks' links, for
+        partial hits (a snapshot import has none: its blocks are found whole only)."""
         storage = self.storage
         events = self.events
         for i, (b, h, p) in enumerate(zip(blocks, hashes, parts, strict=False)):
             if storage is not None:
                 storage.import_blocks([b.block_id], {k: t.unsqueeze(0) for k, t in p.items()})
-            link = links[i] if links is not None else None if chain is None else chain.link(first + i)
-            if self._pool.set_hash(b, h, link) and events is not None:
+            if self._pool.set_hash(b, h, links[i] if links else None) and events is not None:
                 if chain is None:
                     events.stored((h,), None, None)
                 else:
