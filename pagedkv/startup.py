@@ -95,8 +95,11 @@ def engine_lines(engine: Any, source: Any, dtype: str) -> list[str]:
         weights += _kernels()
     if getattr(loaded, "activations", "float32") != "float32":
         weights += f"; {loaded.activations} activations (approximate)"
-    if getattr(loaded, "batch_weights", "quantized") != "quantized":
+    batch = getattr(loaded, "batch_weights", "quantized")
+    if batch == "float32":
         weights += f"; + float32 copy for batches, {human_bytes(loaded.model.batch_weight_bytes())}"
+    elif batch == "panel":
+        weights += f"; + int8 panels kept for batches, {human_bytes(loaded.model.batch_weight_bytes())}"
     if getattr(getattr(loaded, "config", None), "rope_freq_factors", None) is not None:
         weights += "; RoPE frequencies scaled as the model says (llama.cpp's per-frequency divisors)"
     storage, cache = engine.storage, engine.cache

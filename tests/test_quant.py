@@ -397,6 +397,8 @@ def test_batch_weights_option_is_validated() -> None:
         load_model(hf, weights="float32", batch_weights="float32")
     with pytest.raises(ModelLoadError, match="needs quantized GGUF weights"):
         load_model(hf, batch_weights="float32")  # not a GGUF: float weights
+    with pytest.raises(ModelLoadError, match="needs activations='int8'"):
+        load_model(hf, batch_weights="panel")  # checked before anything loads
 
 
 def test_smollm2_batch_weights_float32_matches_transformers(smollm2: Any, hf_smollm2: Any) -> None:

@@ -280,3 +280,95 @@ def test_cpu_vendor_and_family_from_cpuinfo(tmp_path) -> None:
     assert cpu("vendor_id\t: AuthenticAMD\ncpu family\t: x\n") == ("AuthenticAMD", 0)
     assert cpu("") == ("", 0)
     assert quant._cpu(str(tmp_path / "missing")) == ("", 0)
+
+
+# --- the panels kept from load (batch_weights="panel": r16_pack + panel_r16) ------------------------
+
+R16 = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
+
+
+def _r16(x: np.ndarray, parts: list[tuple[Q, np.ndarray]]) -> np.ndarray:
+    pack, matmul = qkernel.r16()
+    packs = [pack(torch.from_numpy(d), int(q)) for q, d in parts]
+    out = torch.full((x.shape[0], sum(d.shape[0] for _, d in parts)), float("nan"))
+    matmul(torch.from_numpy(x), packs, [int(q) for q, _ in parts], [d.shape[0] for _, d in parts], out)
+    return out.numpy()
+
+
+@needs_vnni
+@pytest.mark.parametrize("qtype", R16, ids=lambda q: q.name)
+@pytest.mark.parametrize("n,k", [(1, 256), (16, 512), (37, 1536)])
+def test_kept_panels_equal_the_scalar_panel_bit_for_bit(qtype: Q, n: int, k: int) -> None:
+    """Rows not a multiple of 16 (the last panel's zero rows never stored), every row count."""
+    data = _blocks(qtype, n, k, seed=n + k)
+    for t in ROWS:
+        x = _acts(t, k, seed=t)
+        got = _r16(x, [(qtype, data)])
+        assert not np.isnan(got).any()
+        assert np.array_equal(got, _panel(x, [(qtype, data)], 1)), f"T={t}"
+
+
+@needs_vnni
+def test_kept_panels_of_mixed_segments_bit_for_bit() -> None:
+    """A fused weight (Q4_K, Q6_K, Q5_K, Q4_K segments of odd lengths), one call."""
+    k = 768
+    parts = [(q, _blocks(q, 5 + 11 * i, k, seed=i)) for i, q in enumerate([Q.Q4_K, Q.Q6_K, Q.Q5_K, Q.Q4_K])]
+    for t in (1, 4, 9, 40):
+        x = _acts(t, k, seed=t)
+        assert np.array_equal(_r16(x, parts), _panel(x, parts, 1)), f"T={t}"
+
+
+@needs_vnni
+def test_qweight_keeps_panels_for_batches() -> None:
+    """batch_weights="panel": int8 calls from the panel rows on read the kept panels (the same bits
+    as without), smaller calls the row kernel (untouched); the copy's bytes are reported; back to
+    "quantized" (or exact activations) drops it; a weight with another type keeps none."""
+    k = 512
+    w = QWeight(k, [(Q.Q4_K, torch.from_numpy(_blocks(Q.Q4_K, 40, k, 1))),
+                    (Q.Q6_K, torch.from_numpy(_blocks(Q.Q6_K, 9, k, 2)))])
+    w.set_activations("int8")
+    big = torch.from_numpy(_acts(quant.panel_rows([Q.Q4_K, Q.Q6_K]) + 5, k, seed=3))
+    small = torch.from_numpy(_acts(1, k, seed=4))
+    before_big, before_small = w.linear(big), w.linear(small)
+    w.set_batch_weights("panel")
+    assert w.batch_bytes == 3 * 16 * (k // 256) * 144 + 16 * (k // 256) * 210  # 3 Q4_K panels, 1 Q6_K
+    calls = []
+    pack, matmul = qkernel.r16()
+    qkernel._kernel.r16 = (pack, lambda *a: (calls.append(1), matmul(*a)))
+    try:
+        assert torch.equal(w.linear(big), before_big) and calls == [1]
+        assert torch.equal(w.linear(small), before_small) and calls == [1]
+    finally:
+        qkernel._kernel.r16 = (pack, matmul)
+    w.set_batch_weights("quantized")
+    assert w.batch_bytes == 0
+    w.set_batch_weights("panel")
+    w.set_activations("float32")
+    assert w.batch_bytes == 0
+    other = QWeight(k, [(Q.Q4_K, torch.from_numpy(_blocks(Q.Q4_K, 16, k, 1))),
+                        (Q.Q8_0, torch.from_numpy(_blocks(Q.Q8_0, 16, k, 2)))])
+    other.set_activations("int8")
+    other.set_batch_weights("panel")
+    assert other.batch_bytes == 0 and not other.r16_able()
+
+
+@needs_vnni
+def test_kept_panels_reject_bad_arguments() -> None:
+    pack, matmul = qkernel.r16()
+    w = torch.from_numpy(_blocks(Q.Q4_K, 20, 256, 0))
+    with pytest.raises(RuntimeError, match="not an r16 type"):
+        pack(w, int(Q.Q4_0))
+    with pytest.raises(RuntimeError, match="must be a contiguous uint8"):
+        pack(w[:, :100].contiguous(), int(Q.Q4_K))
+    p = pack(w, int(Q.Q4_K))
+    x, out = torch.randn(2, 256), torch.empty(2, 20)
+    with pytest.raises(RuntimeError, match="is not the r16 records of 33 rows"):
+        matmul(x, [p], [int(Q.Q4_K)], [33], torch.empty(2, 33))  # more panels than the records hold
+    with pytest.raises(RuntimeError, match="is not the r16 records"):
+        matmul(torch.randn(2, 512), [p], [int(Q.Q4_K)], [20], torch.empty(2, 20))  # another K
+    with pytest.raises(RuntimeError, match="K a multiple of 256"):
+        matmul(torch.randn(2, 288), [p], [int(Q.Q4_K)], [20], out)
+    with pytest.raises(RuntimeError, match="out must be"):
+        matmul(x, [p], [int(Q.Q4_K)], [20], torch.empty(2, 19))
+    matmul(x, [p], [int(Q.Q4_K)], [20], out)  # and the right ones work
+    assert torch.isfinite(out).all()

@@ -257,6 +257,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--activations", default=None, choices=["float32", "int8"],
                     help="activations of the pagedkv server started for --peer and of its "
                          "in-process reference (default: the engine's, float32)")
+    ap.add_argument("--batch-weights", default=None, choices=["quantized", "float32", "panel"],
+                    help="batch weights of the pagedkv server started for --peer and of its "
+                         "in-process reference (default: the engine's, quantized)")
     ap.add_argument("--no-in-process", action="store_true",
                     help="with --peer: skip the in-process reference (LLMEngine.step, no HTTP)")
 
@@ -270,7 +273,7 @@ def _requests_for(concurrency: int) -> int:
 
 
 def start_pagedkv(threads: int, weights: str | None, model: str | None,
-                  activations: str | None = None) -> tuple[subprocess.Popen, str]:
+                  activations: str | None = None, batch_weights: str | None = None) -> tuple[subprocess.Popen, str]:
     """`pagedkv serve` as its own process (as the peer is); returns it once /health answers."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -279,6 +282,7 @@ def start_pagedkv(threads: int, weights: str | None, model: str | None,
            "--log-level", "warning", "--max-num-seqs", "64"]
     cmd += ["--weights", weights] if weights else []
     cmd += ["--activations", activations] if activations else []
+    cmd += ["--batch-weights", batch_weights] if batch_weights else []
     cmd += ["--model", model] if model else []
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
@@ -302,7 +306,8 @@ def in_process_engine(args: argparse.Namespace, prompts: list[Prompt], levels: l
     from pagedkv.engine import LLMEngine
 
     torch.set_num_threads(args.threads)
-    modes = {k: v for k, v in (("weights", args.weights), ("activations", args.activations)) if v}
+    modes = {k: v for k, v in (("weights", args.weights), ("activations", args.activations),
+                               ("batch_weights", args.batch_weights)) if v}
     engine = LLMEngine(args.model, num_blocks=1, max_num_seqs=64, **modes)
     longest = max(len(engine.tokenize(p)) for p in prompts)
     bs = engine.cache.block_size
@@ -362,7 +367,7 @@ def run_peer(args: argparse.Namespace) -> dict[str, Any]:
     """pagedkv vs args.peer at each client count, same client and prompts."""
     levels = [int(c) for c in str(args.peer_concurrency).split(",") if c.strip()]
     proc, ours = ((None, args.base_url) if args.base_url else
-                  start_pagedkv(args.threads, args.weights, args.model, args.activations))
+                  start_pagedkv(args.threads, args.weights, args.model, args.activations, args.batch_weights))
     max_tokens = 16 if args.quick else args.peer_max_tokens
     rows = {}
     prompts = args.prompt or default_prompts()
@@ -396,6 +401,7 @@ def run_peer(args: argparse.Namespace) -> dict[str, Any]:
     return {"peer": args.peer, "pagedkv_threads": args.threads, "max_tokens": max_tokens,
             "warmup": f"each level: its concurrency in requests of {WARMUP_TOKENS} tokens, both servers",
             "weights": args.weights or "default", "activations": args.activations or "default",
+            "batch_weights": args.batch_weights or "default",
             "kernels": qkernel.isa() if proc is not None else None,  # the server started here
             "clients": rows}
 

@@ -78,8 +78,11 @@ class EngineConfig:
     batch_weights: str = option(
         "quantized", "float32: also keep a float32 copy of the quantized weights, pre-packed, "
                      "for prefill and large batches (faster there, exact; costs the memory of a "
-                     "float32 model). quantized: dequantize tile by tile (no extra memory)",
-        choices=("quantized", "float32"))
+                     "float32 model). panel (with --activations int8, AVX-512 VNNI): also keep "
+                     "the Q4_K/Q5_K/Q6_K weights in the int8 panel layout, for batches (the same "
+                     "results; a second copy of those weights). quantized: dequantize tile by "
+                     "tile (no extra memory)",
+        choices=("quantized", "float32", "panel"))
     device: str = option(
         "cpu", "where the model, the KV pool and the step's tensors live: cpu, or cuda / cuda:N "
                "(GGUF weights dequantized to --dtype at load; attention by the triton kernels)")

@@ -369,8 +369,9 @@ class LlamaModel(nn.Module):
             q.set_activations(mode)
 
     def set_batch_weights(self, mode: str) -> None:
-        """"quantized" (tiles, the default) or "float32": keep a pre-packed float32 copy of every
-        quantized matmul weight for the calls above the kernels' row counts (quant.py).
+        """"quantized" (tiles, the default), "float32": keep a pre-packed float32 copy of every
+        quantized matmul weight for the calls above the kernels' row counts, or "panel": keep the
+        int8 panels of the K-quant ones (quant.py, QWeight.set_batch_weights).
         Raises UnsupportedModelError on another mode. All or nothing: if building a copy fails
         (out of memory), the copies built so far are dropped again."""
         qws = self.qweights()
@@ -385,7 +386,7 @@ class LlamaModel(nn.Module):
             raise
 
     def batch_weight_bytes(self) -> int:
-        """Bytes of the float32 batch copies (0 unless set_batch_weights("float32"))."""
+        """Bytes of the batch copies: float32, or the kept int8 panels (0 under "quantized")."""
         return sum(q.batch_bytes for q in self.qweights())
 
     def expanded_weights(self) -> dict[str, int]:

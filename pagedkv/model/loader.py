@@ -17,6 +17,10 @@ path.
 every quantized matrix, pre-packed for oneDNN, for prefill and large batches (above the
 kernels' row counts), which otherwise dequantize the blocks tile by tile at every call. Costs
 the memory of a float32 model (SmolLM2: +538 MB); "quantized" (the default) keeps none.
+`batch_weights="panel"` (with activations="int8", on an AVX-512 VNNI CPU): also keep the
+K-quant matrices (Q4_K, Q5_K, Q6_K) in the int8 panel kernel's layout, so that batches of its
+panel rows and more skip unpacking the file's blocks at every call: the same results, a second
+copy of those weights (1.0x their bytes).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import torch
 
 from pagedkv.cache.storage import DTYPES as _DTYPES  # one table of dtype names
 from pagedkv.errors import ModelLoadError
-from pagedkv.model import tokenizer_cache
+from pagedkv.model import qkernel, tokenizer_cache
 from pagedkv.model.config import (
     GGUF_ROPE_FREQS,
     GGUF_ROPE_LONG,
@@ -137,14 +141,18 @@ def load_model(
     in-memory transformers PreTrainedModel (its weights are copied). `tokenizer` overrides the
     one found with the source. `weights`: "quantized" (GGUF only, float32 only) or "float32";
     None picks "quantized" for a GGUF file at float32, else "float32". `activations`: "float32"
-    or "int8" (see the module docstring; needs quantized weights). `batch_weights`: "quantized"
-    or "float32" (a float32 copy for prefill and big batches; needs quantized weights).
+    or "int8" (see the module docstring; needs quantized weights). `batch_weights`: "quantized",
+    "float32" (a float32 copy for prefill and big batches; needs quantized weights) or "panel"
+    (the int8 panels kept; needs activations="int8" and AVX-512 VNNI).
     `context`: the context to be served (None: the model's); past LongRoPE's original context
     it takes the long factors (config._longrope). Raises ModelLoadError / UnsupportedModelError.
     """
     t0 = time.perf_counter()
     check_activations(activations, weights)
     check_batch_weights(batch_weights, weights)
+    if batch_weights == "panel" and (activations != "int8" or qkernel.r16() is None):
+        raise ModelLoadError("batch_weights='panel' keeps the int8 panel kernel's layout: it needs "
+                             "activations='int8' and a CPU with AVX-512 VNNI (PAGEDKV_MAX_ISA not avx2)")
     dt = _resolve_dtype(dtype)
     if weights is not None and weights not in WEIGHTS:
         raise ModelLoadError(f"unsupported weights {weights!r}; choose one of {list(WEIGHTS)}")

@@ -56,6 +56,7 @@ class _Kernel:
         self.fused = None  # (rope, silu_mul, add_rms_norm, gelu_tanh_mul, norm_add_rms_norm)
         self.argmax = None  # fused_ops.cpp's argmax
         self.panel = None  # qmatmul_panel.cpp's panel op, where this CPU runs its VNNI or AVX2 code
+        self.r16 = None  # (r16_pack, panel_r16) of qmatmul_panel.cpp, where this CPU runs its VNNI code
         self.vnni = False  # whether the int8 kernels run AVX-512 VNNI code (at load, within the ISA limit)
         self.gemm = None  # qmatmul.cpp's qgemm, where the build has its AVX2 / AVX-512 code
 
@@ -138,6 +139,8 @@ def load() -> bool:
             k.vnni = bool(a8.panel_vnni())
             if hasattr(a8, "panel") and (k.vnni or a8.panel_avx2()):
                 k.panel = _raw(a8.panel.default)
+            if k.vnni:
+                k.r16 = (_raw(a8.r16_pack.default), _raw(a8.panel_r16.default))
             if torch.ops.pagedkv_q.has_gemm():
                 k.gemm = _raw(torch.ops.pagedkv_q.qgemm.default)
             k.ok = True
@@ -173,6 +176,12 @@ def panel():  # noqa: ANN201
     """qmatmul_panel.cpp's int8-activation op for many rows, or None: no kernel, or a CPU with
     neither AVX-512 VNNI nor AVX2 (its scalar path is for tests, not speed)."""
     return _kernel.panel if (_kernel.ok or load()) else None
+
+
+def r16():  # noqa: ANN201
+    """(r16_pack, panel_r16): qmatmul_panel.cpp's panel layout kept from load and its matmul, or
+    None: no kernel, or no AVX-512 VNNI (within PAGEDKV_MAX_ISA)."""
+    return _kernel.r16 if (_kernel.ok or load()) else None
 
 
 def vnni() -> bool:

@@ -37,6 +37,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -44,6 +45,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "ahead.h"
@@ -146,6 +148,12 @@ struct Buf {
   std::vector<uint8_t> u;
   std::vector<float> d, m, dm;
   std::vector<int32_t> mn;
+  void scales(int64_t nb) {  // the scales alone (r16: u stays in the records)
+    d.assign(nb * NR, 0.f);
+    m.assign(nb * NR, 0.f);
+    mn.assign(nb / 8 * 4 * NR, 0);
+    dm.assign(nb / 8 * NR, 0.f);
+  }
   void size(int64_t nb) {
     u.assign(nb * 8 * NR * 4, 0);
     d.assign(nb * NR, 0.f);
@@ -524,6 +532,24 @@ void panel_avx2(int64_t qt, const uint8_t* const* rows, int64_t T, const Acts& a
 }
 #endif
 
+// --- r16 (see the VNNI section): the layout ----------------------------------------------------
+
+// a panel: the headers of its super-blocks (HDR bytes each: Q4_K / Q5_K the 16 bytes of d, dmin
+// and scales, Q6_K its 16 scales then the 16 rows' d), then their quants (QB bytes each), so that
+// the per-call scale decode reads the panel's first lines and the products the rest in order
+template <int64_t QT>
+constexpr int64_t HDR = QT == Q6_K ? 16 * 16 + 32 : 16 * 16;
+template <int64_t QT>
+constexpr int64_t QB = QT == Q4_K ? 16 * 128 : QT == Q5_K ? 16 * 160 : 16 * 192;
+
+// where a Q6_K block's quant dword w (ql 0-31, qh 32-47) is kept: in the order the chunks first
+// read them (ql 0-7, qh 32-39, ql 8-15, 16-23, qh 40-47, ql 24-31), so that a super-block is
+// read front to back. In the file's order one row streamed from DRAM at 8.7 GB/s, in this one
+// at 14 (1 thread, Zen 4; Q4_K 17.8; in cache both 35-40).
+constexpr int q6_pos(int w) {
+  return w < 8 ? w : w < 24 ? w + 8 : w < 32 ? w + 16 : w < 40 ? w - 24 : w - 8;
+}
+
 #ifdef PANEL_X86
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vnni")
@@ -601,9 +627,9 @@ inline __m512i iq4_table() {
 
 // Q4_K / Q5_K super-block at byte o of each row -> d of its 8 chunks (d sc), its mins in int16
 // pairs (mn2: Buf::mn's layout) and -dmin (dm)
-inline void scales_k4(const Rows& p, int64_t o, float* d, int32_t* mn2, float* dm) {
-  __m512i t[4];  // t[0] lane n = d | dmin << 16 of row n, t[1..3] = scales[0..3], [4..7], [8..11]
-  transpose16(p, o, t);
+// t[0] lane n = d | dmin << 16 of row n, t[1..3] = scales[0..3], [4..7], [8..11] (the
+// super-block's first 16 bytes, transposed by dwords)
+inline void scales_k4(const __m512i t[4], float* d, int32_t* mn2, float* dm) {
   const __m512i* s = t + 1;
   const __m512 dd = halves(t[0], false);
   const __m512i six = _mm512_set1_epi32(0x3F), hi2 = _mm512_set1_epi32(0x30), lo = _mm512_set1_epi32(0x0F);
@@ -622,6 +648,25 @@ inline void scales_k4(const Rows& p, int64_t o, float* d, int32_t* mn2, float* d
     _mm512_storeu_ps(d + j * NR, _mm512_mul_ps(dd, cvt(sc)));
     if (j % 2 == 0) even = mn;
     else _mm512_storeu_si512(mn2 + j / 2 * NR, _mm512_or_si512(even, _mm512_slli_epi32(mn, 16)));
+  }
+}
+
+inline void scales_k4(const Rows& p, int64_t o, float* d, int32_t* mn2, float* dm) {
+  __m512i t[4];
+  transpose16(p, o, t);
+  scales_k4(t, d, mn2, dm);
+}
+
+// Q6_K super-block scales (s[i] lane n = scales[4 i .. 4 i + 3] of row n) and d (16 floats) ->
+// each chunk's d and m (its two halves' scales times d), chunk_scalar's values
+inline void scales_q6(const __m512i s[4], __m512 dd, float* d, float* m) {
+  for (int c = 0; c < 8; ++c) {
+    const __m512i v = s[c / 2];
+    const int k = 2 * (c % 2);  // scales 2c, 2c + 1: bytes k, k + 1 of v (signed)
+    const __m512i s0 = _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * k), 24);
+    const __m512i s1 = _mm512_srai_epi32(_mm512_slli_epi32(v, 16 - 8 * k), 24);
+    _mm512_storeu_ps(d + c * NR, _mm512_mul_ps(dd, cvt(s0)));
+    _mm512_storeu_ps(m + c * NR, _mm512_mul_ps(dd, cvt(s1)));
   }
 }
 
@@ -676,14 +721,7 @@ void unpack_vnni(const Rows& p, int64_t nb, Buf& buf) {
       __m512i s[4];  // s[i] lane n = scales[4 i .. 4 i + 3] of row n
       transpose16(p, o + 192, s);
       const __m512 dd = halves(p.dwords(o + 206), true);  // scales[14..15] | d << 16
-      for (int c = 0; c < 8; ++c) {
-        const __m512i v = s[c / 2];
-        const int k = 2 * (c % 2);  // scales 2c, 2c + 1: bytes k, k + 1 of v (signed)
-        const __m512i s0 = _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * k), 24);
-        const __m512i s1 = _mm512_srai_epi32(_mm512_slli_epi32(v, 16 - 8 * k), 24);
-        _mm512_storeu_ps(buf.d.data() + (8 * sb + c) * NR, _mm512_mul_ps(dd, cvt(s0)));
-        _mm512_storeu_ps(buf.m.data() + (8 * sb + c) * NR, _mm512_mul_ps(dd, cvt(s1)));
-      }
+      scales_q6(s, dd, buf.d.data() + 8 * sb * NR, buf.m.data() + 8 * sb * NR);
       for (int hh = 0; hh < 2; ++hh) {  // elements 128 hh ..: ql 64 hh (a: +0, b: +32), qh 32 hh
         __m512i a[2][4], b[2][4], h[2][4];
         for (int x = 0; x < 2; ++x) {
@@ -1003,6 +1041,157 @@ void panel_vnni(int64_t qt, const uint8_t* const* rows, int64_t T, const Acts& a
   with_panel_type(qt, [&](auto q) { panel_vnni<decltype(q)::value>(rows, T, a, out, ldo, cols, buf, next); });
 }
 
+
+// --- The panel layout kept from load (r16, batch_weights="panel") ---------------------------------
+//
+// unpack_vnni above rebuilds every panel on every call: 16 rows' bytes gathered and transposed by
+// dwords, then decoded into one byte per weight (4x a Q4_K panel's bytes), before the products
+// can start. At 40 rows that was a quarter of a decode step (1.5B Q4_K + Q6_K, Zen 4, perf:
+// unpack 26% of the step's samples, the products 61%). r16 keeps the transposed form itself, built
+// once at load (r16_pack) beside the file's rows: per panel of 16 rows, each super-block's header
+// then each one's quants (HDR, QB above), dword w of row n at byte (16 w + n) * 4 of its part, so
+// that one load gives 4 bytes of 16 rows; the same bytes as the 16 blocks. The products decode
+// their u from it in registers (a mask, or a shift and a mask, per 64 bytes, shared by the
+// activation rows of a group); only the per-chunk scales are decoded per call, once per panel.
+// The arithmetic per output is the panel's, operation for operation: the same bits as panel() on
+// the file's rows (tested against its scalar code). Zen 4, 2 threads, 1.5B Q4_K + Q6_K file,
+// interleaved medians, file -> kept: Q6_K 151936 x 1536 at 40 rows 51.8 -> 47.1 ms, Q4_K (the
+// same shape) 40.3 -> 34.8; the 40-row decode step 307 / 294 -> 277 / 269 ms. One row stays on
+// the row kernels (from DRAM, one Q6_K row streamed at 0.63-0.88x of theirs).
+
+// dword w (16 rows) of a record
+inline __attribute__((always_inline)) __m512i rdw(const uint8_t* rec, int w) { return _mm512_loadu_si512(rec + 64 * w); }
+
+// quad k (0..7) of chunk j (0..7) of a super-block's quants: 16 rows' u (unpack_vnni's values)
+template <int64_t QT>
+inline __attribute__((always_inline)) __m512i r16_u(const uint8_t* qs, int j, int k) {
+  if constexpr (QT == Q4_K) {
+    return nib(rdw(qs, 8 * (j / 2) + k), j % 2);
+  } else if constexpr (QT == Q5_K) {  // qh at dwords 0-7, qs at 8-39
+    return _mm512_or_si512(nib(rdw(qs, 8 + 8 * (j / 2) + k), j % 2), bit_to_4(rdw(qs, k), j));
+  } else {
+    static_assert(QT == Q6_K, "not an r16 type");
+    const int hh = j / 4, jj = j % 4;  // ql dwords 16 hh + 8 (jj % 2) + k, nibble jj / 2; qh 32 + 8 hh + k
+    const __m512i ql = rdw(qs, q6_pos(16 * hh + 8 * (jj % 2) + k)), qh = rdw(qs, q6_pos(32 + 8 * hh + k));
+    const __m512i lo = _mm512_and_si512(jj / 2 ? _mm512_srli_epi16(ql, 4) : ql, lo4());
+    const int sh = 4 - 2 * jj;  // qh bits 2 jj, 2 jj + 1 -> bits 4, 5
+    const __m512i hb = sh > 0 ? _mm512_slli_epi16(qh, sh) : sh < 0 ? _mm512_srli_epi16(qh, -sh) : qh;
+    return _mm512_or_si512(lo, _mm512_and_si512(hb, _mm512_set1_epi8(0x30)));
+  }
+}
+
+// f(std::integral_constant<int, j>{}) for the chunks j = 0..7 of a super-block, in order (j a
+// constant in each: the decode's shifts and offsets fold into the instructions; with j a loop
+// variable, 1.5B Q6_K 151936 x 1536 at 40 rows ran 53.6 ms against 50.3)
+template <class F>
+inline __attribute__((always_inline)) void chunks8(const F& f) {
+  [&]<int... J>(std::integer_sequence<int, J...>) { (f(std::integral_constant<int, J>{}), ...); }(std::make_integer_sequence<int, 8>{});
+}
+
+// a panel's per-chunk scales (Buf's d, m, mn, dm) from its headers
+template <int64_t QT>
+void r16_scales(const uint8_t* panel, int64_t nsb, Buf& buf) {
+  for (int64_t sb = 0; sb < nsb; ++sb) {
+    const uint8_t* h = panel + sb * HDR<QT>;
+    if constexpr (QT == Q6_K) {
+      const __m512i s[4] = {rdw(h, 0), rdw(h, 1), rdw(h, 2), rdw(h, 3)};
+      const __m512 dd = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 64 * 4)));
+      scales_q6(s, dd, buf.d.data() + 8 * sb * NR, buf.m.data() + 8 * sb * NR);
+    } else {
+      const __m512i t[4] = {rdw(h, 0), rdw(h, 1), rdw(h, 2), rdw(h, 3)};
+      scales_k4(t, buf.d.data() + 8 * sb * NR, buf.mn.data() + 4 * sb * NR, buf.dm.data() + sb * NR);
+    }
+  }
+}
+
+// R activation rows x a km panel (rows_vnni_km's arithmetic, P = 1)
+template <int64_t QT, int R>
+void rows_r16_km(const uint8_t* recs, const Buf& p, const Acts& a, float* out, int64_t ldo, __mmask16 mask,
+                 const ahead::Ranges& next, int64_t g, int64_t groups) {
+  const int64_t nsb = a.nb / 8;
+  __m512 y[R];
+  for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
+  for (int64_t sb = 0; sb < nsb; ++sb) {
+    const uint8_t* rec = recs + nsb * HDR<QT> + sb * QB<QT>;
+    __m512 z[R];
+    for (int r = 0; r < R; ++r) z[r] = _mm512_setzero_ps();
+    chunks8([&](auto jc) {
+      constexpr int j = decltype(jc)::value;
+      const int64_t b = 8 * sb + j;
+      next.part(g * a.nb + b, groups * a.nb);
+      const int8_t* x = a.kq + QK * b;
+      __m512i s0[R], s1[R];  // even and odd quads (two chains)
+      for (int r = 0; r < R; ++r) s0[r] = s1[r] = _mm512_setzero_si512();
+      for (int q = 0; q < 4; ++q) {
+        const __m512i w0 = r16_u<QT>(rec, j, 2 * q), w1 = r16_u<QT>(rec, j, 2 * q + 1);
+        for (int r = 0; r < R; ++r) {
+          s0[r] = dp(s0[r], w0, x + r * a.K + 8 * q);
+          s1[r] = dp(s1[r], w1, x + r * a.K + 8 * q + 4);
+        }
+      }
+      const __m512 d = _mm512_loadu_ps(p.d.data() + b * NR);
+      for (int r = 0; r < R; ++r) z[r] = _mm512_fmadd_ps(cvt(_mm512_add_epi32(s0[r], s1[r])), d, z[r]);
+    });
+    const __m512i* mn = reinterpret_cast<const __m512i*>(p.mn.data() + sb * 4 * NR);
+    const __m512 dm = _mm512_loadu_ps(p.dm.data() + sb * NR);
+    for (int r = 0; r < R; ++r) {
+      const int32_t* ks = a.ks + (r * nsb + sb) * 4;
+      __m512i M = _mm512_setzero_si512();
+      for (int k = 0; k < 4; ++k) M = _mm512_dpwssd_epi32(M, _mm512_loadu_si512(mn + k), _mm512_set1_epi32(ks[k]));
+      y[r] = _mm512_fmadd_ps(_mm512_fmadd_ps(cvt(M), dm, z[r]), _mm512_set1_ps(a.kd[r * nsb + sb]), y[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * ldo, mask, y[r]);
+}
+
+// R activation rows x a Q6_K panel (rows_vnni's arithmetic)
+template <int R>
+void rows_r16_q6(const uint8_t* recs, const Buf& p, const Acts& a, float* out, int64_t ldo, __mmask16 mask,
+                 const ahead::Ranges& next, int64_t g, int64_t groups) {
+  const int64_t nb = a.nb;
+  __m512 y[R];
+  for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
+  for (int64_t sb = 0; sb < nb / 8; ++sb) {
+    const uint8_t* rec = recs + (nb / 8) * HDR<Q6_K> + sb * QB<Q6_K>;
+    chunks8([&](auto jc) {
+      constexpr int j = decltype(jc)::value;
+      const int64_t b = 8 * sb + j;
+      next.part(g * nb + b, groups * nb);
+      const int8_t* x = a.q + QK * b;
+      __m512i s0[R], s1[R];  // the halves' sums
+      for (int r = 0; r < R; ++r) sums0<Q6_K>(a.sum, a.x16, nb, b, r, s0[r], s1[r]);
+      for (int q = 0; q < 4; ++q) {
+        const __m512i w0 = r16_u<Q6_K>(rec, j, q), w1 = r16_u<Q6_K>(rec, j, q + 4);
+        for (int r = 0; r < R; ++r) {
+          s0[r] = dp(s0[r], w0, x + r * a.K + 4 * q);
+          s1[r] = dp(s1[r], w1, x + r * a.K + 4 * q + 16);
+        }
+      }
+      for (int r = 0; r < R; ++r) y[r] = fold<Q6_K>(y[r], s0[r], s1[r], p, b, a.d, a.s, r * nb + b);
+    });
+  }
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * ldo, mask, y[r]);
+}
+
+template <int64_t QT>
+void panel_r16(const uint8_t* recs, int64_t T, const Acts& a, float* out, int64_t ldo, int64_t cols, Buf& buf,
+               const ahead::Ranges& next) {
+  r16_scales<QT>(recs, a.nb / 8, buf);
+  const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
+  const int64_t groups = (T + RB - 1) / RB;
+  // the next panel fetched a part per chunk of each group
+  by_groups<RB>(T, [&](auto r, int64_t t) {
+    if constexpr (QT == Q6_K) rows_r16_q6<decltype(r)::value>(recs, buf, a.at(t), out + t * ldo, ldo, mask, next, t / RB, groups);
+    else rows_r16_km<QT, decltype(r)::value>(recs, buf, a.at(t), out + t * ldo, ldo, mask, next, t / RB, groups);
+  });
+}
+
+void panel_r16(int64_t qt, const uint8_t* recs, int64_t T, const Acts& a, float* out, int64_t ldo, int64_t cols,
+               Buf& buf, const ahead::Ranges& next) {
+  if (qt == Q4_K) return panel_r16<Q4_K>(recs, T, a, out, ldo, cols, buf, next);
+  if (qt == Q5_K) return panel_r16<Q5_K>(recs, T, a, out, ldo, cols, buf, next);
+  panel_r16<Q6_K>(recs, T, a, out, ldo, cols, buf, next);
+}
 #pragma GCC pop_options
 #else
 bool cpu_has_vnni() { return false; }
@@ -1044,40 +1233,53 @@ void ahead_of(at::TensorList ws, std::pair<int64_t, int64_t> panel, int64_t nr, 
   next.add(w.data_ptr<uint8_t>() + panel.second * rb, rows * rb);
 }
 
+// A call's activations, quantized once: per 32 (xq, d, s, each block's integer sum) where a
+// segment is not a km type, Q6_K's half sums, and per 256 (kq, kd, ks) where a segment is a km
+// type. Built in place (acts points into the vectors).
+struct Prep {
+  std::vector<int8_t> xq, kq;
+  std::vector<float> xds, kd;  // xds: d, then s
+  std::vector<int32_t> xsum, x16, ks;
+  Acts acts;
+  Prep(const at::Tensor& x, at::IntArrayRef qtypes, int64_t impl) {
+    const int64_t T = x.size(0), K = x.size(1), nb = K / QK, nsb = nb / 8;
+    if (!std::all_of(qtypes.begin(), qtypes.end(), km)) {
+      xq.resize(T * K), xds.resize(2 * T * nb), xsum.resize(T * nb);
+      a8::quantize_blocks(x.data_ptr<float>(), xq.data(), xds.data(), xds.data() + T * nb, T * nb, impl, xsum.data());
+    }
+    if (std::find(qtypes.begin(), qtypes.end(), Q6_K) != qtypes.end()) {
+      x16.resize(T * 2 * nb);  // each 16-element half's sum
+      for (int64_t i = 0; i < T * 2 * nb; ++i) {
+        int32_t v = 0;
+        for (int e = 0; e < 16; ++e) v += xq[16 * i + e];
+        x16[i] = v;
+      }
+    }
+    if (std::any_of(qtypes.begin(), qtypes.end(), km)) {
+      std::vector<int16_t> bs(16 * T * nsb);
+      kq.resize(T * K), kd.resize(T * nsb), ks.resize(4 * T * nsb);
+      a8::quantize_sb(x.data_ptr<float>(), kq.data(), kd.data(), bs.data(), T * nsb, impl == 1 ? 1 : 0);
+      for (int64_t i = 0; i < 4 * T * nsb; ++i) {  // chunk sums 2k, 2k + 1 of each super-block, paired
+        const int32_t s0 = bs[4 * i] + bs[4 * i + 1], s1 = bs[4 * i + 2] + bs[4 * i + 3];
+        ks[i] = static_cast<int32_t>((static_cast<uint32_t>(s0) & 0xFFFF) | static_cast<uint32_t>(s1) << 16);
+      }
+    }
+    acts = {xq.data(), xds.data(), xq.empty() ? nullptr : xds.data() + T * nb, xsum.data(), x16.data(), K, nb,
+            kq.data(), kd.data(), ks.data()};
+  }
+  Prep(const Prep&) = delete;
+};
+
 void panel(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, at::Tensor& out, int64_t impl) {
   const std::vector<int64_t> first = a8::check_segments(x, ws, qtypes, out, /*panel=*/true);
   const int64_t T = x.size(0), K = x.size(1), nb = K / QK, N = first.back();
   if (T == 0 || N == 0) return;
-  // the activations per 32 (only when a segment is not a km type)
-  const bool blocks = !std::all_of(qtypes.begin(), qtypes.end(), km);
-  std::vector<int8_t> xq(blocks ? T * K : 0);
-  std::vector<float> xds(blocks ? 2 * T * nb : 0);  // d, then s
-  std::vector<int32_t> xsum(blocks ? T * nb : 0);  // each block's integer sum
-  if (blocks) a8::quantize_blocks(x.data_ptr<float>(), xq.data(), xds.data(), xds.data() + T * nb, T * nb, impl, xsum.data());
-  const float *dp = xds.data(), *sp = blocks ? xds.data() + T * nb : nullptr;
-  const bool q6 = std::find(qtypes.begin(), qtypes.end(), Q6_K) != qtypes.end();
-  std::vector<int32_t> x16(q6 ? T * 2 * nb : 0);  // each 16-element half's sum (Q6_K)
-  if (q6)
-    for (int64_t i = 0; i < T * 2 * nb; ++i) {
-      int32_t v = 0;
-      for (int e = 0; e < 16; ++e) v += xq[16 * i + e];
-      x16[i] = v;
-    }
-  // the km types' activations per 256 (only when a segment needs them)
-  const int64_t nsb = nb / 8;
-  std::vector<int8_t> kq;
-  std::vector<float> kd;
-  std::vector<int32_t> ks;
-  if (std::any_of(qtypes.begin(), qtypes.end(), km)) {
-    std::vector<int16_t> bs(16 * T * nsb);
-    kq.resize(T * K), kd.resize(T * nsb), ks.resize(4 * T * nsb);
-    a8::quantize_sb(x.data_ptr<float>(), kq.data(), kd.data(), bs.data(), T * nsb, impl == 1 ? 1 : 0);
-    for (int64_t i = 0; i < 4 * T * nsb; ++i) {  // chunk sums 2k, 2k + 1 of each super-block, paired
-      const int32_t s0 = bs[4 * i] + bs[4 * i + 1], s1 = bs[4 * i + 2] + bs[4 * i + 3];
-      ks[i] = static_cast<int32_t>((static_cast<uint32_t>(s0) & 0xFFFF) | static_cast<uint32_t>(s1) << 16);
-    }
-  }
-  const Acts acts{xq.data(), dp, sp, xsum.data(), x16.data(), K, nb, kq.data(), kd.data(), ks.data()};
+  const Prep prep(x, qtypes, impl);
+  const Acts& acts = prep.acts;
+  const int8_t* xq = prep.xq.data();
+  const float *dp = acts.d, *sp = acts.s;
+  const int32_t* xsum = prep.xsum.data();
+  const int32_t* x16 = prep.x16.data();
   const bool fast = (impl == 0 || impl == 3) && vnni();
   const bool pairs = fast && (impl == 3 || T >= pair_rows());  // rows_vnni2
   const bool avx2 = !fast && a8::use_avx2(impl);
@@ -1142,20 +1344,119 @@ void panel(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, at::T
 #endif
       unpack_scalar(qtypes[seg], base + n0 * rb, rb, cols, nb, buf);
       if (km(qtypes[seg])) rows_scalar_km(buf, nb, T, acts, o, N, cols);
-      else rows_scalar(qtypes[seg], buf, nb, T, xq.data(), dp, sp, xsum.data(), x16.data(), K, o, N, cols);
+      else rows_scalar(qtypes[seg], buf, nb, T, xq, dp, sp, xsum, x16, K, o, N, cols);
     }
   };
   split::chunks(np, split::chunk_for(np, 8), buffer, run);
 }
 
+
+// --- r16 ops ---------------------------------------------------------------------------------------
+
+bool r16_type(int64_t qt) { return qt == Q4_K || qt == Q5_K || qt == Q6_K; }
+
+inline int64_t r16_block(int64_t qt) { return qt == Q4_K ? 144 : qt == Q5_K ? 176 : 210; }
+
+// w [N, rb] u8 (rows of an r16 type) -> [ceil(N / 16), super-blocks * 16 * block bytes] u8, each
+// panel of 16 rows laid out as HDR / QB above (rows past N: zero bytes, never stored by r16)
+at::Tensor r16_pack(const at::Tensor& w, int64_t qt) {
+  TORCH_CHECK(r16_type(qt), "r16_pack: not an r16 type: ", qt);
+  const int64_t B = r16_block(qt);
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) > 0 &&
+                  w.size(1) % B == 0,
+              "r16_pack: w must be a contiguous uint8 [N, super-blocks * ", B, "] tensor");
+  const int64_t N = w.size(0), rb = w.size(1), nsb = rb / B, P = (N + NR - 1) / NR;
+  // a block's 4 header dwords (from byte h0) and its quant dwords (from byte q0); Q6_K's d at 208
+  const bool q6 = qt == Q6_K;
+  const int64_t h0 = q6 ? 192 : 0, q0 = q6 ? 0 : 16, nq = (B - 16 - (q6 ? 2 : 0)) / 4;
+  const int64_t hdr = q6 ? HDR<Q6_K> : HDR<Q4_K>;
+  at::Tensor out = at::empty({P, nsb * NR * B}, w.options());
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    static const uint8_t zeros[256] = {};
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t sb = 0; sb < nsb; ++sb) {
+        uint8_t* h = dst + p * nsb * NR * B + sb * hdr;
+        uint8_t* q = dst + p * nsb * NR * B + nsb * hdr + sb * NR * 4 * nq;
+        for (int64_t n = 0; n < NR; ++n) {
+          const int64_t row = p * NR + n;
+          const uint8_t* b = row < N ? src + row * rb + sb * B : zeros;
+          for (int64_t k = 0; k < 4; ++k) std::memcpy(h + (NR * k + n) * 4, b + h0 + 4 * k, 4);
+          if (q6) std::memcpy(h + NR * 16 + 2 * n, b + 208, 2);
+          for (int64_t k = 0; k < nq; ++k) {
+            const int64_t at = q6 ? q6_pos(static_cast<int>(k)) : k;
+            std::memcpy(q + (NR * at + n) * 4, b + q0 + 4 * k, 4);
+          }
+        }
+      }
+  });
+  return out;
+}
+
+// out [T, sum ns] = x W^T in int8 for weights kept as r16 records (packs[i]: r16_pack of a
+// segment of ns[i] rows of type qtypes[i]): panel()'s results, bit for bit. AVX-512 VNNI only.
+void matmul_r16(const at::Tensor& x, at::TensorList packs, at::IntArrayRef qtypes, at::IntArrayRef ns, at::Tensor& out) {
+  TORCH_CHECK(vnni(), "panel_r16: this CPU (or the ISA limit) has no AVX-512 VNNI");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) > 0 &&
+                  x.size(1) % QK_K == 0,
+              "x must be a contiguous float32 [T, K] tensor, K a multiple of 256");
+  TORCH_CHECK(!packs.empty() && packs.size() == qtypes.size() && packs.size() == ns.size(),
+              "panel_r16: one qtype and row count per segment");
+  const int64_t T = x.size(0), K = x.size(1), nsb = K / QK_K;
+  std::vector<int64_t> first{0};
+  for (size_t i = 0; i < packs.size(); ++i) {
+    TORCH_CHECK(r16_type(qtypes[i]), "panel_r16: not an r16 type: ", qtypes[i]);
+    TORCH_CHECK(ns[i] >= 0 && packs[i].dim() == 2 && packs[i].scalar_type() == at::kByte && packs[i].is_contiguous() &&
+                    packs[i].size(0) == (ns[i] + NR - 1) / NR && packs[i].size(1) == nsb * NR * r16_block(qtypes[i]),
+                "panel_r16: segment ", i, " is not the r16 records of ", ns[i], " rows of ", K, " elements");
+    first.push_back(first.back() + ns[i]);
+  }
+  const int64_t N = first.back();
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == T &&
+                  out.size(1) == N,
+              "out must be a contiguous float32 [T, N] tensor");
+  if (T == 0 || N == 0) return;
+#ifdef PANEL_X86
+  const Prep prep(x, qtypes, 0);
+  std::vector<std::pair<int64_t, int64_t>> panels;  // (segment, panel)
+  for (size_t i = 0; i < packs.size(); ++i)
+    for (int64_t p = 0; p < packs[i].size(0); ++p) panels.emplace_back(static_cast<int64_t>(i), p);
+  auto recs_of = [&](std::pair<int64_t, int64_t> pp) {
+    const at::Tensor& w = packs[pp.first];
+    return w.data_ptr<uint8_t>() + pp.second * w.size(1);
+  };
+  float* op = out.data_ptr<float>();
+  const int64_t np = static_cast<int64_t>(panels.size()), nb = K / QK;
+  auto buffer = [&] {
+    Buf b;
+    b.scales(nb);
+    return b;
+  };
+  auto run = [&](Buf& buf, int64_t p0, int64_t p1) {
+    for (int64_t pi = p0; pi < p1; ++pi) {
+      const auto [seg, p] = panels[pi];
+      ahead::Ranges next;  // from memory while this one computes
+      if (pi + 1 < p1) next.add(recs_of(panels[pi + 1]), packs[panels[pi + 1].first].size(1));
+      const int64_t cols = std::min<int64_t>(NR, ns[seg] - p * NR);
+      panel_r16(qtypes[seg], recs_of(panels[pi]), T, prep.acts, op + first[seg] + p * NR, N, cols, buf, next);
+    }
+  };
+  split::chunks(np, split::chunk_for(np, 8), buffer, run);
+#endif
+}
 }  // namespace panel
 
 TORCH_LIBRARY_FRAGMENT(pagedkv_a8, m) {
   m.def("panel(Tensor x, Tensor[] ws, int[] qtypes, Tensor(a!) out, int impl) -> ()");
   m.def("panel_vnni() -> bool", &panel::vnni);
+  m.def("r16_pack(Tensor w, int qtype) -> Tensor");
+  m.def("panel_r16(Tensor x, Tensor[] packs, int[] qtypes, int[] ns, Tensor(a!) out) -> ()");
   m.def("panel_avx2() -> bool", &panel::avx2);
 }
 
 TORCH_LIBRARY_IMPL(pagedkv_a8, CPU, m) {
   m.impl("panel", &panel::panel);
+  m.impl("r16_pack", &panel::r16_pack);
+  m.impl("panel_r16", &panel::matmul_r16);
 }

@@ -68,7 +68,9 @@ KERNEL_TYPES = frozenset({
 })
 TILE_ELEMS = 1 << 20  # float32 elements per dequantized tile (4 MiB)
 ACTIVATIONS = ("float32", "int8")  # activation modes; "int8" is the approximate, opt-in one
-BATCH_WEIGHTS = ("quantized", "float32")  # what calls above the kernels' rows multiply by
+BATCH_WEIGHTS = ("quantized", "float32", "panel")  # what calls above the kernels' rows multiply by
+# the types whose panels batch_weights="panel" keeps (int8 mode, AVX-512 VNNI: qmatmul_panel.cpp's r16)
+R16_TYPES = frozenset({Q.Q4_K, Q.Q5_K, Q.Q6_K})
 # the int8 panel kernel's types (many rows): every type with one scale per 32 elements, and Q6_K (two)
 PANEL_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS})
 # segment types the int8 row kernel multiplies: 32-element blocks (qmatmul_a8.cpp, activations
@@ -277,6 +279,7 @@ class QWeight:
         cols = np.cumsum([0] + [d.shape[0] for _, d in self.parts])
         self._calls = [(d, int(q), int(c)) for (q, d), c in zip(self.parts, cols, strict=False)]
         self._batch: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set_batch_weights
+        self._r16: tuple[list[torch.Tensor], list[int], list[int]] | None = None  # (packs, types, rows)
         self.a8 = False  # activations="int8": see set_activations
         self._a8_all = False
         self._panel = False
@@ -294,23 +297,43 @@ class QWeight:
         sb = any(q in A8_SB_TYPES for q, _ in self.parts)
         self._panel_from = panel_rows(q for q, _ in self.parts)
         self._sb_cap = sb and (not self._panel or any(q in A8_SB_CAP_TYPES for q, _ in self.parts))
+        if not self.a8:
+            self._r16 = None  # (the kept panels serve int8 calls only)
 
     def set_batch_weights(self, mode: str) -> None:
         """"quantized" (the default): calls above the kernels' rows multiply dequantized tiles.
         "float32": keep a float32 copy of the weight, pre-packed for oneDNN where it can be,
-        for those calls instead (4-8x this weight's bytes; no per-call dequantizing)."""
+        for those calls instead (4-8x this weight's bytes; no per-call dequantizing).
+        "panel" (int8 activations, after set_activations): keep the int8 panel kernel's layout of
+        the weight (1.0x its bytes; r16_able) for the calls from its panel rows on, which then
+        skip unpacking the file's blocks; the same results bit for bit."""
         if mode not in BATCH_WEIGHTS:
             raise UnsupportedModelError(f"unsupported batch weights {mode!r}; choose one of {list(BATCH_WEIGHTS)}")
-        if mode == "quantized":
+        if mode != "panel":
+            self._r16 = None
+        if mode != "float32":
             self._batch = None
-        elif self._batch is None:
+        if mode == "panel":
+            if self._r16 is None and self.r16_able():
+                r16_pack = qkernel.r16()[0]
+                self._r16 = ([r16_pack(d, int(q)) for q, d in self.parts], [int(q) for q, _ in self.parts],
+                             [d.shape[0] for _, d in self.parts])
+        elif mode == "float32" and self._batch is None:
             w = self.dequantize()
             packed = pack(w)  # oneDNN's own copy: the plain one can go
             self._batch = (w, None) if packed is None else (torch.empty(0, self.k), packed)
 
+    def r16_able(self) -> bool:
+        """Whether batch_weights="panel" keeps this weight's panels: every segment R16_TYPES,
+        rows of whole super-blocks, int8 activations, and the kernel's AVX-512 VNNI code."""
+        return (self.a8 and self.k % 256 == 0 and all(q in R16_TYPES for q, _ in self.parts)
+                and qkernel.r16() is not None)
+
     @property
     def batch_bytes(self) -> int:
-        """Bytes of the float32 batch copy (0 without one)."""
+        """Bytes of the batch copy: float32, or the kept panels (0 without one)."""
+        if self._r16 is not None:
+            return sum(p.numel() for p in self._r16[0])
         return 0 if self._batch is None else self.n * self.k * 4
 
     @property
@@ -349,9 +372,13 @@ class QWeight:
         if out is None:
             out = torch.empty(t, self.n, dtype=torch.float32)
         packed = self._batch is not None
-        if self.a8 and self._panel and t >= self._panel_from and (panel := qkernel.panel()) is not None:
-            panel(x, *self._a8_args, out, A8_IMPL)
-            return out
+        if self.a8 and self._panel and t >= self._panel_from:
+            if self._r16 is not None and A8_IMPL == 0:  # the kept panels: the same bits, no unpacking
+                qkernel.r16()[1](x, *self._r16, out)
+                return out
+            if (panel := qkernel.panel()) is not None:
+                panel(x, *self._a8_args, out, A8_IMPL)
+                return out
         if self.a8 and 0 < t <= self._a8_rows(packed):
             if self._a8_all:  # the common case: one op quantizes x and fills every segment
                 qkernel.a8()[2](x, *self._a8_args, out, A8_IMPL)
