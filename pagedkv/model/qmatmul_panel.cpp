@@ -1041,7 +1041,6 @@ void panel_vnni(int64_t qt, const uint8_t* const* rows, int64_t T, const Acts& a
   with_panel_type(qt, [&](auto q) { panel_vnni<decltype(q)::value>(rows, T, a, out, ldo, cols, buf, next); });
 }
 
-
 // --- The panel layout kept from load (r16, batch_weights="panel") ---------------------------------
 //
 // unpack_vnni above rebuilds every panel on every call: 16 rows' bytes gathered and transposed by
@@ -1276,10 +1275,6 @@ void panel(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, at::T
   if (T == 0 || N == 0) return;
   const Prep prep(x, qtypes, impl);
   const Acts& acts = prep.acts;
-  const int8_t* xq = prep.xq.data();
-  const float *dp = acts.d, *sp = acts.s;
-  const int32_t* xsum = prep.xsum.data();
-  const int32_t* x16 = prep.x16.data();
   const bool fast = (impl == 0 || impl == 3) && vnni();
   const bool pairs = fast && (impl == 3 || T >= pair_rows());  // rows_vnni2
   const bool avx2 = !fast && a8::use_avx2(impl);
@@ -1344,18 +1339,19 @@ void panel(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, at::T
 #endif
       unpack_scalar(qtypes[seg], base + n0 * rb, rb, cols, nb, buf);
       if (km(qtypes[seg])) rows_scalar_km(buf, nb, T, acts, o, N, cols);
-      else rows_scalar(qtypes[seg], buf, nb, T, xq, dp, sp, xsum, x16, K, o, N, cols);
+      else rows_scalar(qtypes[seg], buf, nb, T, acts.q, acts.d, acts.s, acts.sum, acts.x16, K, o, N, cols);
     }
   };
   split::chunks(np, split::chunk_for(np, 8), buffer, run);
 }
 
-
 // --- r16 ops ---------------------------------------------------------------------------------------
 
 bool r16_type(int64_t qt) { return qt == Q4_K || qt == Q5_K || qt == Q6_K; }
 
-inline int64_t r16_block(int64_t qt) { return qt == Q4_K ? 144 : qt == Q5_K ? 176 : 210; }
+inline int64_t r16_block(int64_t qt) {
+  return qt == Q4_K ? sizeof(BlockQ4_K) : qt == Q5_K ? sizeof(BlockQ5_K) : sizeof(BlockQ6_K);
+}
 
 // w [N, rb] u8 (rows of an r16 type) -> [ceil(N / 16), super-blocks * 16 * block bytes] u8, each
 // panel of 16 rows laid out as HDR / QB above (rows past N: zero bytes, never stored by r16)
