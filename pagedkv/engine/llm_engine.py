@@ -231,6 +231,11 @@ class LLMEngine:
     def tokenize(self, prompt: Prompt, *, tools: list[dict] | None = None) -> list[int]:
         """Raw text, token ids, or chat messages (the model's chat template applied, given
         `tools` when there are some)."""
+        text = isinstance(prompt, str) or (isinstance(prompt, list) and bool(prompt)
+                                            and all(isinstance(m, dict) for m in prompt))
+        if text and self.tokenizer is None:
+            raise InvalidParamsError(f"{self.model_name} has no tokenizer (its file's could not be "
+                                     "built): send token ids")
         if isinstance(prompt, str):
             return list(self.tokenizer(prompt).input_ids)
         if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):

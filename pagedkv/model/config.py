@@ -158,6 +158,12 @@ class ModelConfig:
                 raise ModelLoadError(f"config: {name} must be a finite positive float or None, got {v!r}")
         if self.rope_freq_factors is not None:
             self._check_freq_factors()
+        for name in ("rope_theta", "rope_local_theta"):
+            v = getattr(self, name)
+            if (v is not None or name == "rope_theta") and not (_real(v) and v > 0):
+                raise ModelLoadError(f"config: {name} must be a finite positive number, got {v!r}")
+        if not (_real(self.rms_norm_eps) and self.rms_norm_eps >= 0):
+            raise ModelLoadError(f"config: rms_norm_eps must be a finite number >= 0, got {self.rms_norm_eps!r}")
         a = self.rope_attention_factor
         if not _finite_positive(a):
             raise ModelLoadError(f"config: rope_attention_factor must be a finite positive float, got {a!r}")
@@ -366,6 +372,9 @@ class ModelConfig:
             return v
 
         hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+        if hidden < 1 or heads < 1:
+            raise ModelLoadError(f"GGUF {gguf_arch}: embedding_length {hidden} and attention.head_count "
+                                 f"{heads} must be positive")
         head_dim = int(get("attention.key_length", hidden // heads))
         rotary = get("rope.dimension_count", head_dim)
         if isinstance(rotary, bool) or not isinstance(rotary, int):
@@ -670,6 +679,11 @@ def _context(value: Any, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 2:
         raise ModelLoadError(f"{what} must be an int of at least 2, got {value!r}")
     return value
+
+
+def _real(v: Any) -> bool:
+    """A finite int or float (not a bool)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _finite_positive(v: Any) -> bool:

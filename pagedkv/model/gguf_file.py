@@ -31,6 +31,7 @@ from pagedkv.errors import ModelLoadError, UnsupportedModelError
 
 _MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
+_MAX_DIMS = 4  # GGML_MAX_DIMS
 # scalar value types -> struct format (little endian)
 _SCALAR = {
     GGUFValueType.UINT8: "<B",
@@ -95,7 +96,7 @@ class GGUFFile:
         self.tensors: dict[str, GGUFTensorInfo] = {}
         try:
             self._parse()
-        except (struct.error, UnicodeDecodeError, ValueError, IndexError) as e:
+        except (struct.error, UnicodeDecodeError, ValueError, IndexError, OverflowError) as e:
             raise ModelLoadError(f"{self.path} is not a valid GGUF file ({e})") from e
         if hasattr(self._buf, "madvise") and hasattr(mmap, "MADV_WILLNEED"):
             self._buf.madvise(mmap.MADV_WILLNEED)  # read-ahead only: never blocks, never fails
@@ -122,19 +123,39 @@ class GGUFFile:
         for _ in range(n_tensors):
             name, pos = self._str(pos)
             (n_dims,) = struct.unpack_from("<I", buf, pos)
+            if not 1 <= n_dims <= _MAX_DIMS:
+                raise ModelLoadError(f"{self.path}: tensor {name!r} has {n_dims} dimensions (1 to {_MAX_DIMS})")
             dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
             qtype, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
             pos += 4 + 8 * n_dims + 12
             infos.append((name, dims, GGMLQuantizationType(qtype), offset))
-        align = int(self.metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
+        align = self.metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
+        if isinstance(align, bool) or not isinstance(align, int) or not 0 < align <= 1 << 20 or align & (align - 1):
+            raise ModelLoadError(f"{self.path}: general.alignment must be a power of two, got {align!r}")
         data_start = -(-pos // align) * align
         for name, dims, qtype, offset in infos:
-            block, type_size = GGML_QUANT_SIZES[qtype]
-            nbytes = int(np.prod(dims, dtype=np.int64)) // block * type_size
-            info = GGUFTensorInfo(name, tuple(reversed(dims)), qtype, data_start + offset, nbytes)
-            if info.offset + nbytes > len(buf):
-                raise ModelLoadError(f"{self.path}: tensor {name} runs past the end of the file")
-            self.tensors[name] = info
+            self.tensors[name] = self._tensor(name, dims, qtype, offset, align, data_start)
+        if len(self.tensors) != len(infos):
+            raise ModelLoadError(f"{self.path}: a tensor name appears twice")
+
+    def _tensor(self, name: str, dims: tuple[int, ...], qtype: GGMLQuantizationType, offset: int, align: int,
+                data_start: int) -> GGUFTensorInfo:
+        """One tensor's info, checked as llama.cpp checks it: whole blocks per row, an aligned
+        offset, its bytes inside the file (every size in Python integers: no overflow)."""
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        if dims[0] % block:
+            raise ModelLoadError(f"{self.path}: tensor {name!r}: rows of {dims[0]} elements are not whole "
+                                 f"{qtype.name} blocks of {block}")
+        if offset % align:
+            raise ModelLoadError(f"{self.path}: tensor {name!r}: offset {offset} is not a multiple of the "
+                                 f"alignment {align}")
+        n = 1
+        for d in dims:
+            n *= d
+        nbytes = n // block * type_size
+        if data_start + offset + nbytes > len(self._buf):
+            raise ModelLoadError(f"{self.path}: tensor {name} runs past the end of the file")
+        return GGUFTensorInfo(name, tuple(reversed(dims)), qtype, data_start + offset, nbytes)
 
     def _str(self, pos: int) -> tuple[str, int]:
         (n,) = struct.unpack_from("<Q", self._buf, pos)

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from pagedkv.cache.storage import DTYPES as _DTYPES  # one table of dtype names
-from pagedkv.errors import ModelLoadError
+from pagedkv.errors import ModelLoadError, PagedKVError
 from pagedkv.model import qkernel, tokenizer_cache
 from pagedkv.model.config import (
     GGUF_ROPE_FREQS,
@@ -242,8 +242,14 @@ def _load_gguf(path: Path, dtype: torch.dtype, tokenizer: Any | None, keep: bool
                context: int | None = None) -> LoadedModel:
     g = GGUFFile(path)
     long = _rope_values(g, GGUF_ROPE_LONG) if GGUF_ROPE_LONG in g.tensors else None
-    cfg = ModelConfig.from_gguf(g.metadata, g.tensors, rope_freqs=_rope_freqs(g), rope_long=long,
-                                context=context)
+    try:
+        cfg = ModelConfig.from_gguf(g.metadata, g.tensors, rope_freqs=_rope_freqs(g), rope_long=long,
+                                    context=context)
+    except PagedKVError:
+        raise
+    except (TypeError, ValueError, ArithmeticError) as e:  # a value of the wrong kind in the metadata
+        raise ModelLoadError(f"{path}: invalid model metadata ({e})") from e
+    _check_sizes(cfg, g)
     model = LlamaModel(cfg, dtype, quantized=keep)
     # llama.cpp permutes q/k rows only for its "llama" rope layout (Llama, Mistral, SmolLM3, Granite);
     # qwen2 files are unpermuted
@@ -254,6 +260,32 @@ def _load_gguf(path: Path, dtype: torch.dtype, tokenizer: Any | None, keep: bool
         tokenizer = tokenizer_cache.load_or_build(g.tokenizer_digest(), lambda: _gguf_tokenizer(path))
     return LoadedModel(model, cfg, tokenizer, path.stem, weights="quantized" if keep else "float32",
                        path=path)
+
+
+def _check_sizes(cfg: ModelConfig, g: GGUFFile) -> None:
+    """The metadata's sizes against the file's tensors, before the model allocates anything by
+    them: every buffer's size is a product of these, so a file whose metadata claims a hidden
+    size, head count, layer count or vocabulary its tensors do not have is refused here (a
+    hostile embedding_length of 2^31 would otherwise size buffers past any memory)."""
+    t = g.tensors
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    expect = [("token_embd.weight", 1, cfg.hidden_size, "embedding_length"),
+              ("token_embd.weight", 0, cfg.vocab_size, "the vocabulary size"),
+              ("blk.0.attn_q.weight", 0, q, "head_count x key_length"),
+              ("blk.0.attn_k.weight", 0, kv, "head_count_kv x key_length"),
+              ("blk.0.attn_qkv.weight", 0, q + 2 * kv, "(head_count + 2 head_count_kv) x key_length"),
+              ("blk.0.ffn_down.weight", 1, cfg.intermediate_size, "feed_forward_length")]
+    if "token_embd.weight" not in t:
+        raise ModelLoadError(f"{g.path}: tensor 'token_embd.weight' missing")
+    for name, axis, want, what in expect:
+        if name in t and (len(t[name].shape) != 2 or t[name].shape[axis] != want):
+            raise ModelLoadError(f"{g.path}: {name} has shape {list(t[name].shape)}, but the metadata's "
+                                 f"{what} is {want}")
+    layers = 1 + max((int(n.split(".")[1]) for n in t if n.startswith("blk.") and n.split(".")[1].isdigit()),
+                     default=-1)
+    if cfg.num_layers > layers:
+        raise ModelLoadError(f"{g.path}: the metadata's block_count is {cfg.num_layers}, but the file has "
+                             f"tensors for {layers} layers")
 
 
 def _rope_freqs(g: GGUFFile) -> list[float] | None:
