@@ -155,3 +155,17 @@ def test_a_tensor_named_twice_is_refused(base: Path, tmp_path: Path) -> None:
     out.write_bytes(data.replace(a, b, 1))
     with pytest.raises(ModelLoadError, match="twice"):
         GGUFFile(out)
+
+
+def test_a_huge_claimed_context_costs_nothing_until_used(base: Path, tmp_path: Path) -> None:
+    """context_length is the model's claim, not an allocation: the block tables start narrow
+    and grow with the sequences (2^31 tokens' tables were 8.6 GB a KV group, an OOM kill for
+    a Gemma 3 file's three groups)."""
+    fields, _ = _offsets(base)
+    pos, dtype = fields["qwen2.context_length"]
+    engine = LLMEngine(str(_edit(base, tmp_path, pos, "<I" if dtype == np.uint32 else "<Q", 1 << 31)), threads=1)
+    assert engine.max_model_len == 1 << 31
+    assert all(t.buf.shape[1] <= 4096 for t in engine.cache.tables)
+    engine.add_request("a", list(range(1, 40)))
+    while engine.has_unfinished_requests():
+        engine.step()

@@ -160,6 +160,9 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+TABLE_COLS = 4096  # the block tables' widest first width (64k tokens at 16 a block)
+
+
 
 class PagedKVCache:
     """Sequences, block tables, sharing and prefix caching over a pool of `num_blocks` blocks.
@@ -210,7 +213,9 @@ class PagedKVCache:
         self._full = [g for g, w in enumerate(groups.windows) if w is None]
         self._plain = groups.num_groups == 1 and not self._windows
         self._pool = BlockPool(num_blocks)
-        cols = _cdiv(max_seq_len, block_size) if max_seq_len else min(num_blocks, 64)
+        # the tables' first width: a sequence's row grows past it on demand (BlockTable._write),
+        # so a model whose metadata claims a huge context costs nothing until one is that long
+        cols = min(_cdiv(max_seq_len, block_size), TABLE_COLS) if max_seq_len else min(num_blocks, 64)
         copy = None if storage is None else storage.copy_blocks
         self.tables = [BlockTable(self._pool, block_size, cols, copy) for _ in groups.windows]
         self.table = self.tables[0]
