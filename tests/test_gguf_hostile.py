@@ -11,6 +11,7 @@ from typing import Any
 import gguf
 import numpy as np
 import pytest
+import torch
 from tiny_gguf import SPECS, write_tiny_gguf
 
 from pagedkv.engine import LLMEngine
@@ -169,3 +170,46 @@ def test_a_huge_claimed_context_costs_nothing_until_used(base: Path, tmp_path: P
     engine.add_request("a", list(range(1, 40)))
     while engine.has_unfinished_requests():
         engine.step()
+
+
+# --- a checkpoint folder (config.json + safetensors) is checked the same way -------------------
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    path = tmp_path_factory.mktemp("hf")
+    tf.Qwen2ForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize(("key", "value", "match"), [
+    ("hidden_size", 1 << 31, "hidden_size"),
+    ("num_attention_heads", 0, "positive|num_attention_heads"),
+    ("num_attention_heads", 10**9, "head_dim|num_attention_heads"),
+    ("num_hidden_layers", 1000, "num_hidden_layers"),
+    ("intermediate_size", 7, "intermediate_size"),
+    ("vocab_size", 10**9, "vocab_size"),
+    ("rope_theta", "fast", "rope_theta|invalid config"),
+    ("rms_norm_eps", -1.0, "rms_norm_eps"),
+])
+def test_bad_checkpoint_configs_are_refused(hf_dir: Path, tmp_path: Path, key: str, value: object,
+                                            match: str) -> None:
+    import json
+    import shutil
+
+    out = tmp_path / "hf"
+    shutil.copytree(hf_dir, out)
+    cfg = json.loads((out / "config.json").read_text())
+    if key == "rope_theta" and "rope_parameters" in cfg:  # transformers 5 keeps it in there
+        cfg["rope_parameters"][key] = value
+    else:
+        cfg[key] = value
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=match):
+        load_model(out)
+    assert load_model(hf_dir).config.hidden_size == 64  # the untouched folder loads

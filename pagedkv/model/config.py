@@ -267,6 +267,8 @@ class ModelConfig:
                 f"hidden_act={d.get('hidden_act')!r} mlp_bias={d.get('mlp_bias')!r}"
             )
         heads = d["num_attention_heads"]
+        if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
+            raise ModelLoadError(f"config: num_attention_heads must be a positive int, got {heads!r}")
         rope = dict(d.get("rope_parameters") or {})  # transformers 5: theta lives in here
         theta = rope.pop("rope_theta", None) or d.get("rope_theta") or 10000.0
         partial = rope.pop("partial_rotary_factor", None)

@@ -249,7 +249,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, tokenizer: Any | None, keep: bool
         raise
     except (TypeError, ValueError, ArithmeticError) as e:  # a value of the wrong kind in the metadata
         raise ModelLoadError(f"{path}: invalid model metadata ({e})") from e
-    _check_sizes(cfg, g)
+    _check_sizes(cfg, {n: i.shape for n, i in g.tensors.items()}, g.path, gguf=True)
     model = LlamaModel(cfg, dtype, quantized=keep)
     # llama.cpp permutes q/k rows only for its "llama" rope layout (Llama, Mistral, SmolLM3, Granite);
     # qwen2 files are unpermuted
@@ -262,30 +262,61 @@ def _load_gguf(path: Path, dtype: torch.dtype, tokenizer: Any | None, keep: bool
                        path=path)
 
 
-def _check_sizes(cfg: ModelConfig, g: GGUFFile) -> None:
-    """The metadata's sizes against the file's tensors, before the model allocates anything by
-    them: every buffer's size is a product of these, so a file whose metadata claims a hidden
-    size, head count, layer count or vocabulary its tensors do not have is refused here (a
-    hostile embedding_length of 2^31 would otherwise size buffers past any memory)."""
-    t = g.tensors
+# a tensor of each kind: (GGUF name, checkpoint name, axis, the config's size there (GGUF
+# metadata, config.json names))
+_SIZED = [("token_embd.weight", "model.embed_tokens.weight", 1, ("embedding_length", "hidden_size")),
+          ("token_embd.weight", "model.embed_tokens.weight", 0, ("vocabulary", "vocab_size")),
+          ("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj.weight", 0,
+           ("head_count x key_length", "num_attention_heads x head_dim")),
+          ("blk.0.attn_k.weight", "model.layers.0.self_attn.k_proj.weight", 0,
+           ("head_count_kv x key_length", "num_key_value_heads x head_dim")),
+          ("blk.0.attn_qkv.weight", "model.layers.0.self_attn.qkv_proj.weight", 0,
+           ("(head_count + 2 head_count_kv) x key_length", "(num_attention_heads + 2 num_key_value_heads) x head_dim")),
+          ("blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj.weight", 1,
+           ("feed_forward_length", "intermediate_size"))]
+
+
+def _check_sizes(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], where: object, gguf: bool) -> None:
+    """The config's sizes against the weights' shapes (name -> shape, PyTorch order), before
+    the model allocates anything by them: every buffer's size is a product of these, so a file
+    whose metadata claims a hidden size, head count, layer count or vocabulary its tensors do not
+    have is refused here (a hostile embedding_length of 2^31 would otherwise size buffers past
+    any memory)."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    expect = [("token_embd.weight", 1, cfg.hidden_size, "embedding_length"),
-              ("token_embd.weight", 0, cfg.vocab_size, "the vocabulary size"),
-              ("blk.0.attn_q.weight", 0, q, "head_count x key_length"),
-              ("blk.0.attn_k.weight", 0, kv, "head_count_kv x key_length"),
-              ("blk.0.attn_qkv.weight", 0, q + 2 * kv, "(head_count + 2 head_count_kv) x key_length"),
-              ("blk.0.ffn_down.weight", 1, cfg.intermediate_size, "feed_forward_length")]
-    if "token_embd.weight" not in t:
-        raise ModelLoadError(f"{g.path}: tensor 'token_embd.weight' missing")
-    for name, axis, want, what in expect:
-        if name in t and (len(t[name].shape) != 2 or t[name].shape[axis] != want):
-            raise ModelLoadError(f"{g.path}: {name} has shape {list(t[name].shape)}, but the metadata's "
-                                 f"{what} is {want}")
-    layers = 1 + max((int(n.split(".")[1]) for n in t if n.startswith("blk.") and n.split(".")[1].isdigit()),
-                     default=-1)
+    sizes = [cfg.hidden_size, cfg.vocab_size, q, kv, q + 2 * kv, cfg.intermediate_size]
+    embed = _SIZED[0][0 if gguf else 1]
+    if embed not in shapes:
+        raise ModelLoadError(f"{where}: tensor {embed!r} missing")
+    for (g_name, hf_name, axis, what), want in zip(_SIZED, sizes, strict=True):
+        name = g_name if gguf else hf_name
+        if name in shapes and (len(shapes[name]) != 2 or shapes[name][axis] != want):
+            raise ModelLoadError(f"{where}: {name} has shape {list(shapes[name])}, but the "
+                                 f"{'metadata' if gguf else 'config'}'s {what[0 if gguf else 1]} is {want}")
+    prefix, at = ("blk.", 1) if gguf else ("model.layers.", 2)
+    index = (n.split(".")[at] for n in shapes if n.startswith(prefix))
+    layers = 1 + max((int(i) for i in index if i.isdigit()), default=-1)
     if cfg.num_layers > layers:
-        raise ModelLoadError(f"{g.path}: the metadata's block_count is {cfg.num_layers}, but the file has "
-                             f"tensors for {layers} layers")
+        raise ModelLoadError(f"{where}: the {'metadata' if gguf else 'config'}'s "
+                             f"{'block_count' if gguf else 'num_hidden_layers'} is {cfg.num_layers}, "
+                             f"but the weights have {layers} layers")
+
+
+def _hf_dir_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Each checkpoint tensor's shape, read from the files' headers (nothing loaded)."""
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        from safetensors import safe_open
+
+        shapes = {}
+        for f in files:
+            with safe_open(str(f), framework="pt") as st:
+                shapes.update({n: tuple(st.get_slice(n).get_shape()) for n in st.keys()})
+        return shapes
+    shapes = {}
+    for f in sorted(path.glob("pytorch_model*.bin")):  # mapped: the shapes without reading the data
+        shapes.update({n: tuple(t.shape) for n, t in torch.load(f, map_location="cpu", weights_only=True,
+                                                                 mmap=True).items()})
+    return shapes
 
 
 def _rope_freqs(g: GGUFFile) -> list[float] | None:
@@ -393,8 +424,19 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, tokenizer: Any | None,
         config = json.loads((path / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"{path}/config.json: {e}") from e
-    cfg = ModelConfig.from_hf(config, context)
+    try:
+        cfg = ModelConfig.from_hf(config, context)
+    except PagedKVError:
+        raise
+    except (TypeError, ValueError, ArithmeticError, AttributeError, KeyError) as e:  # a value of the wrong kind
+        raise ModelLoadError(f"{path}/config.json: invalid config ({e!r})") from e
     cfg.eos_token_ids = _merge_generation_eos(path, cfg.eos_token_ids)
+    try:
+        shapes = _hf_dir_shapes(path)
+    except Exception as e:  # noqa: BLE001 - any unreadable header: the load fails here, typed
+        raise ModelLoadError(f"{path}: unreadable weights ({e})") from e
+    if shapes:
+        _check_sizes(cfg, shapes, path, gguf=False)
     model = LlamaModel(cfg, dtype)
     model.load_weights(_hf_dir_weights(path))
     if tokenizer is None and any((path / f).is_file() for f in _TOKENIZER_FILES):
