@@ -163,7 +163,6 @@ def _cdiv(a: int, b: int) -> int:
 TABLE_COLS = 4096  # the block tables' widest first width (64k tokens at 16 a block)
 
 
-
 class PagedKVCache:
     """Sequences, block tables, sharing and prefix caching over a pool of `num_blocks` blocks.
 

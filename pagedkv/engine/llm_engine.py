@@ -231,14 +231,11 @@ class LLMEngine:
     def tokenize(self, prompt: Prompt, *, tools: list[dict] | None = None) -> list[int]:
         """Raw text, token ids, or chat messages (the model's chat template applied, given
         `tools` when there are some)."""
-        text = isinstance(prompt, str) or (isinstance(prompt, list) and bool(prompt)
-                                            and all(isinstance(m, dict) for m in prompt))
-        if text and self.tokenizer is None:
-            raise InvalidParamsError(f"{self.model_name} has no tokenizer (its file's could not be "
-                                     "built): send token ids")
         if isinstance(prompt, str):
+            self._check_tokenizer()
             return list(self.tokenizer(prompt).input_ids)
         if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            self._check_tokenizer()
             self.check_chat_template()
             kwargs = {"tools": tools} if tools else {}
             text = self.tokenizer.apply_chat_template(prompt, tokenize=False,
@@ -251,6 +248,13 @@ class LLMEngine:
                 raise InvalidParamsError(f"token ids must lie in [0, {vocab})")
             return list(prompt)
         raise InvalidParamsError("a prompt is a string, a list of token ids or chat messages")
+
+    def _check_tokenizer(self) -> None:
+        """InvalidParamsError for text when the model has no tokenizer (its file's could not be
+        built): token ids still work."""
+        if self.tokenizer is None:
+            raise InvalidParamsError(f"{self.model_name} has no tokenizer (its file's could not be "
+                                     "built): send token ids")
 
     @property
     def has_chat_template(self) -> bool:

@@ -31,7 +31,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -242,13 +242,8 @@ def _load_gguf(path: Path, dtype: torch.dtype, tokenizer: Any | None, keep: bool
                context: int | None = None) -> LoadedModel:
     g = GGUFFile(path)
     long = _rope_values(g, GGUF_ROPE_LONG) if GGUF_ROPE_LONG in g.tensors else None
-    try:
-        cfg = ModelConfig.from_gguf(g.metadata, g.tensors, rope_freqs=_rope_freqs(g), rope_long=long,
-                                    context=context)
-    except PagedKVError:
-        raise
-    except (TypeError, ValueError, ArithmeticError) as e:  # a value of the wrong kind in the metadata
-        raise ModelLoadError(f"{path}: invalid model metadata ({e})") from e
+    cfg = _parsed(lambda: ModelConfig.from_gguf(g.metadata, g.tensors, rope_freqs=_rope_freqs(g),
+                                                rope_long=long, context=context), f"{path}: invalid model metadata")
     _check_sizes(cfg, {n: i.shape for n, i in g.tensors.items()}, g.path, gguf=True)
     model = LlamaModel(cfg, dtype, quantized=keep)
     # llama.cpp permutes q/k rows only for its "llama" rope layout (Llama, Mistral, SmolLM3, Granite);
@@ -260,6 +255,17 @@ def _load_gguf(path: Path, dtype: torch.dtype, tokenizer: Any | None, keep: bool
         tokenizer = tokenizer_cache.load_or_build(g.tokenizer_digest(), lambda: _gguf_tokenizer(path))
     return LoadedModel(model, cfg, tokenizer, path.stem, weights="quantized" if keep else "float32",
                        path=path)
+
+
+def _parsed(make: Callable[[], ModelConfig], what: str) -> ModelConfig:
+    """make(), a value of the wrong kind in the file's config (a string for a size, a zero head
+    count) a ModelLoadError instead of whatever Python raised."""
+    try:
+        return make()
+    except PagedKVError:
+        raise
+    except (TypeError, ValueError, ArithmeticError, AttributeError, KeyError) as e:
+        raise ModelLoadError(f"{what} ({e!r})") from e
 
 
 # a tensor of each kind: (GGUF name, checkpoint name, axis, the config's size there (GGUF
@@ -301,21 +307,26 @@ def _check_sizes(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], where: ob
                              f"but the weights have {layers} layers")
 
 
-def _hf_dir_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """Each checkpoint tensor's shape, read from the files' headers (nothing loaded)."""
+def _hf_weight_files(path: Path) -> tuple[list[Path], bool]:
+    """A checkpoint folder's weight files, and whether they are safetensors (else
+    pytorch_model*.bin)."""
     files = sorted(path.glob("*.safetensors"))
-    if files:
-        from safetensors import safe_open
+    return (files, True) if files else (sorted(path.glob("pytorch_model*.bin")), False)
 
-        shapes = {}
-        for f in files:
+
+def _hf_dir_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Each checkpoint tensor's shape, from the files' headers (.bin: mapped, nothing read)."""
+    files, safe = _hf_weight_files(path)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        if safe:
+            from safetensors import safe_open
+
             with safe_open(str(f), framework="pt") as st:
                 shapes.update({n: tuple(st.get_slice(n).get_shape()) for n in st.keys()})
-        return shapes
-    shapes = {}
-    for f in sorted(path.glob("pytorch_model*.bin")):  # mapped: the shapes without reading the data
-        shapes.update({n: tuple(t.shape) for n, t in torch.load(f, map_location="cpu", weights_only=True,
-                                                                 mmap=True).items()})
+        else:
+            state = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+            shapes.update({n: tuple(t.shape) for n, t in state.items()})
     return shapes
 
 
@@ -424,12 +435,7 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, tokenizer: Any | None,
         config = json.loads((path / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"{path}/config.json: {e}") from e
-    try:
-        cfg = ModelConfig.from_hf(config, context)
-    except PagedKVError:
-        raise
-    except (TypeError, ValueError, ArithmeticError, AttributeError, KeyError) as e:  # a value of the wrong kind
-        raise ModelLoadError(f"{path}/config.json: invalid config ({e!r})") from e
+    cfg = _parsed(lambda: ModelConfig.from_hf(config, context), f"{path}/config.json: invalid config")
     cfg.eos_token_ids = _merge_generation_eos(path, cfg.eos_token_ids)
     try:
         shapes = _hf_dir_shapes(path)
@@ -460,20 +466,18 @@ def _merge_generation_eos(path: Path, eos: list[int]) -> list[int]:
 
 
 def _hf_dir_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    files = sorted(path.glob("*.safetensors"))
-    if files:
-        from safetensors import safe_open
+    files, safe = _hf_weight_files(path)
+    if not files:
+        raise ModelLoadError(f"{path}: no *.safetensors or pytorch_model*.bin weights")
+    for f in files:
+        if safe:
+            from safetensors import safe_open
 
-        for f in files:
             with safe_open(str(f), framework="pt") as st:
                 for name in st.keys():
                     yield name, st.get_tensor(name)
-        return
-    bins = sorted(path.glob("pytorch_model*.bin"))
-    if not bins:
-        raise ModelLoadError(f"{path}: no *.safetensors or pytorch_model*.bin weights")
-    for f in bins:
-        yield from torch.load(f, map_location="cpu", weights_only=True).items()
+        else:
+            yield from torch.load(f, map_location="cpu", weights_only=True).items()
 
 
 def _load_transformers_model(hf_model: Any, dtype: torch.dtype, tokenizer: Any | None,
