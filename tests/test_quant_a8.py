@@ -196,22 +196,30 @@ def test_int8_products_are_close_to_exact() -> None:
 
 @needs_kernel
 def test_qweight_routes_segments_and_rows() -> None:
-    """Q4_1 / Q3_K / Q8_0 segments of one weight, all int8 (one op call quantizes x for all);
-    above A8_SB_ROWS rows (A8_SB_VNNI_ROWS with AVX-512 VNNI; a Q3_K segment: no panel), and in
-    float32 mode, the whole product is the exact path's."""
+    """Q4_1 / Q3_K / Q8_0 segments of one weight, all int8 (one op call quantizes x for all):
+    each segment by its row kernel below the panel's rows (quant.panel_rows), the panel from
+    there on; without a panel kernel, above A8_SB_ROWS rows the exact path's product, as in
+    float32 mode."""
     k = 512
     parts = [(Q.Q4_1, _weights(Q.Q4_1, 24, k, 1)), (Q.Q3_K, _blocks(Q.Q3_K, 8, k, 3)),
              (Q.Q8_0, _weights(Q.Q8_0, 5, k, 2))]
     w = QWeight(k, [(q, torch.from_numpy(d.copy())) for q, d in parts])
-    cap = quant.A8_SB_VNNI_ROWS if qkernel.panel() is not None else min(quant.A8_ROWS, quant.A8_SB_ROWS)
-    for t in (1, 6, cap, cap + 1):
+    first = quant.panel_rows(q for q, _ in parts) if qkernel.panel() is not None else 0
+    cap = min(quant.A8_ROWS, quant.A8_SB_ROWS)  # (without the panel kernel)
+    for t in (1, 6, first - 1, first, 40) if first else (1, 6, cap, cap + 1):
         x = _acts(t, k, t)
         exact = w.linear(torch.from_numpy(x))
         w.set_activations("int8")
         mixed = w.linear(torch.from_numpy(x))
         w.set_activations("float32")
         assert torch.equal(w.linear(torch.from_numpy(x)), exact)
-        if t > cap:
+        if first and t >= first:
+            panel = torch.empty(t, 37)
+            torch.ops.pagedkv_a8.panel(torch.from_numpy(x), [torch.from_numpy(d) for _, d in parts],
+                                       [int(q) for q, _ in parts], panel, 0)
+            assert torch.equal(mixed, panel)
+            continue
+        if not first and t > cap:
             assert torch.equal(mixed, exact)
             continue
         assert np.array_equal(mixed[:, 24:32].numpy(), _run_linear(Q.Q3_K, parts[1][1], x, 0))

@@ -75,20 +75,20 @@ def test_vector_panel_equals_scalar_bit_for_bit(n: int, k: int, impl: int) -> No
         assert np.array_equal(fast, scalar), f"T={t}"
 
 
-OTHER = [Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS]  # the rest of quant.PANEL_TYPES
+OTHER = [Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS]  # the rest of quant.PANEL_TYPES
 
 
 @needs_kernel
 @pytest.mark.parametrize("qtype", OTHER, ids=lambda q: q.name)
 def test_other_types_on_the_panel(qtype: Q) -> None:
-    """Every other type with one scale per 32 elements, and Q6_K (one per 16; random valid blocks:
-    scales of either sign, subnormal, a zero block): the scalar path against gguf's dequantized
-    weights x int8 activations per 32 (Q4_K and Q5_K: per 256, as the row kernel's), and the
-    VNNI path equal to it bit for bit (rows ending mid-panel), and the VNNI and AVX2 paths equal
-    to it bit for bit."""
+    """Every other type with one scale per 32 elements, and Q6_K, Q3_K and Q2_K (one per 16; random
+    valid blocks: scales of either sign, subnormal, a zero block): the scalar path against gguf's
+    dequantized weights x int8 activations per 32 (Q4_K, Q5_K and Q2_K: per 256, as the row
+    kernel's), and the VNNI path equal to it bit for bit (rows ending mid-panel), and the VNNI
+    and AVX2 paths equal to it bit for bit."""
     k = 512
     data = _blocks(qtype, 37, k, 11)
-    group = 256 if qtype in (Q.Q4_K, Q.Q5_K) else 32
+    group = 256 if qtype in (Q.Q4_K, Q.Q5_K, Q.Q2_K) else 32
     for t in (1, 4, 9, 40):
         x = _acts(t, k, seed=t)
         scalar = _panel(x, [(qtype, data)], 1)
@@ -138,7 +138,7 @@ def test_panel_is_close_to_exact_product() -> None:
 @needs_vnni
 def test_qweight_uses_the_panel_from_panel_rows() -> None:
     """int8 mode, every segment Q4_0/Q4_1/Q8_0: the panel from PANEL_ROWS rows on, at any count
-    (prefill sizes too); below, the row kernel; a K-quant segment keeps the mixed path."""
+    (prefill sizes too); below, the row kernel; a segment of no int8 type keeps the mixed path."""
     k = 96
     parts = [(Q.Q4_1, _weights(Q.Q4_1, 23, k, 1)), (Q.Q8_0, _weights(Q.Q8_0, 5, k, 2))]
     w = QWeight(k, [(q, torch.from_numpy(d.copy())) for q, d in parts])
@@ -154,7 +154,7 @@ def test_qweight_uses_the_panel_from_panel_rows() -> None:
             torch.ops.pagedkv_a8.linear(torch.from_numpy(x), ws, qt, row, 0)
             assert np.array_equal(got, row.numpy())
     mixed = QWeight(256, [(Q.Q4_1, torch.from_numpy(_weights(Q.Q4_1, 8, 256, 0))),
-                          (Q.Q3_K, torch.from_numpy(_blocks(Q.Q3_K, 8, 256, 3)))])
+                          (Q.F16, torch.from_numpy(_blocks(Q.F16, 8, 256, 3)))])
     mixed.set_activations("int8")
     x = _acts(40, 256, 9)
     y = mixed.linear(torch.from_numpy(x))
@@ -168,7 +168,7 @@ def test_panel_rejects_bad_arguments() -> None:
     with pytest.raises(RuntimeError, match="multiple of 32"):
         op(torch.zeros(2, 48), [w], [int(Q.Q4_1)], torch.zeros(2, 3), 0)
     with pytest.raises(RuntimeError, match="unsupported ggml type"):
-        op(torch.zeros(2, 32), [w], [int(Q.Q3_K)], torch.zeros(2, 3), 0)
+        op(torch.zeros(2, 32), [w], [int(Q.F16)], torch.zeros(2, 3), 0)
     with pytest.raises(RuntimeError, match="weight must be"):
         op(torch.zeros(2, 32), [w], [int(Q.Q8_0)], torch.zeros(2, 3), 0)
     with pytest.raises(RuntimeError, match="out must be"):
@@ -181,20 +181,23 @@ def test_panel_rejects_bad_arguments() -> None:
 
 @needs_vnni
 def test_k_quant_weights_take_the_panel_from_panel_sb_rows() -> None:
-    """int8 mode, a Q4_K / Q5_K / IQ4_XS / Q6_K weight: the row kernel (its VNNI tiles, 4
-    activation rows per pass) below quant.panel_rows (PANEL_SB_ROWS; Q6_K: PANEL_Q6_K_ROWS), the
-    panel from there on; a weight with a Q6_K segment beside a Q4_K one waits for Q6_K's count."""
+    """int8 mode, a Q4_K / Q5_K / IQ4_XS / Q2_K / Q3_K / Q6_K weight: the row kernel (its VNNI
+    tiles, 4 activation rows per pass) below quant.panel_rows (PANEL_SB_ROWS; Q3_K:
+    PANEL_Q3_K_ROWS; Q6_K: PANEL_Q6_K_ROWS), the panel from there on; a weight with a Q6_K
+    segment beside a Q4_K one waits for Q6_K's count."""
     k = 512
     assert quant.PANEL_Q6_K_ROWS == (12 if quant._intel_cpu() else 16)  # measured per vendor (quant.py)
     assert quant.PANEL_SB_ROWS == (12 if quant._zen5_cpu() else 8)
     assert quant.panel_rows([Q.Q4_K, Q.Q6_K]) == quant.PANEL_Q6_K_ROWS > quant.PANEL_SB_ROWS
     assert quant.panel_rows([Q.Q4_1, Q.Q8_0]) == quant.PANEL_ROWS
-    for qtype in (Q.Q4_K, Q.Q5_K, Q.IQ4_XS, Q.Q6_K):
+    assert quant.panel_rows([Q.Q2_K, Q.Q3_K]) == quant.PANEL_Q3_K_ROWS > quant.PANEL_SB_ROWS
+    firsts = {Q.Q6_K: quant.PANEL_Q6_K_ROWS, Q.Q3_K: quant.PANEL_Q3_K_ROWS}
+    for qtype in (Q.Q4_K, Q.Q5_K, Q.IQ4_XS, Q.Q2_K, Q.Q3_K, Q.Q6_K):
         data = _blocks(qtype, 19, k, 4)
         w = QWeight(k, [(qtype, torch.from_numpy(data.copy()))])
         w.set_activations("int8")
         first = quant.panel_rows([qtype])
-        assert first == (quant.PANEL_Q6_K_ROWS if qtype == Q.Q6_K else quant.PANEL_SB_ROWS)
+        assert first == firsts.get(qtype, quant.PANEL_SB_ROWS)
         for t in (1, 5, first - 1, first, 41):
             x = _acts(t, k, t)
             got = w.linear(torch.from_numpy(x)).numpy()
@@ -211,7 +214,8 @@ def test_k_quant_weights_take_the_panel_from_panel_sb_rows() -> None:
 def test_avx2_cpu_takes_the_avx2_panel_from_its_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without VNNI (an AVX2 CPU; here the ISA limit at AVX2): Q4_0/Q4_1/Q5_0/Q5_1 weights take
     the AVX2 panel from PANEL_AVX2_ROWS rows, weights with any other panel type (Q8_0, the
-    K-quants, Q6_K) from PANEL_AVX2_SB_ROWS; below, the row kernel."""
+    K-quants, Q6_K) from PANEL_AVX2_SB_ROWS, with a Q2_K or Q3_K segment past the row kernel's
+    cap (A8_SB_ROWS); below, the row kernel."""
     monkeypatch.setattr(qkernel._kernel, "vnni", False)
     limit = torch.ops.pagedkv_q.limit_isa(1)
     try:
@@ -220,7 +224,8 @@ def test_avx2_cpu_takes_the_avx2_panel_from_its_rows(monkeypatch: pytest.MonkeyP
         cases = [([(Q.Q5_0, _blocks(Q.Q5_0, 21, k, 1))], quant.PANEL_AVX2_ROWS),
                  ([(Q.Q4_1, _weights(Q.Q4_1, 9, k, 2)), (Q.Q8_0, _weights(Q.Q8_0, 5, k, 3))], quant.PANEL_AVX2_SB_ROWS),
                  ([(Q.Q4_K, _blocks(Q.Q4_K, 11, k, 4))], quant.PANEL_AVX2_SB_ROWS),
-                 ([(Q.Q6_K, _blocks(Q.Q6_K, 7, k, 5))], quant.PANEL_AVX2_SB_ROWS)]
+                 ([(Q.Q6_K, _blocks(Q.Q6_K, 7, k, 5))], quant.PANEL_AVX2_SB_ROWS),
+                 ([(Q.Q2_K, _blocks(Q.Q2_K, 13, k, 6)), (Q.Q3_K, _blocks(Q.Q3_K, 6, k, 7))], quant.A8_SB_ROWS + 1)]
         for parts, first in cases:
             assert quant.panel_rows(q for q, _ in parts) == first
             w = QWeight(k, [(q, torch.from_numpy(d.copy())) for q, d in parts])

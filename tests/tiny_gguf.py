@@ -305,6 +305,17 @@ FULL_SPECS = {
                                     vocab=151936, bias=True, seed=13, chat=True,
                                     qtypes={"attn": Q.Q4_K, "attn_v": Q.Q6_K, "ffn": Q.Q4_K,
                                             "ffn_down": Q.Q4_K, "ffn_down_odd": Q.Q6_K, "embd": Q.Q6_K}),
+    # the same shapes in a Q3_K_M-like mix (llama.cpp's: Q3_K, Q4_K for attn_v and part of
+    # ffn_down, Q6_K for the tied embeddings / output): 0.8 GB
+    "qwen2.5-1.5b-q3_k_m": TinySpec("qwen2", "Qwen2.5 1.5B synthetic", 1536, 12, 2, 128, 8960, layers=28,
+                                    vocab=151936, bias=True, seed=15, chat=True,
+                                    qtypes={"attn": Q.Q3_K, "attn_v": Q.Q4_K, "ffn": Q.Q3_K,
+                                            "ffn_down": Q.Q3_K, "ffn_down_odd": Q.Q4_K, "embd": Q.Q6_K}),
+    # and a Q2_K-like one (Q2_K, Q3_K for attn_v and ffn_down, Q6_K embeddings / output): 0.7 GB
+    "qwen2.5-1.5b-q2_k": TinySpec("qwen2", "Qwen2.5 1.5B synthetic", 1536, 12, 2, 128, 8960, layers=28,
+                                  vocab=151936, bias=True, seed=16, chat=True,
+                                  qtypes={"attn": Q.Q2_K, "attn_v": Q.Q3_K, "ffn": Q.Q2_K,
+                                          "ffn_down": Q.Q3_K, "ffn_down_odd": Q.Q3_K, "embd": Q.Q6_K}),
     # Gemma 2 2B's shapes and Q4_K_M mix (rows of 2304 / 9216: whole 256-blocks): Q4_K, Q6_K for
     # attn_v, every other ffn_down and the tied 256,000 x 2304 embeddings / LM head; soft-caps 50 /
     # 30, a 4,096 window on every other layer: 1.6 GB

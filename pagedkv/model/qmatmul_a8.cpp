@@ -68,7 +68,7 @@ int64_t block_bytes(int64_t t) {  // 0: a type of qmatmul_a8x.cpp, or none
 
 bool panel_type(int64_t t) {
   return t == Q4_0 || t == Q4_1 || t == Q8_0 || t == Q5_0 || t == Q5_1 || t == IQ4_NL || t == ggml::Q4_K ||
-         t == ggml::Q5_K || t == ggml::Q6_K || t == ggml::IQ4_XS;
+         t == ggml::Q5_K || t == ggml::Q6_K || t == ggml::IQ4_XS || t == ggml::Q2_K || t == ggml::Q3_K;
 }
 
 // signed integer weights (the sign trick before maddubs) and no offset term

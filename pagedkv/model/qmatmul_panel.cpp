@@ -73,10 +73,18 @@ constexpr int32_t bias(int64_t qt) {
   return qt == Q4_0 ? 8 : qt == Q5_0 ? 16 : qt == Q8_0 || qt == IQ4_NL || qt == IQ4_XS ? 128 : 0;
 }
 constexpr bool has_m(int64_t qt) { return qt == Q4_1 || qt == Q5_1; }  // (the K-quants' mins: Buf::mn)
-// Q4_K / Q5_K (a 6-bit scale and min per 32, d and dmin per 256): activations quantized per 256
-// (as the int8 row kernel's and llama.cpp's q8_K), so that a super-block's min term is one integer
-// sum and its activation scale one multiply (see KM below)
-constexpr bool km(int64_t qt) { return qt == Q4_K || qt == Q5_K; }
+// Q4_K / Q5_K (a 6-bit scale and min per 32, d and dmin per 256) and Q2_K (a 4-bit scale and min
+// per 16: u = scale * q <= 45, a byte, so a chunk's two halves share one integer sum and d):
+// activations quantized per 256 (as the int8 row kernel's and llama.cpp's q8_K), so that a
+// super-block's min term is one integer sum and its activation scale one multiply (see KM below)
+constexpr bool km(int64_t qt) { return qt == Q4_K || qt == Q5_K || qt == Q2_K; }
+// a km type's mins per super-block in int16 pairs (Buf::mn; Acts::ks or ks16): Q2_K 16, else 8
+constexpr int64_t mpairs(int64_t qt) { return qt == Q2_K ? 8 : 4; }
+constexpr int64_t MPAIRS = 8;  // the most (Buf::mn's room per super-block)
+// Q6_K and Q3_K (a signed scale per 16 elements): a chunk's two halves summed apart, w = scale *
+// (u - hbias), u = Q6_K's 6-bit q, Q3_K's 3-bit q + 4; activations per 32
+constexpr bool halved(int64_t qt) { return qt == Q6_K || qt == Q3_K; }
+constexpr int32_t hbias(int64_t qt) { return qt == Q6_K ? 32 : 4; }
 constexpr int64_t PAIR_ROWS = 32;  // an Intel CPU's impl 0 takes pairs from this many activation rows
 
 // chunk c (32 elements; K-quants: sub-block c % 8 of block c / 8) of a row -> u, d, m
@@ -130,6 +138,22 @@ void chunk_scalar(int64_t qt, const uint8_t* row, int64_t c, uint8_t u[QK], floa
       m = half(h.d) * static_cast<float>(h.scales[2 * j + 1]);
       return;
     }
+    case Q3_K: {  // u = the 3-bit q + 4 (w = d sc (u - 4)); d, m: the halves' scales times d
+      const uint8_t* b = row + sizeof(BlockQ3_K) * (c / 8);
+      for (int i = 0; i < QK; ++i) u[i] = static_cast<uint8_t>(kq::u_of<Q3_K>(b, QK * j + i));
+      const auto& h = *reinterpret_cast<const BlockQ3_K*>(b);
+      d = half(h.d) * static_cast<float>(scale_q3_k(h.scales, 2 * j));
+      m = half(h.d) * static_cast<float>(scale_q3_k(h.scales, 2 * j + 1));
+      return;
+    }
+    case Q2_K: {  // u = the half's scale times the 2-bit q (<= 45); d the super-block's (mins: mins_km)
+      const uint8_t* b = row + sizeof(BlockQ2_K) * (c / 8);
+      const auto& h = *reinterpret_cast<const BlockQ2_K*>(b);
+      for (int i = 0; i < QK; ++i)
+        u[i] = static_cast<uint8_t>((h.scales[2 * j + i / 16] & 0x0F) * kq::u_of<Q2_K>(b, QK * j + i));
+      d = half(h.d);
+      return;
+    }
     default: {  // IQ4_XS
       const uint8_t* b = row + sizeof(BlockIQ4_XS) * (c / 8);
       for (int i = 0; i < QK; ++i) u[i] = static_cast<uint8_t>(kq::u_of<IQ4_XS>(b, QK * j + i) ^ 0x80);
@@ -151,21 +175,21 @@ struct Buf {
   void scales(int64_t nb) {  // the scales alone (r16: u stays in the records)
     d.assign(nb * NR, 0.f);
     m.assign(nb * NR, 0.f);
-    mn.assign(nb / 8 * 4 * NR, 0);
+    mn.assign(nb / 8 * MPAIRS * NR, 0);
     dm.assign(nb / 8 * NR, 0.f);
   }
   void size(int64_t nb) {
     u.assign(nb * 8 * NR * 4, 0);
     d.assign(nb * NR, 0.f);
     m.assign(nb * NR, 0.f);
-    mn.assign(nb / 8 * 4 * NR, 0);
+    mn.assign(nb / 8 * MPAIRS * NR, 0);
     dm.assign(nb / 8 * NR, 0.f);
   }
 };
 
-// the activations' quantized blocks and sums (x16: per 16 elements, for Q6_K), T rows; for the
-// km types also quantized per 256: kq, kd (one per super-block) and ks (each 32 elements'
-// integer sum, in int16 pairs as Buf::mn: [nb / 8][4] per row)
+// the activations' quantized blocks and sums (x16: per 16 elements, for Q6_K and Q3_K), T rows;
+// for the km types also quantized per 256: kq, kd (one per super-block), ks (each 32 elements'
+// integer sum, in int16 pairs as Buf::mn: [nb / 8][4] per row) and ks16 (Q2_K: each 16's, [nb / 8][8])
 struct Acts {
   const int8_t* q;
   const float *d, *s;
@@ -173,11 +197,16 @@ struct Acts {
   int64_t K, nb;
   const int8_t* kq;
   const float* kd;
-  const int32_t* ks;
+  const int32_t *ks, *ks16;
   Acts at(int64_t t) const {  // (an array a call does not need is empty: its pointer stays null)
     const auto row = [](auto* p, int64_t n) { return p ? p + n : p; };
     return {row(q, t * K), row(d, t * nb), row(s, t * nb), row(sum, t * nb), row(x16, t * 2 * nb), K, nb,
-            row(kq, t * K), row(kd, t * (nb / 8)), row(ks, t * (nb / 8) * 4)};
+            row(kq, t * K), row(kd, t * (nb / 8)), row(ks, t * (nb / 8) * 4), row(ks16, t * (nb / 8) * 8)};
+  }
+  // row r's min sums of super-block sb for a km type QT (mpairs(QT) int16 pairs)
+  const int32_t* mins(int64_t qt, int64_t r, int64_t sb) const {
+    const int64_t P = mpairs(qt);
+    return (qt == Q2_K ? ks16 : ks) + (r * (nb / 8) + sb) * P;
   }
 };
 
@@ -185,7 +214,7 @@ struct Acts {
 // bit for bit; xq, dx: the activations per 256):
 //   z  = 0; for its 8 chunks j: z = fma(float(i_j), d_j, z)   i_j = sum_k u[k] xq[k] (exact),
 //                                                                d_j = d * sc_j (chunk_scalar's d)
-//   M  = sum_j mn_j * s_j        (int32, exact: s_j the chunk's sum of xq)
+//   M  = sum_j mn_j * s_j        (int32, exact: s_j the chunk's sum of xq; Q2_K: per 16-element half)
 //   y  = fma(fma(float(M), -dmin, z), dx, y)
 // against a multiply and an FMA more per 32 elements with activations per 32 (its min term as
 // m_j * dx_j * s_j, which shared the pipes of vpdpbusd): Zen 4, 1 thread, 1024 x 1536 from
@@ -194,6 +223,12 @@ struct Acts {
 
 // the mins of a km type's super-block sb of one weight row into lane n (stride lanes) of mn, dm
 inline void mins_km(const uint8_t* row, int64_t qt, int64_t sb, int64_t n, int64_t lanes, Buf& p) {
+  if (qt == Q2_K) {  // 16 mins (the scale bytes' high nibbles), -dmin
+    const auto& h = reinterpret_cast<const BlockQ2_K*>(row)[sb];
+    for (int k = 0; k < 8; ++k) p.mn[(sb * 8 + k) * lanes + n] = h.scales[2 * k] >> 4 | (h.scales[2 * k + 1] >> 4) << 16;
+    p.dm[sb * lanes + n] = -half(h.dmin);
+    return;
+  }
   // (Q5_K's d, dmin and scales are at Q4_K's offsets)
   const auto& h = *reinterpret_cast<const BlockQ4_K*>(row + (qt == Q4_K ? sizeof(BlockQ4_K) : sizeof(BlockQ5_K)) * sb);
   int mn[8];
@@ -223,7 +258,8 @@ void unpack_scalar(int64_t qt, const uint8_t* w, int64_t rb, int64_t rows, int64
     }
 }
 
-void rows_scalar_km(const Buf& p, int64_t nb, int64_t T, const Acts& a, float* out, int64_t ldo, int64_t cols) {
+void rows_scalar_km(int64_t qt, const Buf& p, int64_t nb, int64_t T, const Acts& a, float* out, int64_t ldo, int64_t cols) {
+  const int64_t P = mpairs(qt);
   for (int64_t r = 0; r < T; ++r)
     for (int64_t n = 0; n < cols; ++n) {
       float y = 0.f;
@@ -237,7 +273,7 @@ void rows_scalar_km(const Buf& p, int64_t nb, int64_t T, const Acts& a, float* o
           z = std::fmaf(static_cast<float>(i), p.d[b * NR + n], z);
         }
         int32_t M = 0;
-        for (int k = 0; k < 4; ++k) M += pair_dot(p.mn[(sb * 4 + k) * NR + n], a.ks[(r * (nb / 8) + sb) * 4 + k]);
+        for (int k = 0; k < P; ++k) M += pair_dot(p.mn[(sb * P + k) * NR + n], a.mins(qt, r, sb)[k]);
         y = std::fmaf(std::fmaf(static_cast<float>(M), p.dm[sb * NR + n], z), a.kd[r * (nb / 8) + sb], y);
       }
       out[r * ldo + n] = y;
@@ -252,11 +288,11 @@ void rows_scalar(int64_t qt, const Buf& p, int64_t nb, int64_t T, const int8_t* 
     for (int64_t n = 0; n < cols; ++n) {
       float y = 0.f;
       for (int64_t b = 0; b < nb; ++b) {
-        if (qt == Q6_K) {  // a sum per 16-element half: w = scale * (q - 32)
+        if (halved(qt)) {  // a sum per 16-element half: w = scale * (u - hbias)
           const int8_t* x = xq + r * K + QK * b;
           int32_t i[2];
           for (int h = 0; h < 2; ++h) {
-            i[h] = -32 * x16[r * 2 * nb + 2 * b + h];
+            i[h] = -hbias(qt) * x16[r * 2 * nb + 2 * b + h];
             for (int e = 0; e < 16; ++e) i[h] += p.u[((b * 8 + 4 * h + e / 4) * NR + n) * 4 + e % 4] * x[16 * h + e];
           }
           const float t = std::fmaf(static_cast<float>(i[0]), p.d[b * NR + n], static_cast<float>(i[1]) * p.m[b * NR + n]);
@@ -286,6 +322,8 @@ void with_panel_type(int64_t qt, const Fn& f) {
     case Q4_K: f(std::integral_constant<int64_t, Q4_K>{}); return;
     case Q5_K: f(std::integral_constant<int64_t, Q5_K>{}); return;
     case Q6_K: f(std::integral_constant<int64_t, Q6_K>{}); return;
+    case Q3_K: f(std::integral_constant<int64_t, Q3_K>{}); return;
+    case Q2_K: f(std::integral_constant<int64_t, Q2_K>{}); return;
     case IQ4_XS: f(std::integral_constant<int64_t, IQ4_XS>{}); return;
     default: f(std::integral_constant<int64_t, Q8_0>{}); return;
   }
@@ -360,6 +398,21 @@ inline __m256i chunk_avx2(const uint8_t* row, int64_t c, float& d, float& m) {
     const __m256i lo = vec::bits(b.ql + 64 * h + 32 * (k % 2), 4 * (k / 2), 0x0F);
     const __m256i hi = vec::bits(b.qh + 32 * h, 2 * k, 0x03);
     return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+  } else if constexpr (QT == Q3_K) {
+    const uint8_t* b = row + sizeof(BlockQ3_K) * (c / 8);
+    const auto& h = *reinterpret_cast<const BlockQ3_K*>(b);
+    const int j = static_cast<int>(c % 8);
+    d = half(h.d) * static_cast<float>(scale_q3_k(h.scales, 2 * j));
+    m = half(h.d) * static_cast<float>(scale_q3_k(h.scales, 2 * j + 1));
+    return kq::chunk<Q3_K>(b, j);
+  } else if constexpr (QT == Q2_K) {  // q times its half's scale: 16-bit products, each byte's fits
+    const uint8_t* b = row + sizeof(BlockQ2_K) * (c / 8);
+    const auto& h = *reinterpret_cast<const BlockQ2_K*>(b);
+    const int j = static_cast<int>(c % 8);
+    d = half(h.d);
+    const __m256i sc = _mm256_setr_m128i(_mm_set1_epi16(static_cast<int16_t>(h.scales[2 * j] & 0x0F)),
+                                         _mm_set1_epi16(static_cast<int16_t>(h.scales[2 * j + 1] & 0x0F)));
+    return _mm256_mullo_epi16(kq::chunk<Q2_K>(b, j), sc);
   } else {
     static_assert(QT == IQ4_XS, "not a panel type");
     const auto& b = reinterpret_cast<const BlockIQ4_XS*>(row)[c / 8];
@@ -425,11 +478,11 @@ void rows_avx2(const Buf& p, int64_t nb, const int8_t* xq, const float* xd, cons
     const __m256i* u = reinterpret_cast<const __m256i*>(p.u.data() + b * 8 * NR2 * 4);
     const int8_t* x = xq + QK * b;
     const __m256 d = _mm256_loadu_ps(p.d.data() + b * NR2);
-    if constexpr (QT == Q6_K) {  // halves of 4 quads, each 2 + 2 in int16; q - 32 by the half's sum
+    if constexpr (halved(QT)) {  // halves of 4 quads, each 2 + 2 in int16; u - hbias by the half's sum
       __m256i i0[R], i1[R];
       for (int r = 0; r < R; ++r) {
-        i0[r] = _mm256_set1_epi32(-32 * x16[r * 2 * nb + 2 * b]);
-        i1[r] = _mm256_set1_epi32(-32 * x16[r * 2 * nb + 2 * b + 1]);
+        i0[r] = _mm256_set1_epi32(-hbias(QT) * x16[r * 2 * nb + 2 * b]);
+        i1[r] = _mm256_set1_epi32(-hbias(QT) * x16[r * 2 * nb + 2 * b + 1]);
       }
       dot_rows<R, 2>(u, x, K, 0, 4, i0);
       dot_rows<R, 2>(u, x, K, 4, 4, i1);
@@ -481,7 +534,8 @@ void rows_avx2(const Buf& p, int64_t nb, const int8_t* xq, const float* xd, cons
 // R activation rows x the panel, a km type (rows_scalar_km's arithmetic)
 template <int64_t QT, int R>
 void rows_avx2_km(const Buf& p, int64_t nb, const Acts& a, float* out, int64_t ldo, int64_t cols) {
-  constexpr int G = QT == Q4_K ? 8 : 4;  // quads summed in int16 (u <= 15 / 31)
+  constexpr int G = QT == Q4_K ? 8 : QT == Q5_K ? 4 : 2;  // quads summed in int16 (u <= 15 / 31 / 45)
+  constexpr int64_t P = mpairs(QT);
   const int64_t nsb = nb / 8;
   __m256 y[R];
   for (int r = 0; r < R; ++r) y[r] = _mm256_setzero_ps();
@@ -496,12 +550,12 @@ void rows_avx2_km(const Buf& p, int64_t nb, const Acts& a, float* out, int64_t l
       const __m256 d = _mm256_loadu_ps(p.d.data() + b * NR2);
       for (int r = 0; r < R; ++r) z[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i[r]), d, z[r]);
     }
-    const __m256i* mn = reinterpret_cast<const __m256i*>(p.mn.data() + sb * 4 * NR2);
+    const __m256i* mn = reinterpret_cast<const __m256i*>(p.mn.data() + sb * P * NR2);
     const __m256 dm = _mm256_loadu_ps(p.dm.data() + sb * NR2);
     for (int r = 0; r < R; ++r) {
-      const int32_t* ks = a.ks + (r * nsb + sb) * 4;
+      const int32_t* ks = a.mins(QT, r, sb);
       __m256i M = _mm256_madd_epi16(_mm256_loadu_si256(mn), _mm256_set1_epi32(ks[0]));
-      for (int k = 1; k < 4; ++k) M = _mm256_add_epi32(M, _mm256_madd_epi16(_mm256_loadu_si256(mn + k), _mm256_set1_epi32(ks[k])));
+      for (int k = 1; k < P; ++k) M = _mm256_add_epi32(M, _mm256_madd_epi16(_mm256_loadu_si256(mn + k), _mm256_set1_epi32(ks[k])));
       const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(M), dm, z[r]);
       y[r] = _mm256_fmadd_ps(t, _mm256_set1_ps(a.kd[r * nsb + sb]), y[r]);
     }
@@ -741,6 +795,86 @@ void unpack_vnni(const Rows& p, int64_t nb, Buf& buf) {
         }
       }
     }
+  } else if constexpr (QT == Q2_K) {  // u = the half's scale times q; d the super-block's; mins: mn, dm
+    constexpr int64_t bb = sizeof(BlockQ2_K);
+    const __m512i three = _mm512_set1_epi8(0x03), lo = _mm512_set1_epi32(0x0F);
+    // scale byte i of each row (s[i / 4]: bytes 4 (i / 4) .., lane n = row n): its low or high nibble
+    auto nib_of = [&](const __m512i s[4], int i, bool hi) {
+      return _mm512_and_si512(_mm512_srli_epi32(s[i / 4], 8 * (i % 4) + 4 * hi), lo);
+    };
+    for (int64_t sb = 0; sb < nb / 8; ++sb) {
+      const int64_t o = sb * bb;
+      __m512i s[4];  // s[i] lane n = scales[4 i .. 4 i + 3] of row n
+      transpose16(p, o, s);
+      const __m512i dd = p.dwords(o + 80);  // d | dmin << 16
+      const __m512 d = halves(dd, false);
+      _mm512_storeu_ps(buf.dm.data() + sb * NR, neg(halves(dd, true)));
+      for (int k = 0; k < 8; ++k)  // mins 2 k, 2 k + 1 in int16 pairs
+        _mm512_storeu_si512(buf.mn.data() + (sb * 8 + k) * NR,
+                            _mm512_or_si512(nib_of(s, 2 * k, true), _mm512_slli_epi32(nib_of(s, 2 * k + 1, true), 16)));
+      for (int h = 0; h < 2; ++h) {  // qs bytes 32 h ..: chunk 4 h + jj takes bits 2 jj
+        transpose16(p, o + 16 + 32 * h, q);
+        transpose16(p, o + 32 + 32 * h, r);
+        for (int jj = 0; jj < 4; ++jj) {
+          const int c = 4 * h + jj;
+          _mm512_storeu_ps(buf.d.data() + (8 * sb + c) * NR, d);
+          __m512i sc[2];  // the halves' scales (2 c, 2 c + 1) in both 16-bit words of each lane
+          for (int e = 0; e < 2; ++e) {
+            const __m512i v = nib_of(s, 2 * c + e, false);
+            sc[e] = _mm512_or_si512(v, _mm512_slli_epi32(v, 16));
+          }
+          __m512i* u = u_of(8 * sb + c);
+          for (int k = 0; k < 8; ++k) {  // q <= 3 times a scale <= 15: each byte's product fits it
+            const __m512i v = _mm512_and_si512(_mm512_srli_epi16(k < 4 ? q[k] : r[k - 4], 2 * jj), three);
+            _mm512_storeu_si512(u + k, _mm512_mullo_epi16(v, sc[k / 4]));
+          }
+        }
+      }
+    }
+  } else if constexpr (QT == Q3_K) {  // u = q + 4 (the hmask bit as bit 2); d, m: the halves' scales times d
+    constexpr int64_t bb = sizeof(BlockQ3_K);
+    const __m512i three = _mm512_set1_epi8(0x03), four = _mm512_set1_epi8(0x04);
+    const __m512i k4 = _mm512_set1_epi32(0x0F0F0F0F), k2 = _mm512_set1_epi32(0x03030303);
+    for (int64_t sb = 0; sb < nb / 8; ++sb) {
+      const int64_t o = sb * bb;
+      __m512i t[4];  // bytes 94 .. 109 of each row: qs[62..63], scales[0..11], d
+      transpose16(p, o + 94, t);
+      auto dword = [&](int i) {  // scale bytes 4 i .. 4 i + 3
+        return _mm512_or_si512(_mm512_srli_epi32(t[i], 16), _mm512_slli_epi32(t[i + 1], 16));
+      };
+      const __m512i a0 = dword(0), a1 = dword(1), a2 = dword(2);
+      const __m512 dd = halves(t[3], true);
+      auto six = [&](__m512i l, int ls, int hs) {  // 4 low bits from l >> ls, 2 high from a2 >> hs
+        return _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(l, ls), k4),
+                               _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(a2, hs), k2), 4));
+      };
+      const __m512i sc[4] = {six(a0, 0, 0), six(a1, 0, 2), six(a0, 4, 4), six(a1, 4, 6)};  // scales 4 i ..
+      for (int c = 0; c < 8; ++c) {
+        const __m512i v = sc[c / 2];
+        const int k = 2 * (c % 2);  // scales 2 c, 2 c + 1: bytes k, k + 1 of v, each minus 32
+        const __m512i s0 = _mm512_sub_epi32(byte_of(v, k), _mm512_set1_epi32(32));
+        const __m512i s1 = _mm512_sub_epi32(byte_of(v, k + 1), _mm512_set1_epi32(32));
+        _mm512_storeu_ps(buf.d.data() + (8 * sb + c) * NR, _mm512_mul_ps(dd, cvt(s0)));
+        _mm512_storeu_ps(buf.m.data() + (8 * sb + c) * NR, _mm512_mul_ps(dd, cvt(s1)));
+      }
+      __m512i hm[2][4];
+      transpose16(p, o, hm[0]);
+      transpose16(p, o + 16, hm[1]);
+      for (int h = 0; h < 2; ++h) {  // qs bytes 32 h ..: chunk 4 h + jj takes bits 2 jj
+        transpose16(p, o + 32 + 32 * h, q);
+        transpose16(p, o + 48 + 32 * h, r);
+        for (int jj = 0; jj < 4; ++jj) {
+          const int c = 4 * h + jj;
+          __m512i* u = u_of(8 * sb + c);
+          for (int k = 0; k < 8; ++k) {
+            const __m512i lo = _mm512_and_si512(_mm512_srli_epi16(k < 4 ? q[k] : r[k - 4], 2 * jj), three);
+            const __m512i m = hm[k / 4][k % 4];  // bit c of each byte -> bit 2
+            const __m512i hb = _mm512_and_si512(c >= 2 ? _mm512_srli_epi16(m, c - 2) : _mm512_slli_epi16(m, 2 - c), four);
+            _mm512_storeu_si512(u + k, _mm512_or_si512(lo, hb));
+          }
+        }
+      }
+    }
   } else if constexpr (QT == IQ4_XS) {  // chunk j: the 16 bytes qs[16 j ..], nibbles through the table
     constexpr int64_t bb = sizeof(BlockIQ4_XS);
     const __m512i tab = iq4_table();
@@ -807,35 +941,35 @@ inline __m512i dp(__m512i acc, __m512i u, const int8_t* p) {
   return acc;
 }
 
-// One output's two integer sums of block b before its products: Q6_K's halves (quads 0-3, 4-7)
-// start at -32 times the half's activation sum (its q - 32), the other types' even quads at -bias
-// times the block's sum and their odd quads at 0
+// One output's two integer sums of block b before its products: Q6_K's and Q3_K's halves (quads
+// 0-3, 4-7) start at -hbias times the half's activation sum (their u - hbias), the other types'
+// even quads at -bias times the block's sum and their odd quads at 0
 template <int64_t QT>
 inline void sums0(const int32_t* xsum, const int32_t* x16, int64_t nb, int64_t b, int r, __m512i& s0, __m512i& s1) {
-  if constexpr (QT == Q6_K) {
-    s0 = _mm512_set1_epi32(-32 * x16[r * 2 * nb + 2 * b]);
-    s1 = _mm512_set1_epi32(-32 * x16[r * 2 * nb + 2 * b + 1]);
+  if constexpr (halved(QT)) {
+    s0 = _mm512_set1_epi32(-hbias(QT) * x16[r * 2 * nb + 2 * b]);
+    s1 = _mm512_set1_epi32(-hbias(QT) * x16[r * 2 * nb + 2 * b + 1]);
   } else {
     s0 = _mm512_set1_epi32(-bias(QT) * xsum[r * nb + b]);
     s1 = _mm512_setzero_si512();
   }
 }
 
-// the two quads of step j (0-3) of a block's products, one for each of sums0's sums: Q6_K quad j
-// of each half (j, 4 + j); the other types quads 2 j and 2 j + 1 (even and odd)
+// the two quads of step j (0-3) of a block's products, one for each of sums0's sums: the halves
+// types quad j of each half (j, 4 + j); the other types quads 2 j and 2 j + 1 (even and odd)
 template <int64_t QT>
 constexpr int quad(int j, int sum) {
-  return QT == Q6_K ? j + 4 * sum : 2 * j + sum;
+  return halved(QT) ? j + 4 * sum : 2 * j + sum;
 }
 
 // y + block b's float steps for one output from its two integer sums (sums0, then the products):
-// Q6_K each half by its scale (d, m) then by the activation scale dx (3 multiplies a block, not
-// 4); the others their sum by d dx, then (Q4_1, Q5_1) + m times the activations' scaled sum.
-// Every kernel folds with this, so one output gets the same bits from each.
+// the halves types each half by its scale (d, m) then by the activation scale dx (3 multiplies a
+// block, not 4); the others their sum by d dx, then (Q4_1, Q5_1) + m times the activations'
+// scaled sum. Every kernel folds with this, so one output gets the same bits from each.
 template <int64_t QT>
 inline __m512 fold(__m512 y, __m512i s0, __m512i s1, const Buf& p, int64_t b, const float* xd, const float* xs, int64_t i) {
   const __m512 d = _mm512_loadu_ps(p.d.data() + b * NR);
-  if constexpr (QT == Q6_K) {
+  if constexpr (halved(QT)) {
     const __m512 m = _mm512_loadu_ps(p.m.data() + b * NR);
     const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), d, _mm512_mul_ps(_mm512_cvtepi32_ps(s1), m));
     return _mm512_fmadd_ps(t, _mm512_set1_ps(xd[i]), y);
@@ -855,7 +989,7 @@ void rows_vnni(const Buf& p, int64_t nb, const int8_t* xq, const float* xd, cons
   for (int64_t b = 0; b < nb; ++b) {
     const __m512i* u = reinterpret_cast<const __m512i*>(p.u.data() + b * 8 * NR * 4);
     const int8_t* x = xq + QK * b;
-    __m512i s0[R], s1[R];  // Q6_K: the halves' sums; else even and odd quads (twice the chains)
+    __m512i s0[R], s1[R];  // Q6_K, Q3_K: the halves' sums; else even and odd quads (twice the chains)
     for (int r = 0; r < R; ++r) sums0<QT>(xsum, x16, nb, b, r, s0[r], s1[r]);
     for (int j = 0; j < 4; ++j) {
       const int j0 = quad<QT>(j, 0), j1 = quad<QT>(j, 1);
@@ -883,6 +1017,7 @@ inline __m512i quad512(const int8_t* p) {
 // a register for both), a km type: rows_scalar_km's arithmetic, 16 rows per lane set
 template <int64_t QT, int R, int P>
 void rows_vnni_km(const Buf* const* pb, int64_t nb, const Acts& a, float* const* out, int64_t ldo, const __mmask16* mask) {
+  constexpr int64_t MP = mpairs(QT);
   const int64_t nsb = nb / 8;
   __m512 y[P][R];
   for (int q = 0; q < P; ++q)
@@ -921,12 +1056,12 @@ void rows_vnni_km(const Buf* const* pb, int64_t nb, const Acts& a, float* const*
       }
     }
     for (int q = 0; q < P; ++q) {
-      const __m512i* mn = reinterpret_cast<const __m512i*>(pb[q]->mn.data() + sb * 4 * NR);
+      const __m512i* mn = reinterpret_cast<const __m512i*>(pb[q]->mn.data() + sb * MP * NR);
       const __m512 dm = _mm512_loadu_ps(pb[q]->dm.data() + sb * NR);
       for (int r = 0; r < R; ++r) {
-        const int32_t* ks = a.ks + (r * nsb + sb) * 4;
+        const int32_t* ks = a.mins(QT, r, sb);
         __m512i M = _mm512_setzero_si512();
-        for (int k = 0; k < 4; ++k) M = _mm512_dpwssd_epi32(M, _mm512_loadu_si512(mn + k), _mm512_set1_epi32(ks[k]));
+        for (int k = 0; k < MP; ++k) M = _mm512_dpwssd_epi32(M, _mm512_loadu_si512(mn + k), _mm512_set1_epi32(ks[k]));
         y[q][r] = _mm512_fmadd_ps(_mm512_fmadd_ps(cvt(M), dm, z[q][r]), _mm512_set1_ps(a.kd[r * nsb + sb]), y[q][r]);
       }
     }
@@ -1235,12 +1370,12 @@ void ahead_of(at::TensorList ws, std::pair<int64_t, int64_t> panel, int64_t nr, 
 }
 
 // A call's activations, quantized once: per 32 (xq, d, s, each block's integer sum) where a
-// segment is not a km type, Q6_K's half sums, and per 256 (kq, kd, ks) where a segment is a km
-// type. Built in place (acts points into the vectors).
+// segment is not a km type, the half sums where one is Q6_K or Q3_K, and per 256 (kq, kd, ks;
+// ks16 for Q2_K) where a segment is a km type. Built in place (acts points into the vectors).
 struct Prep {
   std::vector<int8_t> xq, kq;
   std::vector<float> xds, kd;  // xds: d, then s
-  std::vector<int32_t> xsum, x16, ks;
+  std::vector<int32_t> xsum, x16, ks, ks16;
   Acts acts;
   Prep(const at::Tensor& x, at::IntArrayRef qtypes, int64_t impl) {
     const int64_t T = x.size(0), K = x.size(1), nb = K / QK, nsb = nb / 8;
@@ -1248,7 +1383,7 @@ struct Prep {
       xq.resize(T * K), xds.resize(2 * T * nb), xsum.resize(T * nb);
       a8::quantize_blocks(x.data_ptr<float>(), xq.data(), xds.data(), xds.data() + T * nb, T * nb, impl, xsum.data());
     }
-    if (std::find(qtypes.begin(), qtypes.end(), Q6_K) != qtypes.end()) {
+    if (std::any_of(qtypes.begin(), qtypes.end(), halved)) {
       x16.resize(T * 2 * nb);  // each 16-element half's sum
       for (int64_t i = 0; i < T * 2 * nb; ++i) {
         int32_t v = 0;
@@ -1262,11 +1397,18 @@ struct Prep {
       a8::quantize_sb(x.data_ptr<float>(), kq.data(), kd.data(), bs.data(), T * nsb, impl == 1 ? 1 : 0);
       for (int64_t i = 0; i < 4 * T * nsb; ++i) {  // chunk sums 2k, 2k + 1 of each super-block, paired
         const int32_t s0 = bs[4 * i] + bs[4 * i + 1], s1 = bs[4 * i + 2] + bs[4 * i + 3];
-        ks[i] = static_cast<int32_t>((static_cast<uint32_t>(s0) & 0xFFFF) | static_cast<uint32_t>(s1) << 16);
+        ks[i] = pair(s0, s1);
+      }
+      if (std::find(qtypes.begin(), qtypes.end(), Q2_K) != qtypes.end()) {
+        ks16.resize(8 * T * nsb);  // each 16 elements' sum, paired
+        for (int64_t i = 0; i < 8 * T * nsb; ++i) ks16[i] = pair(bs[2 * i], bs[2 * i + 1]);
       }
     }
     acts = {xq.data(), xds.data(), xq.empty() ? nullptr : xds.data() + T * nb, xsum.data(), x16.data(), K, nb,
-            kq.data(), kd.data(), ks.data()};
+            kq.data(), kd.data(), ks.data(), ks16.data()};
+  }
+  static int32_t pair(int32_t lo, int32_t hi) {  // two int16 values in a dword (lo | hi << 16)
+    return static_cast<int32_t>((static_cast<uint32_t>(lo) & 0xFFFF) | static_cast<uint32_t>(hi) << 16);
   }
   Prep(const Prep&) = delete;
 };
@@ -1340,7 +1482,7 @@ void panel(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, at::T
       }
 #endif
       unpack_scalar(qtypes[seg], base + n0 * rb, rb, cols, nb, buf);
-      if (km(qtypes[seg])) rows_scalar_km(buf, nb, T, acts, o, N, cols);
+      if (km(qtypes[seg])) rows_scalar_km(qtypes[seg], buf, nb, T, acts, o, N, cols);
       else rows_scalar(qtypes[seg], buf, nb, T, acts.q, acts.d, acts.s, acts.sum, acts.x16, K, o, N, cols);
     }
   };

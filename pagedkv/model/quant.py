@@ -37,8 +37,8 @@ A8_ROWS activation rows, `linear(x)` quantizes x once per call to int8 per 32-el
 (qmatmul_a8.cpp; shared by all the segments, e.g. q/k/v) and multiplies every quantized segment
 (A8_TYPES: the 32-element types by qmatmul_a8.cpp, x quantized per 32; the K-quants and IQ4_XS by
 qmatmul_a8x.cpp, x quantized per 256 as llama.cpp's q8_K) in integers, as llama.cpp does; the invariant above then does not hold
-(the activations are rounded to 8 bits). A weight whose segments are all PANEL_TYPES (the
-32-element types, Q4_K, Q5_K, Q6_K, IQ4_XS) is multiplied from panel_rows() rows on (big
+(the activations are rounded to 8 bits). A weight whose segments are all PANEL_TYPES (every
+A8 type) is multiplied from panel_rows() rows on (big
 batches, prefill) by the panel kernel (qmatmul_panel.cpp: 16 weight rows unpacked per panel
 straight from the file's blocks and vpdpbusd on a CPU with AVX-512 VNNI; 8 rows and maddubs
 with AVX2 only), with no upper limit. F16/BF16/F32 segments take the exact path with the float32 x, as do calls above
@@ -71,8 +71,10 @@ ACTIVATIONS = ("float32", "int8")  # activation modes; "int8" is the approximate
 BATCH_WEIGHTS = ("quantized", "float32", "panel")  # what calls above the kernels' rows multiply by
 # the types whose panels batch_weights="panel" keeps (int8 mode, AVX-512 VNNI: qmatmul_panel.cpp's r16)
 R16_TYPES = frozenset({Q.Q4_K, Q.Q5_K, Q.Q6_K})
-# the int8 panel kernel's types (many rows): every type with one scale per 32 elements, and Q6_K (two)
-PANEL_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS})
+# the int8 panel kernel's types (many rows): every type with one scale per 32 elements, and those
+# with one per 16 (Q6_K, Q3_K, Q2_K)
+PANEL_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
+                         Q.IQ4_XS})
 # segment types the int8 row kernel multiplies: 32-element blocks (qmatmul_a8.cpp, activations
 # quantized per 32) and super-blocks (qmatmul_a8x.cpp, activations quantized per 256)
 A8_SB_TYPES = frozenset({Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS})
@@ -163,6 +165,14 @@ def _zen5_cpu() -> bool:  # AMD Zen 5 and later (family 0x1A on)
 
 PANEL_SB_ROWS = 12 if _zen5_cpu() else 8
 PANEL_Q6_K_ROWS = 12 if _intel_cpu() else 16
+# Q3_K (halves as Q6_K's, 3-bit q: less to unpack) and Q2_K (a km type, from PANEL_SB_ROWS): Zen 4,
+# 2 threads, 65536 x 1536 from DRAM, ps per multiply-add, row kernel / panel: Q3_K 9.6 / 10.0 at 8
+# rows, 9.5 / 7.5 at 12, 9.5 / 6.5 at 16; Q2_K 8.5 / 9.6 at 6, 8.3 / 7.5 at 8, 8.0 / 5.9 at 12
+PANEL_Q3_K_ROWS = 12
+# Without VNNI the AVX2 panel trails the row kernel there (2 threads, 8960 x 1536, PAGEDKV_MAX_ISA=avx2,
+# ps per multiply-add at 12 rows, row kernel / panel: Q2_K 7.7 / 9.3, Q3_K 9.1 / 11.2) but beats
+# the exact path past the row kernel's cap (16 rows: Q2_K 19.0 -> 8.4, Q3_K 19.5 -> 10.2; 40
+# rows: 11.2 -> 6.4, 11.1 -> 7.9): from A8_SB_ROWS + 1 rows there
 # Without VNNI (an AVX2 CPU: the panel's maddubs code, 8 weight rows a panel) the AVX2 row kernel
 # holds out longer where a type's products cost more there (Q8_0 / IQ4_NL / IQ4_XS: two maddubs
 # a quad; the K-quants: scales unpacked per row): PANEL_AVX2_ROWS for weights of only Q4_0 / Q4_1
@@ -184,21 +194,25 @@ def panel_rows(qtypes: Iterable[Q]) -> int:
     (the VNNI one, or the AVX2 one on a CPU without VNNI)."""
     qtypes = set(qtypes)
     if not qkernel.vnni():
+        if qtypes & {Q.Q2_K, Q.Q3_K}:  # the row kernel leads up to its cap (A8_SB_ROWS), the panel after
+            return A8_SB_ROWS + 1
         return PANEL_AVX2_ROWS if qtypes <= PANEL_AVX2_CHEAP else PANEL_AVX2_SB_ROWS
     if Q.Q6_K in qtypes:
         return PANEL_Q6_K_ROWS
+    if Q.Q3_K in qtypes:
+        return PANEL_Q3_K_ROWS
     return PANEL_SB_ROWS if qtypes & A8_SB_TYPES else PANEL_ROWS
 
 
-# Up to this many rows, weights with a super-block segment that the panel does not take (Q3_K,
-# Q2_K; Q6_K before its panel) use the int8 row kernel; above, the exact path is faster: Q6_K, 4096x4096, 2
+# Up to this many rows, weights with a Q6_K, Q3_K or Q2_K segment use the int8 row kernel where
+# there is no panel kernel (or before its rows); above, the exact path is faster: Q6_K, 4096x4096, 2
 # threads, ns per weight, AVX2 int8 row kernel vs exact: 0.133 vs 0.174 at 8 rows, 0.468 vs
 # 0.387 at 28. Where the CPU has AVX-512 VNNI (the row kernel's VNNI tiles), A8_SB_VNNI_ROWS:
 # 8960x1536, 2 threads, row kernel vs exact: Q6_K 0.185 vs 0.411 at 16 rows, 0.447 vs 0.698 at
 # 40, 0.730 vs 1.019 at 64, 1.556 vs 1.608 at 128 (Q3_K, Q2_K alike).
 A8_SB_ROWS = 12
 A8_SB_VNNI_ROWS = 64
-# the super-block types those caps apply to (Q6_K: where the CPU has no panel kernel)
+# the super-block types those caps apply to (where the panel does not take the call)
 A8_SB_CAP_TYPES = frozenset({Q.Q2_K, Q.Q3_K, Q.Q6_K})
 
 
