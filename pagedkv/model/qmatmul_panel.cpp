@@ -214,6 +214,7 @@ struct Acts {
 // bit for bit; xq, dx: the activations per 256):
 //   z  = 0; for its 8 chunks j: z = fma(float(i_j), d_j, z)   i_j = sum_k u[k] xq[k] (exact),
 //                                                                d_j = d * sc_j (chunk_scalar's d)
+//        (Q2_K, whose u carry the scales: z = float(sum_j i_j) * d, one integer sum)
 //   M  = sum_j mn_j * s_j        (int32, exact: s_j the chunk's sum of xq; Q2_K: per 16-element half)
 //   y  = fma(fma(float(M), -dmin, z), dx, y)
 // against a multiply and an FMA more per 32 elements with activations per 32 (its min term as
@@ -265,13 +266,15 @@ void rows_scalar_km(int64_t qt, const Buf& p, int64_t nb, int64_t T, const Acts&
       float y = 0.f;
       for (int64_t sb = 0; sb < nb / 8; ++sb) {
         float z = 0.f;
+        int32_t i = 0;
         for (int64_t b = 8 * sb; b < 8 * sb + 8; ++b) {
-          int32_t i = 0;
+          if (qt != Q2_K) i = 0;
           const int8_t* x = a.kq + r * a.K + QK * b;
           for (int j = 0; j < 8; ++j)
             for (int e = 0; e < 4; ++e) i += p.u[((b * 8 + j) * NR + n) * 4 + e] * x[4 * j + e];
-          z = std::fmaf(static_cast<float>(i), p.d[b * NR + n], z);
+          if (qt != Q2_K) z = std::fmaf(static_cast<float>(i), p.d[b * NR + n], z);
         }
+        if (qt == Q2_K) z = static_cast<float>(i) * p.d[8 * sb * NR + n];
         int32_t M = 0;
         for (int k = 0; k < P; ++k) M += pair_dot(p.mn[(sb * P + k) * NR + n], a.mins(qt, r, sb)[k]);
         y = std::fmaf(std::fmaf(static_cast<float>(M), p.dm[sb * NR + n], z), a.kd[r * (nb / 8) + sb], y);
@@ -541,14 +544,21 @@ void rows_avx2_km(const Buf& p, int64_t nb, const Acts& a, float* out, int64_t l
   for (int r = 0; r < R; ++r) y[r] = _mm256_setzero_ps();
   for (int64_t sb = 0; sb < nsb; ++sb) {
     __m256 z[R];
-    for (int r = 0; r < R; ++r) z[r] = _mm256_setzero_ps();
+    __m256i i[R];  // a chunk's integer sums (Q2_K: the super-block's)
+    for (int r = 0; r < R; ++r) z[r] = _mm256_setzero_ps(), i[r] = _mm256_setzero_si256();
     for (int64_t b = 8 * sb; b < 8 * sb + 8; ++b) {
       const __m256i* u = reinterpret_cast<const __m256i*>(p.u.data() + b * 8 * NR2 * 4);
-      __m256i i[R];
-      for (int r = 0; r < R; ++r) i[r] = _mm256_setzero_si256();
+      if constexpr (QT != Q2_K)
+        for (int r = 0; r < R; ++r) i[r] = _mm256_setzero_si256();
       dot_rows<R, G>(u, a.kq + QK * b, a.K, 0, 8, i);
-      const __m256 d = _mm256_loadu_ps(p.d.data() + b * NR2);
-      for (int r = 0; r < R; ++r) z[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i[r]), d, z[r]);
+      if constexpr (QT != Q2_K) {
+        const __m256 d = _mm256_loadu_ps(p.d.data() + b * NR2);
+        for (int r = 0; r < R; ++r) z[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i[r]), d, z[r]);
+      }
+    }
+    if constexpr (QT == Q2_K) {
+      const __m256 d = _mm256_loadu_ps(p.d.data() + 8 * sb * NR2);
+      for (int r = 0; r < R; ++r) z[r] = _mm256_mul_ps(_mm256_cvtepi32_ps(i[r]), d);
     }
     const __m256i* mn = reinterpret_cast<const __m256i*>(p.mn.data() + sb * P * NR2);
     const __m256 dm = _mm256_loadu_ps(p.dm.data() + sb * NR2);
@@ -618,10 +628,14 @@ bool cpu_has_vnni() {
 struct Rows {
   const uint8_t* const* p;
   __m512i off;
+  int64_t stride = 0;  // rows[n] = rows[0] + n stride (a panel inside its segment), else 0
   explicit Rows(const uint8_t* const* rows) : p(rows) {
     alignas(64) int32_t o[NR];
     for (int n = 0; n < NR; ++n) o[n] = static_cast<int32_t>(rows[n] - rows[0]);
     off = _mm512_load_si512(o);
+    bool even = o[1] > 0;
+    for (int n = 2; n < NR; ++n) even = even && o[n] == n * o[1];
+    if (even) stride = o[1];
   }
   const uint8_t* operator[](int n) const { return p[n]; }
   // the 4 bytes at byte o of each row, lane n = row n
@@ -631,11 +645,27 @@ struct Rows {
 // 16 rows' 16-byte pieces at p[n] + off -> 4 zmm: out[j] lane n = bytes 4j..4j+3 of row n
 inline void transpose16(const Rows& p, int64_t off, __m512i out[4]) {
   __m512i z[4];
-  for (int a = 0; a < 4; ++a) {  // z[a] 128-bit lane l = row 4l + a
-    __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p[a] + off)));
-    v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[4 + a] + off)), 1);
-    v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[8 + a] + off)), 2);
-    z[a] = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[12 + a] + off)), 3);
+  auto ld = [](const uint8_t* q) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)); };
+  if (p.stride) {  // 4 bases and the stride (16 pointers do not fit the registers)
+    int64_t s = p.stride;
+    const uint8_t* b = p[0] + off;
+    asm("" : "+r"(s), "+r"(b));
+    const uint8_t* const b1 = b + 4 * s;
+    const uint8_t* const b2 = b + 8 * s;
+    const uint8_t* const b3 = b + 12 * s;
+    for (int a = 0; a < 4; ++a) {
+      __m512i v = _mm512_castsi128_si512(ld(b + a * s));
+      v = _mm512_inserti32x4(v, ld(b1 + a * s), 1);
+      v = _mm512_inserti32x4(v, ld(b2 + a * s), 2);
+      z[a] = _mm512_inserti32x4(v, ld(b3 + a * s), 3);
+    }
+  } else {
+    for (int a = 0; a < 4; ++a) {  // z[a] 128-bit lane l = row 4l + a
+      __m512i v = _mm512_castsi128_si512(ld(p[a] + off));
+      v = _mm512_inserti32x4(v, ld(p[4 + a] + off), 1);
+      v = _mm512_inserti32x4(v, ld(p[8 + a] + off), 2);
+      z[a] = _mm512_inserti32x4(v, ld(p[12 + a] + off), 3);
+    }
   }
   const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
   const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
@@ -1024,13 +1054,15 @@ void rows_vnni_km(const Buf* const* pb, int64_t nb, const Acts& a, float* const*
     for (int r = 0; r < R; ++r) y[q][r] = _mm512_setzero_ps();
   for (int64_t sb = 0; sb < nsb; ++sb) {
     __m512 z[P][R];
+    __m512i s0[P][R], s1[P][R];  // even and odd quads (two chains): a chunk's, Q2_K's the super-block's
     for (int q = 0; q < P; ++q)
-      for (int r = 0; r < R; ++r) z[q][r] = _mm512_setzero_ps();
+      for (int r = 0; r < R; ++r) z[q][r] = _mm512_setzero_ps(), s0[q][r] = s1[q][r] = _mm512_setzero_si512();
     for (int64_t b = 8 * sb; b < 8 * sb + 8; ++b) {
       const int8_t* x = a.kq + QK * b;
-      __m512i s0[P][R], s1[P][R];  // even and odd quads (two chains)
-      for (int q = 0; q < P; ++q)
-        for (int r = 0; r < R; ++r) s0[q][r] = s1[q][r] = _mm512_setzero_si512();
+      if constexpr (QT != Q2_K)
+        if (b > 8 * sb)
+          for (int q = 0; q < P; ++q)
+            for (int r = 0; r < R; ++r) s0[q][r] = s1[q][r] = _mm512_setzero_si512();
       for (int j = 0; j < 4; ++j) {
         __m512i w0[P], w1[P];
         for (int q = 0; q < P; ++q) {
@@ -1050,11 +1082,17 @@ void rows_vnni_km(const Buf* const* pb, int64_t nb, const Acts& a, float* const*
           }
         }
       }
-      for (int q = 0; q < P; ++q) {
-        const __m512 d = _mm512_loadu_ps(pb[q]->d.data() + b * NR);
-        for (int r = 0; r < R; ++r) z[q][r] = _mm512_fmadd_ps(cvt(_mm512_add_epi32(s0[q][r], s1[q][r])), d, z[q][r]);
-      }
+      if constexpr (QT != Q2_K)
+        for (int q = 0; q < P; ++q) {
+          const __m512 d = _mm512_loadu_ps(pb[q]->d.data() + b * NR);
+          for (int r = 0; r < R; ++r) z[q][r] = _mm512_fmadd_ps(cvt(_mm512_add_epi32(s0[q][r], s1[q][r])), d, z[q][r]);
+        }
     }
+    if constexpr (QT == Q2_K)  // one d for the super-block's chunks: their sum in integers, one multiply
+      for (int q = 0; q < P; ++q) {
+        const __m512 d = _mm512_loadu_ps(pb[q]->d.data() + 8 * sb * NR);
+        for (int r = 0; r < R; ++r) z[q][r] = _mm512_mul_ps(cvt(_mm512_add_epi32(s0[q][r], s1[q][r])), d);
+      }
     for (int q = 0; q < P; ++q) {
       const __m512i* mn = reinterpret_cast<const __m512i*>(pb[q]->mn.data() + sb * MP * NR);
       const __m512 dm = _mm512_loadu_ps(pb[q]->dm.data() + sb * NR);
