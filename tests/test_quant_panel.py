@@ -182,16 +182,17 @@ def test_panel_rejects_bad_arguments() -> None:
 @needs_vnni
 def test_k_quant_weights_take_the_panel_from_panel_sb_rows() -> None:
     """int8 mode, a Q4_K / Q5_K / IQ4_XS / Q2_K / Q3_K / Q6_K weight: the row kernel (its VNNI
-    tiles, 4 activation rows per pass) below quant.panel_rows (PANEL_SB_ROWS; Q3_K:
-    PANEL_Q3_K_ROWS; Q6_K: PANEL_Q6_K_ROWS), the panel from there on; a weight with a Q6_K
+    tiles, 4 activation rows per pass) below quant.panel_rows (PANEL_SB_ROWS; Q6_K:
+    PANEL_Q6_K_ROWS), the panel from there on; a weight with a Q6_K
     segment beside a Q4_K one waits for Q6_K's count."""
     k = 512
-    assert quant.PANEL_Q6_K_ROWS == (12 if quant._intel_cpu() else 16)  # measured per vendor (quant.py)
-    assert quant.PANEL_SB_ROWS == (12 if quant._zen5_cpu() else 8)
+    zen5, intel = quant._zen5_cpu(), quant._intel_cpu()
+    assert quant.PANEL_Q6_K_ROWS == (16 if zen5 else 12)  # measured per vendor (quant.py)
+    assert quant.PANEL_SB_ROWS == (12 if zen5 else 8 if intel else 6)
     assert quant.panel_rows([Q.Q4_K, Q.Q6_K]) == quant.PANEL_Q6_K_ROWS > quant.PANEL_SB_ROWS
     assert quant.panel_rows([Q.Q4_1, Q.Q8_0]) == quant.PANEL_ROWS
-    assert quant.panel_rows([Q.Q2_K, Q.Q3_K]) == quant.PANEL_Q3_K_ROWS > quant.PANEL_SB_ROWS
-    firsts = {Q.Q6_K: quant.PANEL_Q6_K_ROWS, Q.Q3_K: quant.PANEL_Q3_K_ROWS}
+    assert quant.panel_rows([Q.Q2_K, Q.Q3_K]) == quant.PANEL_SB_ROWS
+    firsts = {Q.Q6_K: quant.PANEL_Q6_K_ROWS}
     for qtype in (Q.Q4_K, Q.Q5_K, Q.IQ4_XS, Q.Q2_K, Q.Q3_K, Q.Q6_K):
         data = _blocks(qtype, 19, k, 4)
         w = QWeight(k, [(qtype, torch.from_numpy(data.copy()))])

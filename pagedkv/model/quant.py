@@ -112,7 +112,7 @@ A8_IMPL = 0  # qmatmul_a8.cpp impl: 0 the fastest built, 1 scalar (same results)
 # (bench decode's a8_crossover_ms): panel vs the int8 row kernel 6.5 vs 3.7 at 1 row, 6.7 vs 5.0
 # at 2, 6.2-7.6 vs 7.3 at 4, 7.8 vs 12.7 at 8; at 40 rows 17.9 vs 51 (tiles), at 256 83 vs 198.
 PANEL_ROWS = 4
-# Weights with a K-quant panel segment (Q4_K, Q5_K, IQ4_XS) take the panel from PANEL_SB_ROWS
+# Weights with a K-quant panel segment (Q4_K, Q5_K, IQ4_XS, Q3_K, Q2_K) take the panel from PANEL_SB_ROWS
 # rows, with a Q6_K segment from PANEL_Q6_K_ROWS: below, the int8 row kernel (AVX-512 VNNI, 4
 # activation rows per pass) is faster. The panel's unpacking is a fixed cost per call (Q6_K's
 # ~1.5x Q4_K's: 13 16-row transposes a super-block against 9). 2 threads (Zen 4 EPYC), ns per
@@ -163,12 +163,16 @@ def _zen5_cpu() -> bool:  # AMD Zen 5 and later (family 0x1A on)
     return vendor == "AuthenticAMD" and family >= 0x1A
 
 
-PANEL_SB_ROWS = 12 if _zen5_cpu() else 8
-PANEL_Q6_K_ROWS = 12 if _intel_cpu() else 16
-# Q3_K (halves as Q6_K's, 3-bit q: less to unpack) and Q2_K (a km type, from PANEL_SB_ROWS): Zen 4,
-# 2 threads, 65536 x 1536 from DRAM, ps per multiply-add, row kernel / panel: Q3_K 9.6 / 10.0 at 8
-# rows, 9.5 / 7.5 at 12, 9.5 / 6.5 at 16; Q2_K 8.5 / 9.6 at 6, 8.3 / 7.5 at 8, 8.0 / 5.9 at 12
-PANEL_Q3_K_ROWS = 12
+# The measurements above were taken while the panel's prefetch of its next panel never ran (ahead.h:
+# the compiler had deleted it); with it running, on the Zen 4 (2 threads, 65536 x 1536 from DRAM,
+# ps per multiply-add, row kernel / panel): Q4_K 10.6 / 8.1 at 6 rows, 8.4 / 6.5 at 8; Q6_K 8.3 /
+# 11.4 at 8, 8.3 / 6.8 at 12; Q3_K 10.6 / 7.5 at 6, 9.6 / 7.5 at 8; Q2_K 8.4 / 6.8 at 6. The
+# 1.5B K-quant file's int8 step, alternated: 6 rows, K-quants from 6 instead of 8, 94-96 -> 85-90
+# ms; 12 rows, Q6_K from 12 instead of 16, 122-126 -> 113-116; the 1.5B Q3_K_M-like file at 8
+# rows, Q3_K from 8 instead of 12, 122-123 -> 95-96. Zen 5 and Intel keep their (earlier) counts.
+# Q3_K and Q2_K weights follow PANEL_SB_ROWS.
+PANEL_SB_ROWS = 12 if _zen5_cpu() else 8 if _intel_cpu() else 6
+PANEL_Q6_K_ROWS = 16 if _zen5_cpu() else 12
 # Without VNNI the AVX2 panel trails the row kernel there (2 threads, 8960 x 1536, PAGEDKV_MAX_ISA=avx2,
 # ps per multiply-add at 12 rows, row kernel / panel: Q2_K 7.7 / 9.3, Q3_K 9.1 / 11.2) but beats
 # the exact path past the row kernel's cap (16 rows: Q2_K 19.0 -> 8.4, Q3_K 19.5 -> 10.2; 40
@@ -199,8 +203,6 @@ def panel_rows(qtypes: Iterable[Q]) -> int:
         return PANEL_AVX2_ROWS if qtypes <= PANEL_AVX2_CHEAP else PANEL_AVX2_SB_ROWS
     if Q.Q6_K in qtypes:
         return PANEL_Q6_K_ROWS
-    if Q.Q3_K in qtypes:
-        return PANEL_Q3_K_ROWS
     return PANEL_SB_ROWS if qtypes & A8_SB_TYPES else PANEL_ROWS
 
 
