@@ -4,6 +4,10 @@ one (bit for bit), QWeight's routing to it, and its argument checks."""
 
 from __future__ import annotations
 
+import platform
+import shutil
+import subprocess
+
 import numpy as np
 import pytest
 import torch
@@ -378,3 +382,24 @@ def test_kept_panels_reject_bad_arguments() -> None:
         matmul(x, [p], [int(Q.Q4_K)], [20], torch.empty(2, 19))
     matmul(x, [p], [int(Q.Q4_K)], [20], out)  # and the right ones work
     assert torch.isfinite(out).all()
+
+
+@needs_kernel
+@pytest.mark.skipif(shutil.which("objdump") is None or platform.machine() != "x86_64", reason="needs objdump, x86-64")
+def test_panel_kernels_keep_their_prefetches() -> None:
+    """The VNNI panels prefetch their next panel (ahead.h). Written as a loop of _mm_prefetch
+    alone, GCC deleted it (a loop with no side effects may be assumed to end): the built
+    library's panel code must hold prefetch instructions."""
+    with open("/proc/self/maps") as f:
+        libs = {line.split()[-1] for line in f if "pagedkv_qmatmul" in line and line.rstrip().endswith(".so")}
+    assert libs
+    lib = libs.pop()
+    asm = subprocess.run(["objdump", "-d", "-C", "--no-show-raw-insn", lib], capture_output=True, text=True,
+                         check=True).stdout
+    count, in_panel = 0, False
+    for line in asm.splitlines():
+        if line.endswith(">:"):  # a function's first line
+            in_panel = "panel::panel_vnni<" in line
+        elif in_panel and "prefetcht1" in line:
+            count += 1
+    assert count > 0
