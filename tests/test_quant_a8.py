@@ -356,3 +356,24 @@ def test_odd_activation_blocks_give_the_same_bits_on_every_path(qtype: Q) -> Non
         got = outs[0]
         assert np.isfinite(got[[0, 1, 5]]).all() and not (got[1] != 0).any(), op  # subnormal blocks: zeros
         assert not np.isfinite(got[[2, 3, 4]]).all(axis=1).any(), op  # a non-finite input shows
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K], ids=lambda q: q.name)
+def test_paired_k4_rows_give_the_generic_bits(qtype: Q) -> None:
+    """Q4_K / Q5_K take their own VNNI tile for pairs of weight rows at 1-3 activation rows (Q4_K
+    also from 4 on): rows of 9 super-blocks, an odd row count (the last row alone on the generic
+    tile), random bytes with one block's d infinite and another's dmin NaN: the same bits as the
+    AVX2 and scalar paths, NaNs in the same places."""
+    k, n = 9 * 256, 7
+    data = _blocks(qtype, n, k, seed=3)
+    blocks = data.view(np.uint8).reshape(n, 9, -1)
+    blocks[2, 4, 0:2] = np.frombuffer(np.float16(np.inf).tobytes(), np.uint8)  # d
+    blocks[5, 1, 2:4] = np.frombuffer(np.float16(np.nan).tobytes(), np.uint8)  # dmin
+    for t in (1, 2, 3, 4, 5, 6):
+        x = _acts(t, k, seed=10 + t)
+        outs = [_run_linear(qtype, data, x, impl) for impl in (0, 2, 1)]
+        for o in outs[1:]:
+            assert np.array_equal(outs[0], o, equal_nan=True), f"T={t}"
+        assert np.isfinite(np.delete(outs[0], [2, 5], axis=1)).all()
+        assert not np.isfinite(outs[0][:, [2, 5]]).any()
