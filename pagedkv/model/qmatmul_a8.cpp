@@ -186,25 +186,35 @@ void row_scalar(int64_t t, const uint8_t* row, int64_t nb, int64_t T, const int8
   const int64_t bb = block_bytes(t);
   std::vector<float> mb(nb);
   for (int64_t r = 0; r < T; ++r) {
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    // rows in whole groups of 4 (tile_late) sum every block into one set of lanes; the others
+    // (tile_inline) even and odd blocks apart, added at the end
+    const bool late = r < T - T % 4;
+    float acc[2][8] = {};
     WBlock wb;
     for (int64_t b = 0; b < nb; ++b) {
       unpack_scalar(t, row + bb * b, wb);
       const int8_t* x = xq + r * K + QK * b;
       const float d = wb.d * xd[r * nb + b];
+      float* a = acc[late ? 0 : b % 2];
       for (int j = 0; j < 8; ++j) {
         int lane = 0;
         for (int i = 4 * j; i < 4 * j + 4; ++i) lane += wb.w[i] * x[i];
-        acc[j] = std::fmaf(static_cast<float>(lane), d, acc[j]);
+        a[j] = std::fmaf(static_cast<float>(lane), d, a[j]);
       }
       mb[b] = wb.m;
     }
-    // rows in whole groups of 4 sum the offsets after the loop, the others block by block
+    // the offsets: after the loop (late), else block by block, even and odd blocks apart
     float summ = 0.f;
-    if (!signed_type(t) && r < T - T % 4) summ = offset_dot_scalar(mb.data(), xs + r * nb, nb);
-    else if (!signed_type(t))
-      for (int64_t b = 0; b < nb; ++b) summ = summ + mb[b] * xs[r * nb + b];
-    res[r * ldr] = hsum_lanes(acc) + summ;
+    if (!signed_type(t) && late) {
+      summ = offset_dot_scalar(mb.data(), xs + r * nb, nb);
+    } else if (!signed_type(t)) {
+      float s2[2] = {0.f, 0.f};
+      for (int64_t b = 0; b < nb; ++b) s2[b % 2] = s2[b % 2] + mb[b] * xs[r * nb + b];
+      summ = s2[0] + s2[1];
+    }
+    if (!late)
+      for (int j = 0; j < 8; ++j) acc[0][j] = acc[0][j] + acc[1][j];
+    res[r * ldr] = hsum_lanes(acc[0]) + summ;
   }
 }
 
@@ -260,19 +270,23 @@ __attribute__((always_inline)) inline __m128 load_block(const uint8_t* blk, __m2
 }
 
 // W weight rows (W <= 2) x 1-3 activation rows: as tile_late, but the offsets are summed block
-// by block. The activation side comes as pairs xp = [dx, sx] per block, so that one multiply
-// [d, m] x [dx, sx] gives both the block's scale d * dx (broadcast to the 8 lanes) and its
-// offset term m * sx, added to lane 1 of a running sum (lane 0 of that sum is unused).
+// by block, and even and odd blocks into separate sums (lanes and offsets), added at the end
+// (so the VNNI code folds two blocks with one 16-lane FMA). The activation side comes as pairs
+// xp = [dx, sx] per block, so that one multiply [d, m] x [dx, sx] gives both the block's scale
+// d * dx (broadcast to the 8 lanes) and its offset term m * sx, added to lane 1 of a running sum
+// (lane 0 of that sum is unused).
 template <int64_t QT, int W, int R>
 __attribute__((always_inline)) inline void tile_inline(const uint8_t* row, int64_t rb, int64_t nb, const int8_t* xq,
                                                        const float* xp, int64_t K, float* res, int64_t ldr) {
   constexpr int64_t bb = QT == Q4_0 || QT == IQ4_NL ? 18 : QT == Q4_1 ? 20 : QT == Q5_0 ? 22 : QT == Q5_1 ? 24 : 34;
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[W][R];
-  __m128 summ[W][R];
-  for (int v = 0; v < W; ++v)
-    for (int r = 0; r < R; ++r) acc[v][r] = _mm256_setzero_ps(), summ[v][r] = _mm_setzero_ps();
+  __m256 acc[2][W][R];  // even and odd blocks apart
+  __m128 summ[2][W][R];
+  for (int e = 0; e < 2; ++e)
+    for (int v = 0; v < W; ++v)
+      for (int r = 0; r < R; ++r) acc[e][v][r] = _mm256_setzero_ps(), summ[e][v][r] = _mm_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
+    const int e = b % 2;
     __m256i w[W], aw[W];
     __m128 dm[W];
     // fetch the rows PF_TILES tiles ahead (W rows, W * bb bytes per block step: the whole
@@ -286,14 +300,16 @@ __attribute__((always_inline)) inline void tile_inline(const uint8_t* row, int64
         const __m256i xv = signed_type(QT) ? _mm256_sign_epi8(x, w[v]) : x;
         const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw[v], xv), ones);
         const __m128 prod = _mm_mul_ps(dm[v], ds);  // [d * dx, m * sx]
-        acc[v][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcastss_ps(prod), acc[v][r]);
-        if (!signed_type(QT)) summ[v][r] = _mm_add_ps(summ[v][r], prod);
+        acc[e][v][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcastss_ps(prod), acc[e][v][r]);
+        if (!signed_type(QT)) summ[e][v][r] = _mm_add_ps(summ[e][v][r], prod);
       }
     }
   }
   for (int v = 0; v < W; ++v)
-    for (int r = 0; r < R; ++r)
-      res[v + r * ldr] = hsum(acc[v][r]) + _mm_cvtss_f32(_mm_movehdup_ps(summ[v][r]));
+    for (int r = 0; r < R; ++r) {
+      const float sm = _mm_cvtss_f32(_mm_movehdup_ps(summ[0][v][r])) + _mm_cvtss_f32(_mm_movehdup_ps(summ[1][v][r]));
+      res[v + r * ldr] = hsum(_mm256_add_ps(acc[0][v][r], acc[1][v][r])) + sm;
+    }
 }
 
 // W weight rows (W <= 2) x R activation rows (a whole group of 4): each activation block is
@@ -396,41 +412,42 @@ __attribute__((noinline)) void tile_inline(const uint8_t* row, int64_t rb, int64
                                            const float* xp, int64_t K, float* res, int64_t ldr) {
   constexpr int64_t bb = QT == Q4_0 || QT == IQ4_NL ? 18 : QT == Q4_1 ? 20 : QT == Q5_0 ? 22 : QT == Q5_1 ? 24 : 34;
   constexpr bool SG = signed_type(QT);
-  __m256 acc[W][R];
+  // lanes 0-7: the even blocks' sums, 8-15: the odd blocks' (tile_inline's two sets); summ lane
+  // 1 the even blocks' offsets, lane 3 the odd ones'
+  __m512 acc[W][R];
   __m128 summ[W][R];
   for (int v = 0; v < W; ++v)
-    for (int r = 0; r < R; ++r) acc[v][r] = _mm256_setzero_ps(), summ[v][r] = _mm_setzero_ps();
-  // one block's float steps, as tile_inline
-  auto step = [&](int v, int r, __m256i p, __m128 dm, const float* xpb) __attribute__((always_inline)) {
-    const __m128 ds = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(xpb)));
-    const __m128 prod = _mm_mul_ps(dm, ds);
-    acc[v][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcastss_ps(prod), acc[v][r]);
-    if (!SG) summ[v][r] = _mm_add_ps(summ[v][r], prod);
-  };
+    for (int r = 0; r < R; ++r) acc[v][r] = _mm512_setzero_ps(), summ[v][r] = _mm_setzero_ps();
+  const __m512i halves = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(2), 1);  // lanes 8-15: element 2
   int64_t b = 0;
   for (; b + 2 <= nb; b += 2) {
     __m512i w[W], aw[W];
     __mmask64 neg[W];
-    __m128 dm[W][2];
+    __m128 dm[W];  // [d, m] of blocks b and b + 1
     _mm_prefetch(reinterpret_cast<const char*>(row + PF_TILES * W * rb + W * bb * b), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(row + PF_TILES * W * rb + W * bb * (b + 1)), _MM_HINT_T0);
     for (int v = 0; v < W; ++v) {
       const uint8_t* b0 = row + v * rb + bb * b;
-      w[v] = load2<QT>(b0, b0 + bb, dm[v][0], dm[v][1]);
+      __m128 dm0, dm1;
+      w[v] = load2<QT>(b0, b0 + bb, dm0, dm1);
+      dm[v] = _mm_movelh_ps(dm0, dm1);
       if constexpr (SG) neg[v] = _mm512_movepi8_mask(w[v]), aw[v] = _mm512_abs_epi8(w[v]);
       else aw[v] = w[v];
     }
     for (int r = 0; r < R; ++r) {
       const __m512i x = _mm512_loadu_si512(xq + r * K + QK * b);
+      const __m128 ds = _mm_loadu_ps(xp + 2 * (r * nb + b));  // [dx, sx] of blocks b, b + 1
       for (int v = 0; v < W; ++v) {
         const __m512i xv = SG ? _mm512_mask_sub_epi8(x, neg[v], _mm512_setzero_si512(), x) : x;
         const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aw[v], xv);
-        step(v, r, _mm512_castsi512_si256(p), dm[v][0], xp + 2 * (r * nb + b));
-        step(v, r, _mm512_extracti64x4_epi64(p, 1), dm[v][1], xp + 2 * (r * nb + b + 1));
+        const __m128 prod = _mm_mul_ps(dm[v], ds);  // [d dx, m sx] of b, then of b + 1
+        const __m512 scale = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(prod));
+        acc[v][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), scale, acc[v][r]);
+        if (!SG) summ[v][r] = _mm_add_ps(summ[v][r], prod);
       }
     }
   }
-  if (b < nb) {  // the last block of an odd count: the same sums in 256 bits
+  if (b < nb) {  // the last block of an odd count (an even one): the same sums in 256 bits
     for (int v = 0; v < W; ++v) {
       const uint8_t* b0 = row + v * rb + bb * b;
       __m128 dm0, dm1;
@@ -440,13 +457,23 @@ __attribute__((noinline)) void tile_inline(const uint8_t* row, int64_t rb, int64
       for (int r = 0; r < R; ++r) {
         const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + QK * b));
         const __m256i xv = SG ? _mm256_sign_epi8(x, wv) : x;
-        step(v, r, _mm256_dpbusd_epi32(_mm256_setzero_si256(), awv, xv), dm0, xp + 2 * (r * nb + b));
+        const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), awv, xv);
+        const __m128 ds = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(xp + 2 * (r * nb + b))));
+        const __m128 prod = _mm_mul_ps(dm0, ds);
+        const __m256 lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcastss_ps(prod), _mm512_castps512_ps256(acc[v][r]));
+        acc[v][r] = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(acc[v][r]), _mm256_castps_pd(lo), 0));
+        if (!SG) summ[v][r] = _mm_add_ps(summ[v][r], _mm_movelh_ps(prod, _mm_setzero_ps()));
       }
     }
   }
   for (int v = 0; v < W; ++v)
-    for (int r = 0; r < R; ++r)
-      res[v + r * ldr] = simd::hsum(acc[v][r]) + _mm_cvtss_f32(_mm_movehdup_ps(summ[v][r]));
+    for (int r = 0; r < R; ++r) {
+      const __m256 even = _mm512_castps512_ps256(acc[v][r]);
+      const __m256 odd = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[v][r]), 1));
+      const __m128 s = summ[v][r];  // lanes 1 (even blocks) and 3 (odd)
+      const float sm = _mm_cvtss_f32(_mm_movehdup_ps(s)) + _mm_cvtss_f32(_mm_movehdup_ps(_mm_movehl_ps(s, s)));
+      res[v + r * ldr] = simd::hsum(_mm256_add_ps(even, odd)) + sm;
+    }
 }
 
 }  // namespace a8::zb
