@@ -676,9 +676,14 @@ void linear(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, at::
   std::vector<float> kd;
   std::vector<int16_t> kbs;
   const int64_t nsb = K / ggml::QK_K;
+  std::vector<int8_t> ku;  // kq in unit order, where a segment's kernel reads that (once per call)
   if (std::any_of(qtypes.begin(), qtypes.end(), x_type)) {
     kq.resize(T * K), kd.resize(T * nsb), kbs.resize(16 * T * nsb);
     quantize_sb(x.data_ptr<float>(), kq.data(), kd.data(), kbs.data(), T * nsb, impl);
+    if (std::any_of(qtypes.begin(), qtypes.end(), [&](int64_t t) { return reads_units(t, T, impl); })) {
+      ku.resize(T * K);
+      unit_order(kq.data(), ku.data(), T * K);
+    }
   }
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     for (size_t i = 0; i < ws.size(); ++i) {
@@ -688,7 +693,8 @@ void linear(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, at::
       const int64_t rb = ws[i].size(1), c = first[i];
       float* oc = op + c;
       if (x_type(qtypes[i])) {
-        x_range(qtypes[i], wp, rb, a - c, b - c, nsb, T, kq.data(), kd.data(), kbs.data(), K, oc, N, impl);
+        x_range(qtypes[i], wp, rb, a - c, b - c, nsb, T, kq.data(), kd.data(), kbs.data(), K, oc, N, impl,
+                ku.empty() ? nullptr : ku.data());
         continue;
       }
 #ifdef A8_AVX2

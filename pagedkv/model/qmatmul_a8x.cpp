@@ -502,14 +502,7 @@ using U = Z;
 // 94 -> 80 us at 1 row, 211 -> 192 at 3, 288 -> 273 at 5; Q5_K 111 -> 100 at 1 row, 246 -> 233
 // at 3 (at 4 and 5 rows, 233 -> 242 and 334 -> 337: Q5_K keeps the generic tile there).
 
-constexpr int UNIT_CHUNKS[4][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}};
-
-// x's super-blocks with their 32-element chunks in unit order (0 2 1 3 4 6 5 7)
-inline void unit_order(const int8_t* x, int8_t* out, int64_t n) {
-  for (int64_t sb = 0; sb < n; sb += QK_K)
-    for (int i = 0; i < 4; ++i)
-      for (int h = 0; h < 2; ++h) std::memcpy(out + sb + 64 * i + 32 * h, x + sb + 32 * UNIT_CHUNKS[i][h], 32);
-}
+constexpr int UNIT_CHUNKS[4][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}};  // unit_order's units
 
 // the 12 scale bytes of two blocks (p0 low lane, p1 high) -> per lane bytes sc0-7 then mn0-7
 // (scale_min_k4: sc j<4 = a & 63, mn j<4 = b & 63, sc 4+j = (c & 15) | (a >> 6) << 4,
@@ -623,15 +616,16 @@ void rows_k4(const uint8_t* row, int64_t rb, int64_t nsb, int64_t T, const int8_
 
 template <int64_t QT>
 void range(const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, int64_t nsb, int64_t T,
-           const int8_t* xq, const float* xd, const int16_t* bs, int64_t K, float* out, int64_t ldo) {
+           const int8_t* xq, const float* xd, const int16_t* bs, int64_t K, float* out, int64_t ldo,
+           const int8_t* xu) {
   int64_t n = n0;
   // Q4_K, Q5_K: pairs of weight rows by tile_k4 (Q5_K below 4 activation rows: from 4 on, the
-  // generic tile measured as fast)
+  // generic tile measured as fast), on xu (x in unit order)
   if constexpr (QT == Q4_K || QT == Q5_K) {
-    if (QT == Q4_K || T < 4) {
-      std::vector<int8_t> xp(T * K);
-      unit_order(xq, xp.data(), T * K);
-      for (; n + 2 <= n1; n += 2) rows_k4<QT>(w + n * rb, rb, nsb, T, xp.data(), xd, bs, K, out + n, ldo);
+    if (reads_units(QT, T, 0)) {
+      std::vector<int8_t> own(xu ? 0 : T * K);
+      if (!xu) unit_order(xq, own.data(), T * K);
+      for (; n + 2 <= n1; n += 2) rows_k4<QT>(w + n * rb, rb, nsb, T, xu ? xu : own.data(), xd, bs, K, out + n, ldo);
     }
   }
   for (; n + 2 <= n1; n += 2) rows<QT, 2>(w + n * rb, rb, nsb, T, xq, xd, bs, K, out + n, ldo);
@@ -647,8 +641,8 @@ namespace {
 template <int64_t QT>
 void range(const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, int64_t nsb, int64_t T,
            const int8_t* xq, const float* xd, const int16_t* bs, int64_t K, float* out, int64_t ldo,
-           int64_t impl) {
-  if (impl == 0 && vnni512()) return zv::range<QT>(w, rb, n0, n1, nsb, T, xq, xd, bs, K, out, ldo);
+           int64_t impl, const int8_t* xu) {
+  if (impl == 0 && vnni512()) return zv::range<QT>(w, rb, n0, n1, nsb, T, xq, xd, bs, K, out, ldo, xu);
   if (impl == 0 || impl == 2) {
     int64_t n = n0;
     for (; n + 2 <= n1; n += 2) y::rows<QT, 2>(w + n * rb, rb, nsb, T, xq, xd, bs, K, out + n, ldo);
@@ -663,7 +657,7 @@ void range(const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, int64_t nsb, in
 template <int64_t QT>
 void range(const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, int64_t nsb, int64_t T,
            const int8_t* xq, const float* xd, const int16_t* bs, int64_t K, float* out, int64_t ldo,
-           int64_t) {
+           int64_t, const int8_t*) {
   for (int64_t n = n0; n < n1; ++n) row_scalar<QT>(w + n * rb, nsb, T, xq, xd, bs, K, out + n, ldo);
 }
 
@@ -671,16 +665,31 @@ void range(const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, int64_t nsb, in
 
 }  // namespace
 
+void unit_order(const int8_t* x, int8_t* out, int64_t n) {
+  constexpr int order[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+  for (int64_t sb = 0; sb < n; sb += QK_K)
+    for (int j = 0; j < 8; ++j) std::memcpy(out + sb + 32 * j, x + sb + 32 * order[j], 32);
+}
+
+bool reads_units(int64_t t, int64_t T, int64_t impl) {
+#ifdef PQ_AVX2
+  return impl == 0 && vnni512() && (t == Q4_K || (t == Q5_K && T < 4));
+#else
+  (void)t, (void)T, (void)impl;
+  return false;
+#endif
+}
+
 void x_range(int64_t t, const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, int64_t nsb, int64_t T,
              const int8_t* xq, const float* xd, const int16_t* bs, int64_t K, float* out, int64_t ldo,
-             int64_t impl) {
+             int64_t impl, const int8_t* xu) {
   switch (t) {
-    case Q2_K: range<Q2_K>(w, rb, n0, n1, nsb, T, xq, xd, bs, K, out, ldo, impl); return;
-    case Q3_K: range<Q3_K>(w, rb, n0, n1, nsb, T, xq, xd, bs, K, out, ldo, impl); return;
-    case Q4_K: range<Q4_K>(w, rb, n0, n1, nsb, T, xq, xd, bs, K, out, ldo, impl); return;
-    case Q5_K: range<Q5_K>(w, rb, n0, n1, nsb, T, xq, xd, bs, K, out, ldo, impl); return;
-    case Q6_K: range<Q6_K>(w, rb, n0, n1, nsb, T, xq, xd, bs, K, out, ldo, impl); return;
-    case IQ4_XS: range<IQ4_XS>(w, rb, n0, n1, nsb, T, xq, xd, bs, K, out, ldo, impl); return;
+    case Q2_K: range<Q2_K>(w, rb, n0, n1, nsb, T, xq, xd, bs, K, out, ldo, impl, xu); return;
+    case Q3_K: range<Q3_K>(w, rb, n0, n1, nsb, T, xq, xd, bs, K, out, ldo, impl, xu); return;
+    case Q4_K: range<Q4_K>(w, rb, n0, n1, nsb, T, xq, xd, bs, K, out, ldo, impl, xu); return;
+    case Q5_K: range<Q5_K>(w, rb, n0, n1, nsb, T, xq, xd, bs, K, out, ldo, impl, xu); return;
+    case Q6_K: range<Q6_K>(w, rb, n0, n1, nsb, T, xq, xd, bs, K, out, ldo, impl, xu); return;
+    case IQ4_XS: range<IQ4_XS>(w, rb, n0, n1, nsb, T, xq, xd, bs, K, out, ldo, impl, xu); return;
     default: TORCH_CHECK(false, "x_range: not a super-block type: ", t);
   }
 }
