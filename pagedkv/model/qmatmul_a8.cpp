@@ -285,8 +285,9 @@ __attribute__((always_inline)) inline void tile_inline(const uint8_t* row, int64
   for (int e = 0; e < 2; ++e)
     for (int v = 0; v < W; ++v)
       for (int r = 0; r < R; ++r) acc[e][v][r] = _mm256_setzero_ps(), summ[e][v][r] = _mm_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const int e = b % 2;
+  // block b into the sums of parity E (a constant: the sums stay in registers)
+  auto block = [&](int64_t b, auto E) __attribute__((always_inline)) {
+    constexpr int e = decltype(E)::value;
     __m256i w[W], aw[W];
     __m128 dm[W];
     // fetch the rows PF_TILES tiles ahead (W rows, W * bb bytes per block step: the whole
@@ -304,7 +305,13 @@ __attribute__((always_inline)) inline void tile_inline(const uint8_t* row, int64
         if (!signed_type(QT)) summ[e][v][r] = _mm_add_ps(summ[e][v][r], prod);
       }
     }
+  };
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    block(b, std::integral_constant<int, 0>{});
+    block(b + 1, std::integral_constant<int, 1>{});
   }
+  if (b < nb) block(b, std::integral_constant<int, 0>{});
   for (int v = 0; v < W; ++v)
     for (int r = 0; r < R; ++r) {
       const float sm = _mm_cvtss_f32(_mm_movehdup_ps(summ[0][v][r])) + _mm_cvtss_f32(_mm_movehdup_ps(summ[1][v][r]));
