@@ -63,12 +63,12 @@ void quantize_blocks(const float* xp, int8_t* qp, float* dp, float* sp, int64_t 
 void quantize_sb(const float* x, int8_t* q, float* d, int16_t* bs, int64_t nsb, int64_t impl);
 
 // weight rows [n0, n1) of an x_type t (rows of rb bytes, nsb = K / 256 super-blocks) against T
-// activation rows quantized by quantize_sb -> out[r * ldo + n]. impl as above. xu (optional):
-// xq in the unit order of Q4_K / Q5_K's VNNI tile (unit_order), made once per call by the caller
-// (else, where that tile runs, per x_range call).
+// activation rows quantized by quantize_sb -> out[r * ldo + n]. impl as above. xu: xq in the
+// unit order of Q4_K / Q5_K's VNNI tile (unit_order), made once per call by the caller; required
+// where reads_units(t, T, impl), else unused (may be null).
 void x_range(int64_t t, const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, int64_t nsb, int64_t T,
              const int8_t* xq, const float* xd, const int16_t* bs, int64_t K, float* out, int64_t ldo,
-             int64_t impl, const int8_t* xu = nullptr);
+             int64_t impl, const int8_t* xu);
 
 // x (n int8, n a multiple of 256) with each super-block's 32-element chunks in the order 0 2 1 3
 // 4 6 5 7 (the units of Q4_K / Q5_K's VNNI tile); whether x_range(t, ..., impl) reads that order

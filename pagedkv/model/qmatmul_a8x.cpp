@@ -54,6 +54,10 @@ bool x_type(int64_t t) {
   }
 }
 
+// unit_order's chunk order within a super-block: Q4_K / Q5_K's VNNI tile (tile_k4) takes chunks
+// UNIT_ORDER[2i], UNIT_ORDER[2i + 1] as its unit i
+constexpr int UNIT_ORDER[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+
 namespace {
 
 // --- activations per 256 ------------------------------------------------------------------------
@@ -496,13 +500,13 @@ using U = Z;
 // quants read 64 bytes at a time (low nibbles: chunks 2j and 2j + 2 of the 64 bytes' two 32-byte
 // halves, high nibbles: 2j + 1 and 2j + 3), and both rows folded in one zmm (row 1 in its upper
 // 8 lanes). The units are chunk pairs (0, 2), (1, 3), (4, 6), (5, 7), so the activations are read
-// in that order (unit_order: per call). Every int32 lane sum I[l] and every float step per lane is
-// the generic tile's, so the results are the same bits (tested against impl 1 and 2).
+// in that order (unit_order: once per linear call, by the caller). Every int32 lane sum I[l]
+// and every float step per lane is the generic tile's, so the results are the same bits (tested
+// against impl 1 and 2).
 // Zen 4, 1 thread, 2048 x 1536 from L2/L3, medians of alternated runs, generic -> tile_k4: Q4_K
 // 94 -> 80 us at 1 row, 211 -> 192 at 3, 288 -> 273 at 5; Q5_K 111 -> 100 at 1 row, 246 -> 233
 // at 3 (at 4 and 5 rows, 233 -> 242 and 334 -> 337: Q5_K keeps the generic tile there).
 
-constexpr int UNIT_CHUNKS[4][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}};  // unit_order's units
 
 // the 12 scale bytes of two blocks (p0 low lane, p1 high) -> per lane bytes sc0-7 then mn0-7
 // (scale_min_k4: sc j<4 = a & 63, mn j<4 = b & 63, sc 4+j = (c & 15) | (a >> 6) << 4,
@@ -558,9 +562,9 @@ PQ_INLINE void tile_k4(const uint8_t* row, int64_t rb, int64_t nsb, const int8_t
     // d, dmin of both rows: [d0, dmin0, d1, dmin1]
     const __m128 dd = _mm_cvtph_ps(_mm_unpacklo_epi32(_mm_cvtsi32_si128(static_cast<int>(word(b0))),
                                                       _mm_cvtsi32_si128(static_cast<int>(word(b1)))));
-    __m512i acc[2][2][R];  // per unit parity: two shorter chains
+    __m512i acc[2][R];
     for (int v = 0; v < 2; ++v)
-      for (int r = 0; r < R; ++r) acc[0][v][r] = acc[1][v][r] = _mm512_setzero_si512();
+      for (int r = 0; r < R; ++r) acc[v][r] = _mm512_setzero_si512();
     __m512i qh[2];
     if constexpr (QT == Q5_K) {
       qh[0] = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + 16)));
@@ -568,7 +572,7 @@ PQ_INLINE void tile_k4(const uint8_t* row, int64_t rb, int64_t nsb, const int8_t
     }
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
-      const int ca = UNIT_CHUNKS[i][0], cb = UNIT_CHUNKS[i][1];
+      const int ca = UNIT_ORDER[2 * i], cb = UNIT_ORDER[2 * i + 1];
       __m512i u[2], s[2];
       for (int v = 0; v < 2; ++v) {
         const __m512i q = _mm512_loadu_si512(row + v * rb + bb * sb + QS + 64 * (i / 2));
@@ -583,15 +587,15 @@ PQ_INLINE void tile_k4(const uint8_t* row, int64_t rb, int64_t nsb, const int8_t
       for (int r = 0; r < R; ++r) {
         const __m512i x = _mm512_loadu_si512(xp + r * K + QK_K * sb + 64 * i);
         for (int v = 0; v < 2; ++v) {
-          acc[i % 2][v][r] = _mm512_dpwssd_epi32(acc[i % 2][v][r], _mm512_maddubs_epi16(u[v], x), s[v]);
-          asm("" : "+v"(acc[i % 2][v][r]));
+          acc[v][r] = _mm512_dpwssd_epi32(acc[v][r], _mm512_maddubs_epi16(u[v], x), s[v]);
+          asm("" : "+v"(acc[v][r]));
         }
       }
     }
     for (int r = 0; r < R; ++r) {
       // I of both rows in one zmm (row v's chunk halves added: the generic tile's lanes())
-      const __m512i a0 = _mm512_add_epi32(acc[0][0][r], acc[1][0][r]), a1 = _mm512_add_epi32(acc[0][1][r], acc[1][1][r]);
-      const __m512i I = _mm512_add_epi32(_mm512_shuffle_i64x2(a0, a1, 0x44), _mm512_shuffle_i64x2(a0, a1, 0xEE));
+      const __m512i I = _mm512_add_epi32(_mm512_shuffle_i64x2(acc[0][r], acc[1][r], 0x44),
+                                         _mm512_shuffle_i64x2(acc[0][r], acc[1][r], 0xEE));
       const __m512i b16 = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs + 16 * (r * nsb + sb))));
       const __m512i M = _mm512_madd_epi16(mn16, b16);
       const __m128 f = _mm_mul_ps(dd, _mm_set1_ps(xd[r * nsb + sb]));  // d dx, dmin dx per row
@@ -623,9 +627,8 @@ void range(const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, int64_t nsb, in
   // generic tile measured as fast), on xu (x in unit order)
   if constexpr (QT == Q4_K || QT == Q5_K) {
     if (reads_units(QT, T, 0)) {
-      std::vector<int8_t> own(xu ? 0 : T * K);
-      if (!xu) unit_order(xq, own.data(), T * K);
-      for (; n + 2 <= n1; n += 2) rows_k4<QT>(w + n * rb, rb, nsb, T, xu ? xu : own.data(), xd, bs, K, out + n, ldo);
+      TORCH_CHECK(xu != nullptr, "x_range: Q4_K / Q5_K here read x in unit order (unit_order)");
+      for (; n + 2 <= n1; n += 2) rows_k4<QT>(w + n * rb, rb, nsb, T, xu, xd, bs, K, out + n, ldo);
     }
   }
   for (; n + 2 <= n1; n += 2) rows<QT, 2>(w + n * rb, rb, nsb, T, xq, xd, bs, K, out + n, ldo);
@@ -666,9 +669,8 @@ void range(const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, int64_t nsb, in
 }  // namespace
 
 void unit_order(const int8_t* x, int8_t* out, int64_t n) {
-  constexpr int order[8] = {0, 2, 1, 3, 4, 6, 5, 7};
   for (int64_t sb = 0; sb < n; sb += QK_K)
-    for (int j = 0; j < 8; ++j) std::memcpy(out + sb + 32 * j, x + sb + 32 * order[j], 32);
+    for (int j = 0; j < 8; ++j) std::memcpy(out + sb + 32 * j, x + sb + 32 * UNIT_ORDER[j], 32);
 }
 
 bool reads_units(int64_t t, int64_t T, int64_t impl) {
