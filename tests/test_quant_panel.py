@@ -87,12 +87,11 @@ OTHER = [Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4
 def test_other_types_on_the_panel(qtype: Q) -> None:
     """Every other type with one scale per 32 elements, and Q6_K, Q3_K and Q2_K (one per 16; random
     valid blocks: scales of either sign, subnormal, a zero block): the scalar path against gguf's
-    dequantized weights x int8 activations per 32 (Q4_K, Q5_K and Q2_K: per 256, as the row
-    kernel's), and the VNNI path equal to it bit for bit (rows ending mid-panel), and the VNNI
-    and AVX2 paths equal to it bit for bit."""
+    dequantized weights x int8 activations per 32 (the K-quants: per 256, as the row kernel's),
+    and the VNNI path (rows ending mid-panel), VNNI pairs and AVX2 equal to it bit for bit."""
     k = 512
     data = _blocks(qtype, 37, k, 11)
-    group = 256 if qtype in (Q.Q4_K, Q.Q5_K, Q.Q2_K) else 32
+    group = 256 if qtype in (Q.Q4_K, Q.Q5_K, Q.Q2_K, Q.Q3_K, Q.Q6_K) else 32
     for t in (1, 4, 9, 40):
         x = _acts(t, k, seed=t)
         scalar = _panel(x, [(qtype, data)], 1)

@@ -20,10 +20,8 @@
 //   y  = fma(m, sx, y)                                  (Q4_1 only: the block's m, sx = dx * sum xq)
 // so Q4_0 and Q8_0 blocks are dotted exactly in integers (their offsets -8 and -128 folded into
 // i), and the result differs from qmatmul_a8's (which sums lanes in float) only by rounding.
-// Q4_K / Q5_K: per super-block against activations per 256 (km, below).
-// Q6_K (a scale per 16 elements): i_h per half h of a block, i_h = sum_k q[k] * xq[k] - 32 *
-// sum_k xq[k] over its 16 elements (q the 6-bit values), then t = fma(float(i_0), d sc_0,
-// float(i_1) * d sc_1) and y = fma(t, dx, y).
+// The K-quants: per super-block against activations per 256 (km, below); Q6_K and Q3_K (a
+// signed scale per 16 elements) with their scales applied in integers (HALVES, below).
 //
 // Op (torch.ops.pagedkv_a8.*, fragment of qmatmul_a8.cpp's library):
 //   panel(x [T, K] f32, ws [w_i [N_i, rb_i] u8], qtypes, out [T, sum N_i] f32, impl): as
@@ -77,14 +75,15 @@ constexpr bool has_m(int64_t qt) { return qt == Q4_1 || qt == Q5_1; }  // (the K
 // per 16: u = scale * q <= 45, a byte, so a chunk's two halves share one integer sum and d):
 // activations quantized per 256 (as the int8 row kernel's and llama.cpp's q8_K), so that a
 // super-block's min term is one integer sum and its activation scale one multiply (see KM below)
-constexpr bool km(int64_t qt) { return qt == Q4_K || qt == Q5_K || qt == Q2_K; }
+// Q6_K and Q3_K (a signed scale per 16 elements): a chunk's two halves summed apart, w = d *
+// scale * (u - hbias), u = Q6_K's 6-bit q, Q3_K's 3-bit q + 4; activations per 256 (km below),
+// the scales applied in integers (HALVES below)
+constexpr bool halved(int64_t qt) { return qt == Q6_K || qt == Q3_K; }
+constexpr int32_t hbias(int64_t qt) { return qt == Q6_K ? 32 : 4; }
+constexpr bool km(int64_t qt) { return qt == Q4_K || qt == Q5_K || qt == Q2_K || halved(qt); }
 // a km type's mins per super-block in int16 pairs (Buf::mn; Acts::ks or ks16): Q2_K 16, else 8
 constexpr int64_t mpairs(int64_t qt) { return qt == Q2_K ? 8 : 4; }
 constexpr int64_t MPAIRS = 8;  // the most (Buf::mn's room per super-block)
-// Q6_K and Q3_K (a signed scale per 16 elements): a chunk's two halves summed apart, w = scale *
-// (u - hbias), u = Q6_K's 6-bit q, Q3_K's 3-bit q + 4; activations per 32
-constexpr bool halved(int64_t qt) { return qt == Q6_K || qt == Q3_K; }
-constexpr int32_t hbias(int64_t qt) { return qt == Q6_K ? 32 : 4; }
 constexpr int64_t PAIR_ROWS = 32;  // an Intel CPU's impl 0 takes pairs from this many activation rows
 
 // chunk c (32 elements; K-quants: sub-block c % 8 of block c / 8) of a row -> u, d, m
@@ -165,49 +164,53 @@ void chunk_scalar(int64_t qt, const uint8_t* row, int64_t c, uint8_t u[QK], floa
 }
 
 // One segment's panel of NR weight rows [n0, n0 + NR) (rows past the segment are zeros),
-// unpacked: u [nb][8][NR][4] bytes, d [nb][NR], m [nb][NR] (Q4_1, Q5_1: the block's m; Q6_K: the
-// second half's scale; zeros otherwise). km types: mn [nb / 8][4][NR] the sub-block mins in
-// int16 pairs (mn 2k | mn 2k+1 << 16), dm [nb / 8][NR] each super-block's -dmin.
+// unpacked: u [nb][8][NR][4] bytes, d [nb][NR], m [nb][NR] (Q4_1, Q5_1: the block's m; zeros
+// otherwise). km types: mn [nb / 8][mpairs][NR] the sub-block mins in int16 pairs (mn 2k | mn
+// 2k+1 << 16), dm [nb / 8][NR] each super-block's -dmin. The halves types: sc [nb][2][NR] the
+// halves' signed scales, dm each super-block's d.
 struct Buf {
   std::vector<uint8_t> u;
   std::vector<float> d, m, dm;
-  std::vector<int32_t> mn;
+  std::vector<int32_t> mn, sc;
   void scales(int64_t nb) {  // the scales alone (r16: u stays in the records)
     d.assign(nb * NR, 0.f);
     m.assign(nb * NR, 0.f);
     mn.assign(nb / 8 * MPAIRS * NR, 0);
     dm.assign(nb / 8 * NR, 0.f);
+    sc.assign(nb * 2 * NR, 0);
   }
   void size(int64_t nb) {
     u.assign(nb * 8 * NR * 4, 0);
-    d.assign(nb * NR, 0.f);
-    m.assign(nb * NR, 0.f);
-    mn.assign(nb / 8 * MPAIRS * NR, 0);
-    dm.assign(nb / 8 * NR, 0.f);
+    scales(nb);
   }
 };
 
-// the activations' quantized blocks and sums (x16: per 16 elements, for Q6_K and Q3_K), T rows;
-// for the km types also quantized per 256: kq, kd (one per super-block), ks (each 32 elements'
-// integer sum, in int16 pairs as Buf::mn: [nb / 8][4] per row) and ks16 (Q2_K: each 16's, [nb / 8][8])
+// the activations' quantized blocks and sums, T rows; for the km types also quantized per 256:
+// kq, kd (one per super-block), ks (each 32 elements' integer sum, in int16 pairs as Buf::mn:
+// [nb / 8][4] per row), ks16 (Q2_K: each 16's, [nb / 8][8]) and hb (the halves types: each 16's
+// times -hbias, [2 nb] per row: hb[0] Q6_K's, hb[1] Q3_K's)
 struct Acts {
   const int8_t* q;
   const float *d, *s;
-  const int32_t *sum, *x16;
+  const int32_t* sum;
   int64_t K, nb;
   const int8_t* kq;
   const float* kd;
   const int32_t *ks, *ks16;
+  const int32_t* hb[2];
   Acts at(int64_t t) const {  // (an array a call does not need is empty: its pointer stays null)
     const auto row = [](auto* p, int64_t n) { return p ? p + n : p; };
-    return {row(q, t * K), row(d, t * nb), row(s, t * nb), row(sum, t * nb), row(x16, t * 2 * nb), K, nb,
-            row(kq, t * K), row(kd, t * (nb / 8)), row(ks, t * (nb / 8) * 4), row(ks16, t * (nb / 8) * 8)};
+    return {row(q, t * K), row(d, t * nb), row(s, t * nb), row(sum, t * nb), K, nb,
+            row(kq, t * K), row(kd, t * (nb / 8)), row(ks, t * (nb / 8) * 4), row(ks16, t * (nb / 8) * 8),
+            {row(hb[0], t * 2 * nb), row(hb[1], t * 2 * nb)}};
   }
   // row r's min sums of super-block sb for a km type QT (mpairs(QT) int16 pairs)
   const int32_t* mins(int64_t qt, int64_t r, int64_t sb) const {
     const int64_t P = mpairs(qt);
     return (qt == Q2_K ? ks16 : ks) + (r * (nb / 8) + sb) * P;
   }
+  // row r's -hbias times the sums of the halves of a halves type's block b (two)
+  const int32_t* offsets(int64_t qt, int64_t r, int64_t b) const { return hb[qt == Q6_K ? 0 : 1] + r * 2 * nb + 2 * b; }
 };
 
 // The km types' arithmetic, per weight row n, activation row r and super-block sb (every path,
@@ -217,6 +220,16 @@ struct Acts {
 //        (Q2_K, whose u carry the scales: z = float(sum_j i_j) * d, one integer sum)
 //   M  = sum_j mn_j * s_j        (int32, exact: s_j the chunk's sum of xq; Q2_K: per 16-element half)
 //   y  = fma(fma(float(M), -dmin, z), dx, y)
+// HALVES (Q6_K, Q3_K), in integers to the last steps:
+//   I  = sum_h sc_h * i_h        i_h = sum_k u[k] xq[k] - hbias s_h over half h's 16 elements
+//                                (s_h their sum of xq; the 16 halves of the super-block)
+//   y  = fma(float(I) * d, dx, y)
+// (|i_h| < 2^17, |I| < 2^28: exact in int32), two vpmulld and two adds per chunk and activation
+// row, one convert, multiply and FMA per super-block. Against the halves' float steps with
+// activations per 32 (two converts, a multiply and two FMAs per chunk and row, on vpdpbusd's
+// pipes; or the offsets as a min term, vpdpwssd per super-block, 5-7% slower): Zen 4, 1 thread,
+// 40 rows, 1.5B file's tensors, ms, alternated runs: Q6_K 1536 x 8960 5.23 / 4.95 -> 4.50 /
+// 4.92, 151936 x 1536 85.2 / 80.8 -> 73.3 / 73.3; Q3_K 8960 x 1536 4.31 / 4.28 -> 4.35 / 3.73.
 // against a multiply and an FMA more per 32 elements with activations per 32 (its min term as
 // m_j * dx_j * s_j, which shared the pipes of vpdpbusd): Zen 4, 1 thread, 1024 x 1536 from
 // cache, 40 rows, ns per weight, alternated: Q4_K 0.287-0.289 -> 0.270-0.275, Q5_K 0.288-0.290
@@ -224,6 +237,22 @@ struct Acts {
 
 // the mins of a km type's super-block sb of one weight row into lane n (stride lanes) of mn, dm
 inline void mins_km(const uint8_t* row, int64_t qt, int64_t sb, int64_t n, int64_t lanes, Buf& p) {
+  if (halved(qt)) {  // the 16 signed scales, d
+    int sc[16];
+    float d;
+    if (qt == Q6_K) {
+      const auto& h = reinterpret_cast<const BlockQ6_K*>(row)[sb];
+      for (int i = 0; i < 16; ++i) sc[i] = h.scales[i];
+      d = half(h.d);
+    } else {
+      const auto& h = reinterpret_cast<const BlockQ3_K*>(row)[sb];
+      for (int i = 0; i < 16; ++i) sc[i] = scale_q3_k(h.scales, i);
+      d = half(h.d);
+    }
+    for (int i = 0; i < 16; ++i) p.sc[(sb * 16 + i) * lanes + n] = sc[i];
+    p.dm[sb * lanes + n] = d;
+    return;
+  }
   if (qt == Q2_K) {  // 16 mins (the scale bytes' high nibbles), -dmin
     const auto& h = reinterpret_cast<const BlockQ2_K*>(row)[sb];
     for (int k = 0; k < 8; ++k) p.mn[(sb * 8 + k) * lanes + n] = h.scales[2 * k] >> 4 | (h.scales[2 * k + 1] >> 4) << 16;
@@ -265,6 +294,17 @@ void rows_scalar_km(int64_t qt, const Buf& p, int64_t nb, int64_t T, const Acts&
     for (int64_t n = 0; n < cols; ++n) {
       float y = 0.f;
       for (int64_t sb = 0; sb < nb / 8; ++sb) {
+        if (halved(qt)) {  // HALVES
+          int32_t I = 0;
+          for (int64_t h = 16 * sb; h < 16 * sb + 16; ++h) {
+            const int8_t* x = a.kq + r * a.K + 16 * h;
+            int32_t i = a.offsets(qt, r, h / 2)[h % 2];
+            for (int e = 0; e < 16; ++e) i += p.u[((h * 4 + e / 4) * NR + n) * 4 + e % 4] * x[e];
+            I += p.sc[h * NR + n] * i;
+          }
+          y = std::fmaf(static_cast<float>(I) * p.dm[sb * NR + n], a.kd[r * (nb / 8) + sb], y);
+          continue;
+        }
         float z = 0.f;
         int32_t i = 0;
         for (int64_t b = 8 * sb; b < 8 * sb + 8; ++b) {
@@ -284,24 +324,12 @@ void rows_scalar_km(int64_t qt, const Buf& p, int64_t nb, int64_t T, const Acts&
 }
 
 void rows_scalar(int64_t qt, const Buf& p, int64_t nb, int64_t T, const int8_t* xq, const float* xd,
-                 const float* xs, const int32_t* xsum, const int32_t* x16, int64_t K, float* out, int64_t ldo,
-                 int64_t cols) {
+                 const float* xs, const int32_t* xsum, int64_t K, float* out, int64_t ldo, int64_t cols) {
   const int32_t bi = bias(qt);
   for (int64_t r = 0; r < T; ++r)
     for (int64_t n = 0; n < cols; ++n) {
       float y = 0.f;
       for (int64_t b = 0; b < nb; ++b) {
-        if (halved(qt)) {  // a sum per 16-element half: w = scale * (u - hbias)
-          const int8_t* x = xq + r * K + QK * b;
-          int32_t i[2];
-          for (int h = 0; h < 2; ++h) {
-            i[h] = -hbias(qt) * x16[r * 2 * nb + 2 * b + h];
-            for (int e = 0; e < 16; ++e) i[h] += p.u[((b * 8 + 4 * h + e / 4) * NR + n) * 4 + e % 4] * x[16 * h + e];
-          }
-          const float t = std::fmaf(static_cast<float>(i[0]), p.d[b * NR + n], static_cast<float>(i[1]) * p.m[b * NR + n]);
-          y = std::fmaf(t, xd[r * nb + b], y);
-          continue;
-        }
         int32_t i = -bi * xsum[r * nb + b];
         const int8_t* x = xq + r * K + QK * b;
         for (int j = 0; j < 8; ++j)
@@ -333,17 +361,12 @@ void with_panel_type(int64_t qt, const Fn& f) {
 }
 
 // f(std::integral_constant<int, R>{}, t) for activation rows t .. t + R - 1: groups of G, then
-// the remainder (3, 2 or 1 rows)
+// the remainder (one group of fewer rows)
 template <int G, class Fn>
-void by_groups(int64_t T, const Fn& f) {
-  int64_t t = 0;
+void by_groups(int64_t T, const Fn& f, int64_t t = 0) {
   for (; t + G <= T; t += G) f(std::integral_constant<int, G>{}, t);
-  switch (T - t) {
-    case 3: f(std::integral_constant<int, 3>{}, t); break;
-    case 2: f(std::integral_constant<int, 2>{}, t); break;
-    case 1: f(std::integral_constant<int, 1>{}, t); break;
-    default: break;
-  }
+  if constexpr (G > 1)
+    if (t < T) by_groups<G - 1>(T, f, t);
 }
 
 // --- AVX2 (a CPU without AVX-512 VNNI): 8 weight rows a panel, maddubs ----------------------------
@@ -471,7 +494,7 @@ PQ_INLINE void dot_rows(const __m256i* u, const int8_t* x, int64_t K, int j0, in
 // R activation rows x the panel (rows_scalar's arithmetic): out[r * ldo + n] for n < cols
 template <int64_t QT, int R>
 void rows_avx2(const Buf& p, int64_t nb, const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum,
-               const int32_t* x16, int64_t K, float* out, int64_t ldo, int64_t cols) {
+               int64_t K, float* out, int64_t ldo, int64_t cols) {
   constexpr bool wide = QT == Q8_0 || QT == IQ4_NL || QT == IQ4_XS;  // u up to 255
   constexpr int G = QT == Q4_0 || QT == Q4_1 || QT == Q4_K ? 8 : 4;  // quads summed in int16 (u <= 15 / 31)
   const int32_t bi = bias(QT);
@@ -481,21 +504,6 @@ void rows_avx2(const Buf& p, int64_t nb, const int8_t* xq, const float* xd, cons
     const __m256i* u = reinterpret_cast<const __m256i*>(p.u.data() + b * 8 * NR2 * 4);
     const int8_t* x = xq + QK * b;
     const __m256 d = _mm256_loadu_ps(p.d.data() + b * NR2);
-    if constexpr (halved(QT)) {  // halves of 4 quads, each 2 + 2 in int16; u - hbias by the half's sum
-      __m256i i0[R], i1[R];
-      for (int r = 0; r < R; ++r) {
-        i0[r] = _mm256_set1_epi32(-hbias(QT) * x16[r * 2 * nb + 2 * b]);
-        i1[r] = _mm256_set1_epi32(-hbias(QT) * x16[r * 2 * nb + 2 * b + 1]);
-      }
-      dot_rows<R, 2>(u, x, K, 0, 4, i0);
-      dot_rows<R, 2>(u, x, K, 4, 4, i1);
-      const __m256 m = _mm256_loadu_ps(p.m.data() + b * NR2);
-      for (int r = 0; r < R; ++r) {
-        const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0[r]), d, _mm256_mul_ps(_mm256_cvtepi32_ps(i1[r]), m));
-        y[r] = _mm256_fmadd_ps(t, _mm256_set1_ps(xd[r * nb + b]), y[r]);
-      }
-      continue;
-    }
     __m256i i[R];
     if constexpr (wide) {  // u = 16 hi + lo: two nibble sums over the block's 8 quads
       const __m256i lo4 = _mm256_set1_epi8(0x0F);
@@ -537,12 +545,34 @@ void rows_avx2(const Buf& p, int64_t nb, const int8_t* xq, const float* xd, cons
 // R activation rows x the panel, a km type (rows_scalar_km's arithmetic)
 template <int64_t QT, int R>
 void rows_avx2_km(const Buf& p, int64_t nb, const Acts& a, float* out, int64_t ldo, int64_t cols) {
-  constexpr int G = QT == Q4_K ? 8 : QT == Q5_K ? 4 : 2;  // quads summed in int16 (u <= 15 / 31 / 45)
+  constexpr int G = QT == Q4_K ? 8 : QT == Q5_K ? 4 : 2;  // quads summed in int16 (u <= 15 / 31 / 45, 63)
   constexpr int64_t P = mpairs(QT);
   const int64_t nsb = nb / 8;
   __m256 y[R];
   for (int r = 0; r < R; ++r) y[r] = _mm256_setzero_ps();
   for (int64_t sb = 0; sb < nsb; ++sb) {
+    if constexpr (halved(QT)) {  // HALVES: each half's int32 sum times its scale, in integers
+      __m256i I[R];
+      for (int r = 0; r < R; ++r) I[r] = _mm256_setzero_si256();
+      for (int64_t b = 8 * sb; b < 8 * sb + 8; ++b) {
+        const __m256i* u = reinterpret_cast<const __m256i*>(p.u.data() + b * 8 * NR2 * 4);
+        __m256i i0[R], i1[R];
+        for (int r = 0; r < R; ++r) {
+          const int32_t* o = a.offsets(QT, r, b);
+          i0[r] = _mm256_set1_epi32(o[0]), i1[r] = _mm256_set1_epi32(o[1]);
+        }
+        dot_rows<R, G>(u, a.kq + QK * b, a.K, 0, 4, i0);
+        dot_rows<R, G>(u, a.kq + QK * b, a.K, 4, 4, i1);
+        const __m256i s0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.sc.data() + 2 * b * NR2));
+        const __m256i s1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.sc.data() + (2 * b + 1) * NR2));
+        for (int r = 0; r < R; ++r)
+          I[r] = _mm256_add_epi32(I[r], _mm256_add_epi32(_mm256_mullo_epi32(i0[r], s0), _mm256_mullo_epi32(i1[r], s1)));
+      }
+      const __m256 d = _mm256_loadu_ps(p.dm.data() + sb * NR2);
+      for (int r = 0; r < R; ++r)
+        y[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(I[r]), d), _mm256_set1_ps(a.kd[r * nsb + sb]), y[r]);
+      continue;
+    }
     __m256 z[R];
     __m256i i[R];  // a chunk's integer sums (Q2_K: the super-block's)
     for (int r = 0; r < R; ++r) z[r] = _mm256_setzero_ps(), i[r] = _mm256_setzero_si256();
@@ -586,7 +616,7 @@ void panel_avx2(const uint8_t* const* rows, int64_t T, const Acts& a, float* out
   by_groups<RB2>(T, [&](auto r, int64_t t) {
     const Acts s = a.at(t);
     if constexpr (km(QT)) rows_avx2_km<QT, decltype(r)::value>(buf, s.nb, s, out + t * ldo, ldo, cols);
-    else rows_avx2<QT, decltype(r)::value>(buf, s.nb, s.q, s.d, s.s, s.sum, s.x16, s.K, out + t * ldo, ldo, cols);
+    else rows_avx2<QT, decltype(r)::value>(buf, s.nb, s.q, s.d, s.s, s.sum, s.K, out + t * ldo, ldo, cols);
   });
 }
 
@@ -741,17 +771,18 @@ inline void scales_k4(const Rows& p, int64_t o, float* d, int32_t* mn2, float* d
   scales_k4(t, d, mn2, dm);
 }
 
-// Q6_K super-block scales (s[i] lane n = scales[4 i .. 4 i + 3] of row n) and d (16 floats) ->
-// each chunk's d and m (its two halves' scales times d), chunk_scalar's values
-inline void scales_q6(const __m512i s[4], __m512 dd, float* d, float* m) {
-  for (int c = 0; c < 8; ++c) {
-    const __m512i v = s[c / 2];
-    const int k = 2 * (c % 2);  // scales 2c, 2c + 1: bytes k, k + 1 of v (signed)
-    const __m512i s0 = _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * k), 24);
-    const __m512i s1 = _mm512_srai_epi32(_mm512_slli_epi32(v, 16 - 8 * k), 24);
-    _mm512_storeu_ps(d + c * NR, _mm512_mul_ps(dd, cvt(s0)));
-    _mm512_storeu_ps(m + c * NR, _mm512_mul_ps(dd, cvt(s1)));
-  }
+// a halves type's super-block sb: its 16 signed scales (sc[i] lane n = scale i of row n) and d
+// -> Buf's sc and dm (d): mins_km's values
+inline void scales_halves(const __m512i sc[16], __m512 dd, int64_t sb, Buf& buf) {
+  for (int i = 0; i < 16; ++i) _mm512_storeu_si512(buf.sc.data() + (16 * sb + i) * NR, sc[i]);
+  _mm512_storeu_ps(buf.dm.data() + sb * NR, dd);
+}
+
+// Q6_K super-block scales (s[i] lane n = scales[4 i .. 4 i + 3] of row n, signed bytes) and d
+inline void scales_q6(const __m512i s[4], __m512 dd, int64_t sb, Buf& buf) {
+  __m512i sc[16];
+  for (int i = 0; i < 16; ++i) sc[i] = _mm512_srai_epi32(_mm512_slli_epi32(s[i / 4], 24 - 8 * (i % 4)), 24);
+  scales_halves(sc, dd, sb, buf);
 }
 
 // bit j of each byte of h, moved to bit 4 (0x10 or 0)
@@ -805,7 +836,7 @@ void unpack_vnni(const Rows& p, int64_t nb, Buf& buf) {
       __m512i s[4];  // s[i] lane n = scales[4 i .. 4 i + 3] of row n
       transpose16(p, o + 192, s);
       const __m512 dd = halves(p.dwords(o + 206), true);  // scales[14..15] | d << 16
-      scales_q6(s, dd, buf.d.data() + 8 * sb * NR, buf.m.data() + 8 * sb * NR);
+      scales_q6(s, dd, sb, buf);
       for (int hh = 0; hh < 2; ++hh) {  // elements 128 hh ..: ql 64 hh (a: +0, b: +32), qh 32 hh
         __m512i a[2][4], b[2][4], h[2][4];
         for (int x = 0; x < 2; ++x) {
@@ -878,15 +909,10 @@ void unpack_vnni(const Rows& p, int64_t nb, Buf& buf) {
         return _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(l, ls), k4),
                                _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(a2, hs), k2), 4));
       };
-      const __m512i sc[4] = {six(a0, 0, 0), six(a1, 0, 2), six(a0, 4, 4), six(a1, 4, 6)};  // scales 4 i ..
-      for (int c = 0; c < 8; ++c) {
-        const __m512i v = sc[c / 2];
-        const int k = 2 * (c % 2);  // scales 2 c, 2 c + 1: bytes k, k + 1 of v, each minus 32
-        const __m512i s0 = _mm512_sub_epi32(byte_of(v, k), _mm512_set1_epi32(32));
-        const __m512i s1 = _mm512_sub_epi32(byte_of(v, k + 1), _mm512_set1_epi32(32));
-        _mm512_storeu_ps(buf.d.data() + (8 * sb + c) * NR, _mm512_mul_ps(dd, cvt(s0)));
-        _mm512_storeu_ps(buf.m.data() + (8 * sb + c) * NR, _mm512_mul_ps(dd, cvt(s1)));
-      }
+      const __m512i sc4[4] = {six(a0, 0, 0), six(a1, 0, 2), six(a0, 4, 4), six(a1, 4, 6)};  // scales 4 i ..
+      __m512i sc[16];  // each minus 32
+      for (int i = 0; i < 16; ++i) sc[i] = _mm512_sub_epi32(byte_of(sc4[i / 4], i % 4), _mm512_set1_epi32(32));
+      scales_halves(sc, dd, sb, buf);
       __m512i hm[2][4];
       transpose16(p, o, hm[0]);
       transpose16(p, o + 16, hm[1]);
@@ -971,58 +997,38 @@ inline __m512i dp(__m512i acc, __m512i u, const int8_t* p) {
   return acc;
 }
 
-// One output's two integer sums of block b before its products: Q6_K's and Q3_K's halves (quads
-// 0-3, 4-7) start at -hbias times the half's activation sum (their u - hbias), the other types'
-// even quads at -bias times the block's sum and their odd quads at 0
+// One output's two integer sums of block b before its products (the 32-element types): the even
+// quads start at -bias times the block's activation sum, the odd ones at 0
 template <int64_t QT>
-inline void sums0(const int32_t* xsum, const int32_t* x16, int64_t nb, int64_t b, int r, __m512i& s0, __m512i& s1) {
-  if constexpr (halved(QT)) {
-    s0 = _mm512_set1_epi32(-hbias(QT) * x16[r * 2 * nb + 2 * b]);
-    s1 = _mm512_set1_epi32(-hbias(QT) * x16[r * 2 * nb + 2 * b + 1]);
-  } else {
-    s0 = _mm512_set1_epi32(-bias(QT) * xsum[r * nb + b]);
-    s1 = _mm512_setzero_si512();
-  }
-}
-
-// the two quads of step j (0-3) of a block's products, one for each of sums0's sums: the halves
-// types quad j of each half (j, 4 + j); the other types quads 2 j and 2 j + 1 (even and odd)
-template <int64_t QT>
-constexpr int quad(int j, int sum) {
-  return halved(QT) ? j + 4 * sum : 2 * j + sum;
+inline void sums0(const int32_t* xsum, int64_t nb, int64_t b, int r, __m512i& s0, __m512i& s1) {
+  s0 = _mm512_set1_epi32(-bias(QT) * xsum[r * nb + b]);
+  s1 = _mm512_setzero_si512();
 }
 
 // y + block b's float steps for one output from its two integer sums (sums0, then the products):
-// the halves types each half by its scale (d, m) then by the activation scale dx (3 multiplies a
-// block, not 4); the others their sum by d dx, then (Q4_1, Q5_1) + m times the activations'
-// scaled sum. Every kernel folds with this, so one output gets the same bits from each.
+// their sum by d dx, then (Q4_1, Q5_1) + m times the activations' scaled sum. Every kernel folds
+// with this, so one output gets the same bits from each.
 template <int64_t QT>
 inline __m512 fold(__m512 y, __m512i s0, __m512i s1, const Buf& p, int64_t b, const float* xd, const float* xs, int64_t i) {
   const __m512 d = _mm512_loadu_ps(p.d.data() + b * NR);
-  if constexpr (halved(QT)) {
-    const __m512 m = _mm512_loadu_ps(p.m.data() + b * NR);
-    const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), d, _mm512_mul_ps(_mm512_cvtepi32_ps(s1), m));
-    return _mm512_fmadd_ps(t, _mm512_set1_ps(xd[i]), y);
-  } else {
-    y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_mul_ps(d, _mm512_set1_ps(xd[i])), y);
-    if constexpr (has_m(QT)) y = _mm512_fmadd_ps(_mm512_loadu_ps(p.m.data() + b * NR), _mm512_set1_ps(xs[i]), y);
-    return y;
-  }
+  y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_mul_ps(d, _mm512_set1_ps(xd[i])), y);
+  if constexpr (has_m(QT)) y = _mm512_fmadd_ps(_mm512_loadu_ps(p.m.data() + b * NR), _mm512_set1_ps(xs[i]), y);
+  return y;
 }
 
 // R activation rows x the panel: out[r * ldo + n] for the first `cols` of its NR rows
 template <int64_t QT, int R>
 void rows_vnni(const Buf& p, int64_t nb, const int8_t* xq, const float* xd, const float* xs,
-               const int32_t* xsum, const int32_t* x16, int64_t K, float* out, int64_t ldo, __mmask16 mask) {
+               const int32_t* xsum, int64_t K, float* out, int64_t ldo, __mmask16 mask) {
   __m512 y[R];
   for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const __m512i* u = reinterpret_cast<const __m512i*>(p.u.data() + b * 8 * NR * 4);
     const int8_t* x = xq + QK * b;
-    __m512i s0[R], s1[R];  // Q6_K, Q3_K: the halves' sums; else even and odd quads (twice the chains)
-    for (int r = 0; r < R; ++r) sums0<QT>(xsum, x16, nb, b, r, s0[r], s1[r]);
+    __m512i s0[R], s1[R];  // even and odd quads (twice the chains)
+    for (int r = 0; r < R; ++r) sums0<QT>(xsum, nb, b, r, s0[r], s1[r]);
     for (int j = 0; j < 4; ++j) {
-      const int j0 = quad<QT>(j, 0), j1 = quad<QT>(j, 1);
+      const int j0 = 2 * j, j1 = 2 * j + 1;
       const __m512i w0 = _mm512_loadu_si512(u + j0), w1 = _mm512_loadu_si512(u + j1);
       for (int r = 0; r < R; ++r) {
         s0[r] = dp(s0[r], w0, x + r * K + 4 * j0);
@@ -1054,27 +1060,37 @@ void rows_vnni_km(const Buf* const* pb, int64_t nb, const Acts& a, float* const*
     for (int r = 0; r < R; ++r) y[q][r] = _mm512_setzero_ps();
   for (int64_t sb = 0; sb < nsb; ++sb) {
     __m512 z[P][R];
-    __m512i s0[P][R], s1[P][R];  // even and odd quads (two chains): a chunk's, Q2_K's the super-block's
+    __m512i I[P][R];  // HALVES: the super-block's scaled sum
+    // the chunk's two chains: even and odd quads (Q2_K: the super-block's), the halves types' halves
+    __m512i s0[P][R], s1[P][R];
     for (int q = 0; q < P; ++q)
-      for (int r = 0; r < R; ++r) z[q][r] = _mm512_setzero_ps(), s0[q][r] = s1[q][r] = _mm512_setzero_si512();
+      for (int r = 0; r < R; ++r)
+        z[q][r] = _mm512_setzero_ps(), I[q][r] = s0[q][r] = s1[q][r] = _mm512_setzero_si512();
     for (int64_t b = 8 * sb; b < 8 * sb + 8; ++b) {
       const int8_t* x = a.kq + QK * b;
-      if constexpr (QT != Q2_K)
+      if constexpr (halved(QT))  // each half from -hbias times its activation sum
+        for (int r = 0; r < R; ++r) {
+          const int32_t* o = a.offsets(QT, r, b);
+          const __m512i o0 = _mm512_set1_epi32(o[0]), o1 = _mm512_set1_epi32(o[1]);
+          for (int q = 0; q < P; ++q) s0[q][r] = o0, s1[q][r] = o1;
+        }
+      else if constexpr (QT != Q2_K)
         if (b > 8 * sb)
           for (int q = 0; q < P; ++q)
             for (int r = 0; r < R; ++r) s0[q][r] = s1[q][r] = _mm512_setzero_si512();
       for (int j = 0; j < 4; ++j) {
+        constexpr auto at = [](int j, int c) { return halved(QT) ? j + 4 * c : 2 * j + c; };  // chain c's quad
         __m512i w0[P], w1[P];
         for (int q = 0; q < P; ++q) {
           const __m512i* u = reinterpret_cast<const __m512i*>(pb[q]->u.data() + b * 8 * NR * 4);
-          w0[q] = _mm512_loadu_si512(u + 2 * j), w1[q] = _mm512_loadu_si512(u + 2 * j + 1);
+          w0[q] = _mm512_loadu_si512(u + at(j, 0)), w1[q] = _mm512_loadu_si512(u + at(j, 1));
         }
         for (int r = 0; r < R; ++r) {
           if constexpr (P == 1) {
-            s0[0][r] = dp(s0[0][r], w0[0], x + r * a.K + 8 * j);
-            s1[0][r] = dp(s1[0][r], w1[0], x + r * a.K + 8 * j + 4);
+            s0[0][r] = dp(s0[0][r], w0[0], x + r * a.K + 4 * at(j, 0));
+            s1[0][r] = dp(s1[0][r], w1[0], x + r * a.K + 4 * at(j, 1));
           } else {
-            const __m512i x0 = quad512(x + r * a.K + 8 * j), x1 = quad512(x + r * a.K + 8 * j + 4);
+            const __m512i x0 = quad512(x + r * a.K + 4 * at(j, 0)), x1 = quad512(x + r * a.K + 4 * at(j, 1));
             for (int q = 0; q < P; ++q) {
               s0[q][r] = _mm512_dpbusd_epi32(s0[q][r], w0[q], x0);
               s1[q][r] = _mm512_dpbusd_epi32(s1[q][r], w1[q], x1);
@@ -1082,7 +1098,14 @@ void rows_vnni_km(const Buf* const* pb, int64_t nb, const Acts& a, float* const*
           }
         }
       }
-      if constexpr (QT != Q2_K)
+      if constexpr (halved(QT))
+        for (int q = 0; q < P; ++q) {
+          const __m512i* sc = reinterpret_cast<const __m512i*>(pb[q]->sc.data() + 2 * b * NR);
+          const __m512i c0 = _mm512_loadu_si512(sc), c1 = _mm512_loadu_si512(sc + 1);
+          for (int r = 0; r < R; ++r)
+            I[q][r] = _mm512_add_epi32(I[q][r], _mm512_add_epi32(_mm512_mullo_epi32(s0[q][r], c0), _mm512_mullo_epi32(s1[q][r], c1)));
+        }
+      else if constexpr (QT != Q2_K)
         for (int q = 0; q < P; ++q) {
           const __m512 d = _mm512_loadu_ps(pb[q]->d.data() + b * NR);
           for (int r = 0; r < R; ++r) z[q][r] = _mm512_fmadd_ps(cvt(_mm512_add_epi32(s0[q][r], s1[q][r])), d, z[q][r]);
@@ -1095,12 +1118,17 @@ void rows_vnni_km(const Buf* const* pb, int64_t nb, const Acts& a, float* const*
       }
     for (int q = 0; q < P; ++q) {
       const __m512i* mn = reinterpret_cast<const __m512i*>(pb[q]->mn.data() + sb * MP * NR);
-      const __m512 dm = _mm512_loadu_ps(pb[q]->dm.data() + sb * NR);
+      const __m512 dm = _mm512_loadu_ps(pb[q]->dm.data() + sb * NR);  // (halves: d)
       for (int r = 0; r < R; ++r) {
+        const __m512 kd = _mm512_set1_ps(a.kd[r * nsb + sb]);
+        if constexpr (halved(QT)) {
+          y[q][r] = _mm512_fmadd_ps(_mm512_mul_ps(cvt(I[q][r]), dm), kd, y[q][r]);
+          continue;
+        }
         const int32_t* ks = a.mins(QT, r, sb);
         __m512i M = _mm512_setzero_si512();
         for (int k = 0; k < MP; ++k) M = _mm512_dpwssd_epi32(M, _mm512_loadu_si512(mn + k), _mm512_set1_epi32(ks[k]));
-        y[q][r] = _mm512_fmadd_ps(_mm512_fmadd_ps(cvt(M), dm, z[q][r]), _mm512_set1_ps(a.kd[r * nsb + sb]), y[q][r]);
+        y[q][r] = _mm512_fmadd_ps(_mm512_fmadd_ps(cvt(M), dm, z[q][r]), kd, y[q][r]);
       }
     }
   }
@@ -1124,7 +1152,7 @@ void rows_vnni_km(const Buf* const* pb, int64_t nb, const Acts& a, float* const*
 // 1.5B Q4_K + Q6_K file's 40-row int8 step 239 / 278 / 238 -> 212 / 218 / 186 ms (alternated).
 template <int64_t QT, int R>
 void rows_vnni2(const Buf& pa, const Buf& pb, int64_t nb, const int8_t* xq, const float* xd, const float* xs,
-                const int32_t* xsum, const int32_t* x16, int64_t K, float* oa, float* ob, int64_t ldo, __mmask16 ma, __mmask16 mb) {
+                const int32_t* xsum, int64_t K, float* oa, float* ob, int64_t ldo, __mmask16 ma, __mmask16 mb) {
   __m512 ya[R], yb[R];
   for (int r = 0; r < R; ++r) ya[r] = yb[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -1133,11 +1161,11 @@ void rows_vnni2(const Buf& pa, const Buf& pb, int64_t nb, const int8_t* xq, cons
     const int8_t* x = xq + QK * b;
     __m512i a0[R], a1[R], b0[R], b1[R];
     for (int r = 0; r < R; ++r) {
-      sums0<QT>(xsum, x16, nb, b, r, a0[r], a1[r]);
+      sums0<QT>(xsum, nb, b, r, a0[r], a1[r]);
       b0[r] = a0[r], b1[r] = a1[r];
     }
     for (int j = 0; j < 4; ++j) {  // both panels per broadcast
-      const int j0 = quad<QT>(j, 0), j1 = quad<QT>(j, 1);
+      const int j0 = 2 * j, j1 = 2 * j + 1;
       const __m512i wa0 = _mm512_loadu_si512(ua + j0), wa1 = _mm512_loadu_si512(ua + j1);
       const __m512i wb0 = _mm512_loadu_si512(ub + j0), wb1 = _mm512_loadu_si512(ub + j1);
       for (int r = 0; r < R; ++r) {
@@ -1175,7 +1203,7 @@ void panel_vnni2(const uint8_t* const* ra, const uint8_t* const* rb2, int64_t T,
       const __mmask16 m[2] = {0xFFFF, mb};
       rows_vnni_km<QT, decltype(r)::value, 2>(pb, s.nb, s, o, ldo, m);
     } else {
-      rows_vnni2<QT, decltype(r)::value>(bufa, bufb, s.nb, s.q, s.d, s.s, s.sum, s.x16, s.K, oa + t * ldo, ob + t * ldo,
+      rows_vnni2<QT, decltype(r)::value>(bufa, bufb, s.nb, s.q, s.d, s.s, s.sum, s.K, oa + t * ldo, ob + t * ldo,
                                          ldo, 0xFFFF, mb);
     }
   });
@@ -1193,7 +1221,7 @@ void rows_at(const Buf& buf, const Acts& a, float* out, int64_t ldo, __mmask16 m
     float* o[1] = {out};
     rows_vnni_km<QT, R, 1>(pb, a.nb, a, o, ldo, &mask);
   } else {
-    rows_vnni<QT, R>(buf, a.nb, a.q, a.d, a.s, a.sum, a.x16, a.K, out, ldo, mask);
+    rows_vnni<QT, R>(buf, a.nb, a.q, a.d, a.s, a.sum, a.K, out, ldo, mask);
   }
 }
 
@@ -1268,7 +1296,7 @@ void r16_scales(const uint8_t* panel, int64_t nsb, Buf& buf) {
     if constexpr (QT == Q6_K) {
       const __m512i s[4] = {rdw(h, 0), rdw(h, 1), rdw(h, 2), rdw(h, 3)};
       const __m512 dd = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 64 * 4)));
-      scales_q6(s, dd, buf.d.data() + 8 * sb * NR, buf.m.data() + 8 * sb * NR);
+      scales_q6(s, dd, sb, buf);
     } else {
       const __m512i t[4] = {rdw(h, 0), rdw(h, 1), rdw(h, 2), rdw(h, 3)};
       scales_k4(t, buf.d.data() + 8 * sb * NR, buf.mn.data() + 4 * sb * NR, buf.dm.data() + sb * NR);
@@ -1280,67 +1308,59 @@ void r16_scales(const uint8_t* panel, int64_t nsb, Buf& buf) {
 template <int64_t QT, int R>
 void rows_r16_km(const uint8_t* recs, const Buf& p, const Acts& a, float* out, int64_t ldo, __mmask16 mask,
                  const ahead::Ranges& next, int64_t g, int64_t groups) {
+  constexpr int64_t MP = mpairs(QT);
+  constexpr auto at = [](int q, int c) { return halved(QT) ? q + 4 * c : 2 * q + c; };  // chain c's quad
   const int64_t nsb = a.nb / 8;
   __m512 y[R];
   for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
   for (int64_t sb = 0; sb < nsb; ++sb) {
     const uint8_t* rec = recs + nsb * HDR<QT> + sb * QB<QT>;
     __m512 z[R];
-    for (int r = 0; r < R; ++r) z[r] = _mm512_setzero_ps();
+    __m512i I[R];  // HALVES: the super-block's scaled sum
+    for (int r = 0; r < R; ++r) z[r] = _mm512_setzero_ps(), I[r] = _mm512_setzero_si512();
     chunks8([&](auto jc) {
       constexpr int j = decltype(jc)::value;
       const int64_t b = 8 * sb + j;
       next.part(g * a.nb + b, groups * a.nb);
       const int8_t* x = a.kq + QK * b;
-      __m512i s0[R], s1[R];  // even and odd quads (two chains)
-      for (int r = 0; r < R; ++r) s0[r] = s1[r] = _mm512_setzero_si512();
+      __m512i s0[R], s1[R];  // even and odd quads, or the halves (two chains: from -hbias s_h)
+      for (int r = 0; r < R; ++r)
+        if constexpr (halved(QT)) {
+          const int32_t* o = a.offsets(QT, r, b);
+          s0[r] = _mm512_set1_epi32(o[0]), s1[r] = _mm512_set1_epi32(o[1]);
+        } else {
+          s0[r] = s1[r] = _mm512_setzero_si512();
+        }
       for (int q = 0; q < 4; ++q) {
-        const __m512i w0 = r16_u<QT>(rec, j, 2 * q), w1 = r16_u<QT>(rec, j, 2 * q + 1);
+        const __m512i w0 = r16_u<QT>(rec, j, at(q, 0)), w1 = r16_u<QT>(rec, j, at(q, 1));
         for (int r = 0; r < R; ++r) {
-          s0[r] = dp(s0[r], w0, x + r * a.K + 8 * q);
-          s1[r] = dp(s1[r], w1, x + r * a.K + 8 * q + 4);
+          s0[r] = dp(s0[r], w0, x + r * a.K + 4 * at(q, 0));
+          s1[r] = dp(s1[r], w1, x + r * a.K + 4 * at(q, 1));
         }
       }
-      const __m512 d = _mm512_loadu_ps(p.d.data() + b * NR);
-      for (int r = 0; r < R; ++r) z[r] = _mm512_fmadd_ps(cvt(_mm512_add_epi32(s0[r], s1[r])), d, z[r]);
+      if constexpr (halved(QT)) {
+        const __m512i* sc = reinterpret_cast<const __m512i*>(p.sc.data() + 2 * b * NR);
+        const __m512i c0 = _mm512_loadu_si512(sc), c1 = _mm512_loadu_si512(sc + 1);
+        for (int r = 0; r < R; ++r)
+          I[r] = _mm512_add_epi32(I[r], _mm512_add_epi32(_mm512_mullo_epi32(s0[r], c0), _mm512_mullo_epi32(s1[r], c1)));
+      } else {
+        const __m512 d = _mm512_loadu_ps(p.d.data() + b * NR);
+        for (int r = 0; r < R; ++r) z[r] = _mm512_fmadd_ps(cvt(_mm512_add_epi32(s0[r], s1[r])), d, z[r]);
+      }
     });
-    const __m512i* mn = reinterpret_cast<const __m512i*>(p.mn.data() + sb * 4 * NR);
+    const __m512i* mn = reinterpret_cast<const __m512i*>(p.mn.data() + sb * MP * NR);
     const __m512 dm = _mm512_loadu_ps(p.dm.data() + sb * NR);
     for (int r = 0; r < R; ++r) {
-      const int32_t* ks = a.ks + (r * nsb + sb) * 4;
-      __m512i M = _mm512_setzero_si512();
-      for (int k = 0; k < 4; ++k) M = _mm512_dpwssd_epi32(M, _mm512_loadu_si512(mn + k), _mm512_set1_epi32(ks[k]));
-      y[r] = _mm512_fmadd_ps(_mm512_fmadd_ps(cvt(M), dm, z[r]), _mm512_set1_ps(a.kd[r * nsb + sb]), y[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * ldo, mask, y[r]);
-}
-
-// R activation rows x a Q6_K panel (rows_vnni's arithmetic)
-template <int R>
-void rows_r16_q6(const uint8_t* recs, const Buf& p, const Acts& a, float* out, int64_t ldo, __mmask16 mask,
-                 const ahead::Ranges& next, int64_t g, int64_t groups) {
-  const int64_t nb = a.nb;
-  __m512 y[R];
-  for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
-  for (int64_t sb = 0; sb < nb / 8; ++sb) {
-    const uint8_t* rec = recs + (nb / 8) * HDR<Q6_K> + sb * QB<Q6_K>;
-    chunks8([&](auto jc) {
-      constexpr int j = decltype(jc)::value;
-      const int64_t b = 8 * sb + j;
-      next.part(g * nb + b, groups * nb);
-      const int8_t* x = a.q + QK * b;
-      __m512i s0[R], s1[R];  // the halves' sums
-      for (int r = 0; r < R; ++r) sums0<Q6_K>(a.sum, a.x16, nb, b, r, s0[r], s1[r]);
-      for (int q = 0; q < 4; ++q) {
-        const __m512i w0 = r16_u<Q6_K>(rec, j, q), w1 = r16_u<Q6_K>(rec, j, q + 4);
-        for (int r = 0; r < R; ++r) {
-          s0[r] = dp(s0[r], w0, x + r * a.K + 4 * q);
-          s1[r] = dp(s1[r], w1, x + r * a.K + 4 * q + 16);
-        }
+      const __m512 kd = _mm512_set1_ps(a.kd[r * nsb + sb]);
+      if constexpr (halved(QT)) {
+        y[r] = _mm512_fmadd_ps(_mm512_mul_ps(cvt(I[r]), dm), kd, y[r]);
+        continue;
       }
-      for (int r = 0; r < R; ++r) y[r] = fold<Q6_K>(y[r], s0[r], s1[r], p, b, a.d, a.s, r * nb + b);
-    });
+      const int32_t* ks = a.mins(QT, r, sb);
+      __m512i M = _mm512_setzero_si512();
+      for (int k = 0; k < MP; ++k) M = _mm512_dpwssd_epi32(M, _mm512_loadu_si512(mn + k), _mm512_set1_epi32(ks[k]));
+      y[r] = _mm512_fmadd_ps(_mm512_fmadd_ps(cvt(M), dm, z[r]), kd, y[r]);
+    }
   }
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * ldo, mask, y[r]);
 }
@@ -1353,8 +1373,7 @@ void panel_r16(const uint8_t* recs, int64_t T, const Acts& a, float* out, int64_
   const int64_t groups = (T + RB - 1) / RB;
   // the next panel fetched a part per chunk of each group
   by_groups<RB>(T, [&](auto r, int64_t t) {
-    if constexpr (QT == Q6_K) rows_r16_q6<decltype(r)::value>(recs, buf, a.at(t), out + t * ldo, ldo, mask, next, t / RB, groups);
-    else rows_r16_km<QT, decltype(r)::value>(recs, buf, a.at(t), out + t * ldo, ldo, mask, next, t / RB, groups);
+    rows_r16_km<QT, decltype(r)::value>(recs, buf, a.at(t), out + t * ldo, ldo, mask, next, t / RB, groups);
   });
 }
 
@@ -1413,21 +1432,13 @@ void ahead_of(at::TensorList ws, std::pair<int64_t, int64_t> panel, int64_t nr, 
 struct Prep {
   std::vector<int8_t> xq, kq;
   std::vector<float> xds, kd;  // xds: d, then s
-  std::vector<int32_t> xsum, x16, ks, ks16;
+  std::vector<int32_t> xsum, ks, ks16, hb[2];
   Acts acts;
   Prep(const at::Tensor& x, at::IntArrayRef qtypes, int64_t impl) {
     const int64_t T = x.size(0), K = x.size(1), nb = K / QK, nsb = nb / 8;
     if (!std::all_of(qtypes.begin(), qtypes.end(), km)) {
       xq.resize(T * K), xds.resize(2 * T * nb), xsum.resize(T * nb);
       a8::quantize_blocks(x.data_ptr<float>(), xq.data(), xds.data(), xds.data() + T * nb, T * nb, impl, xsum.data());
-    }
-    if (std::any_of(qtypes.begin(), qtypes.end(), halved)) {
-      x16.resize(T * 2 * nb);  // each 16-element half's sum
-      for (int64_t i = 0; i < T * 2 * nb; ++i) {
-        int32_t v = 0;
-        for (int e = 0; e < 16; ++e) v += xq[16 * i + e];
-        x16[i] = v;
-      }
     }
     if (std::any_of(qtypes.begin(), qtypes.end(), km)) {
       std::vector<int16_t> bs(16 * T * nsb);
@@ -1437,13 +1448,18 @@ struct Prep {
         const int32_t s0 = bs[4 * i] + bs[4 * i + 1], s1 = bs[4 * i + 2] + bs[4 * i + 3];
         ks[i] = pair(s0, s1);
       }
+      for (int h = 0; h < 2; ++h)  // the halves' sums times -hbias: Q6_K's, Q3_K's
+        if (std::find(qtypes.begin(), qtypes.end(), h ? Q3_K : Q6_K) != qtypes.end()) {
+          hb[h].resize(2 * T * nb);
+          for (int64_t i = 0; i < 2 * T * nb; ++i) hb[h][i] = -hbias(h ? Q3_K : Q6_K) * bs[i];
+        }
       if (std::find(qtypes.begin(), qtypes.end(), Q2_K) != qtypes.end()) {
         ks16.resize(8 * T * nsb);  // each 16 elements' sum, paired
         for (int64_t i = 0; i < 8 * T * nsb; ++i) ks16[i] = pair(bs[2 * i], bs[2 * i + 1]);
       }
     }
-    acts = {xq.data(), xds.data(), xq.empty() ? nullptr : xds.data() + T * nb, xsum.data(), x16.data(), K, nb,
-            kq.data(), kd.data(), ks.data(), ks16.data()};
+    acts = {xq.data(), xds.data(), xq.empty() ? nullptr : xds.data() + T * nb, xsum.data(), K, nb,
+            kq.data(), kd.data(), ks.data(), ks16.data(), {hb[0].data(), hb[1].data()}};
   }
   static int32_t pair(int32_t lo, int32_t hi) {  // two int16 values in a dword (lo | hi << 16)
     return static_cast<int32_t>((static_cast<uint32_t>(lo) & 0xFFFF) | static_cast<uint32_t>(hi) << 16);
@@ -1521,7 +1537,7 @@ void panel(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, at::T
 #endif
       unpack_scalar(qtypes[seg], base + n0 * rb, rb, cols, nb, buf);
       if (km(qtypes[seg])) rows_scalar_km(qtypes[seg], buf, nb, T, acts, o, N, cols);
-      else rows_scalar(qtypes[seg], buf, nb, T, acts.q, acts.d, acts.s, acts.sum, acts.x16, K, o, N, cols);
+      else rows_scalar(qtypes[seg], buf, nb, T, acts.q, acts.d, acts.s, acts.sum, K, o, N, cols);
     }
   };
   split::chunks(np, split::chunk_for(np, 8), buffer, run);
