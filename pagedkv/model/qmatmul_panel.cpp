@@ -129,20 +129,16 @@ void chunk_scalar(int64_t qt, const uint8_t* row, int64_t c, uint8_t u[QK], floa
       d = half(h.d) * static_cast<float>(sc);
       return;
     }
-    case Q6_K: {  // u = the 6-bit q (w = d sc (q - 32)); m: the second half's scale
+    case Q6_K: {  // u = the 6-bit q (w = d sc (q - 32)); the scales and d: mins_km
       const uint8_t* b = row + sizeof(BlockQ6_K) * (c / 8);
       for (int i = 0; i < QK; ++i) u[i] = static_cast<uint8_t>(kq::u_of<Q6_K>(b, QK * j + i));
-      const auto& h = *reinterpret_cast<const BlockQ6_K*>(b);
-      d = half(h.d) * static_cast<float>(h.scales[2 * j]);
-      m = half(h.d) * static_cast<float>(h.scales[2 * j + 1]);
+      d = 0.f;
       return;
     }
-    case Q3_K: {  // u = the 3-bit q + 4 (w = d sc (u - 4)); d, m: the halves' scales times d
+    case Q3_K: {  // u = the 3-bit q + 4 (w = d sc (u - 4)); the scales and d: mins_km
       const uint8_t* b = row + sizeof(BlockQ3_K) * (c / 8);
       for (int i = 0; i < QK; ++i) u[i] = static_cast<uint8_t>(kq::u_of<Q3_K>(b, QK * j + i));
-      const auto& h = *reinterpret_cast<const BlockQ3_K*>(b);
-      d = half(h.d) * static_cast<float>(scale_q3_k(h.scales, 2 * j));
-      m = half(h.d) * static_cast<float>(scale_q3_k(h.scales, 2 * j + 1));
+      d = 0.f;
       return;
     }
     case Q2_K: {  // u = the half's scale times the 2-bit q (<= 45); d the super-block's (mins: mins_km)
@@ -236,6 +232,7 @@ struct Acts {
 // -> 0.275-0.277.
 
 // the mins of a km type's super-block sb of one weight row into lane n (stride lanes) of mn, dm
+// (the halves types: their 16 scales into sc, d into dm)
 inline void mins_km(const uint8_t* row, int64_t qt, int64_t sb, int64_t n, int64_t lanes, Buf& p) {
   if (halved(qt)) {  // the 16 signed scales, d
     int sc[16];
@@ -416,21 +413,16 @@ inline __m256i chunk_avx2(const uint8_t* row, int64_t c, float& d, float& m) {
     __m256i u = vec::bits(b.qs + 32 * (j / 2), 4 * (j % 2), 0x0F);
     if constexpr (QT == Q5_K) u = _mm256_or_si256(u, vec::bit_at(b.qh, j, 4));
     return u;
-  } else if constexpr (QT == Q6_K) {
+  } else if constexpr (QT == Q6_K) {  // (the scales and d: mins_km)
     const auto& b = reinterpret_cast<const BlockQ6_K*>(row)[c / 8];
     const int j = static_cast<int>(c % 8), h = j / 4, k = j % 4;
-    d = half(b.d) * static_cast<float>(b.scales[2 * j]);
-    m = half(b.d) * static_cast<float>(b.scales[2 * j + 1]);
+    d = 0.f;
     const __m256i lo = vec::bits(b.ql + 64 * h + 32 * (k % 2), 4 * (k / 2), 0x0F);
     const __m256i hi = vec::bits(b.qh + 32 * h, 2 * k, 0x03);
     return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
-  } else if constexpr (QT == Q3_K) {
-    const uint8_t* b = row + sizeof(BlockQ3_K) * (c / 8);
-    const auto& h = *reinterpret_cast<const BlockQ3_K*>(b);
-    const int j = static_cast<int>(c % 8);
-    d = half(h.d) * static_cast<float>(scale_q3_k(h.scales, 2 * j));
-    m = half(h.d) * static_cast<float>(scale_q3_k(h.scales, 2 * j + 1));
-    return kq::chunk<Q3_K>(b, j);
+  } else if constexpr (QT == Q3_K) {  // (the scales and d: mins_km)
+    d = 0.f;
+    return kq::chunk<Q3_K>(row + sizeof(BlockQ3_K) * (c / 8), static_cast<int>(c % 8));
   } else if constexpr (QT == Q2_K) {  // q times its half's scale: 16-bit products, each byte's fits
     const uint8_t* b = row + sizeof(BlockQ2_K) * (c / 8);
     const auto& h = *reinterpret_cast<const BlockQ2_K*>(b);
@@ -997,6 +989,24 @@ inline __m512i dp(__m512i acc, __m512i u, const int8_t* p) {
   return acc;
 }
 
+// the quad that chain c (0, 1) of a km type's chunk takes at step j (0-3): the halves types quad
+// j of half c, the others quads 2 j + c (even and odd)
+template <int64_t QT>
+constexpr int quad(int j, int c) {
+  return halved(QT) ? j + 4 * c : 2 * j + c;
+}
+
+// a halves type's chunk b: its halves' scales (Buf::sc), loaded once for the activation rows
+struct HalfScales {
+  __m512i c0, c1;
+  HalfScales(const Buf& p, int64_t b)
+      : c0(_mm512_loadu_si512(p.sc.data() + 2 * b * NR)), c1(_mm512_loadu_si512(p.sc.data() + (2 * b + 1) * NR)) {}
+  // I + the chunk's two halves' sums s0, s1 times their scales (HALVES)
+  __m512i add(__m512i I, __m512i s0, __m512i s1) const {
+    return _mm512_add_epi32(I, _mm512_add_epi32(_mm512_mullo_epi32(s0, c0), _mm512_mullo_epi32(s1, c1)));
+  }
+};
+
 // One output's two integer sums of block b before its products (the 32-element types): the even
 // quads start at -bias times the block's activation sum, the odd ones at 0
 template <int64_t QT>
@@ -1079,18 +1089,17 @@ void rows_vnni_km(const Buf* const* pb, int64_t nb, const Acts& a, float* const*
           for (int q = 0; q < P; ++q)
             for (int r = 0; r < R; ++r) s0[q][r] = s1[q][r] = _mm512_setzero_si512();
       for (int j = 0; j < 4; ++j) {
-        constexpr auto at = [](int j, int c) { return halved(QT) ? j + 4 * c : 2 * j + c; };  // chain c's quad
         __m512i w0[P], w1[P];
         for (int q = 0; q < P; ++q) {
           const __m512i* u = reinterpret_cast<const __m512i*>(pb[q]->u.data() + b * 8 * NR * 4);
-          w0[q] = _mm512_loadu_si512(u + at(j, 0)), w1[q] = _mm512_loadu_si512(u + at(j, 1));
+          w0[q] = _mm512_loadu_si512(u + quad<QT>(j, 0)), w1[q] = _mm512_loadu_si512(u + quad<QT>(j, 1));
         }
         for (int r = 0; r < R; ++r) {
           if constexpr (P == 1) {
-            s0[0][r] = dp(s0[0][r], w0[0], x + r * a.K + 4 * at(j, 0));
-            s1[0][r] = dp(s1[0][r], w1[0], x + r * a.K + 4 * at(j, 1));
+            s0[0][r] = dp(s0[0][r], w0[0], x + r * a.K + 4 * quad<QT>(j, 0));
+            s1[0][r] = dp(s1[0][r], w1[0], x + r * a.K + 4 * quad<QT>(j, 1));
           } else {
-            const __m512i x0 = quad512(x + r * a.K + 4 * at(j, 0)), x1 = quad512(x + r * a.K + 4 * at(j, 1));
+            const __m512i x0 = quad512(x + r * a.K + 4 * quad<QT>(j, 0)), x1 = quad512(x + r * a.K + 4 * quad<QT>(j, 1));
             for (int q = 0; q < P; ++q) {
               s0[q][r] = _mm512_dpbusd_epi32(s0[q][r], w0[q], x0);
               s1[q][r] = _mm512_dpbusd_epi32(s1[q][r], w1[q], x1);
@@ -1100,10 +1109,8 @@ void rows_vnni_km(const Buf* const* pb, int64_t nb, const Acts& a, float* const*
       }
       if constexpr (halved(QT))
         for (int q = 0; q < P; ++q) {
-          const __m512i* sc = reinterpret_cast<const __m512i*>(pb[q]->sc.data() + 2 * b * NR);
-          const __m512i c0 = _mm512_loadu_si512(sc), c1 = _mm512_loadu_si512(sc + 1);
-          for (int r = 0; r < R; ++r)
-            I[q][r] = _mm512_add_epi32(I[q][r], _mm512_add_epi32(_mm512_mullo_epi32(s0[q][r], c0), _mm512_mullo_epi32(s1[q][r], c1)));
+          const HalfScales sc(*pb[q], b);
+          for (int r = 0; r < R; ++r) I[q][r] = sc.add(I[q][r], s0[q][r], s1[q][r]);
         }
       else if constexpr (QT != Q2_K)
         for (int q = 0; q < P; ++q) {
@@ -1309,7 +1316,6 @@ template <int64_t QT, int R>
 void rows_r16_km(const uint8_t* recs, const Buf& p, const Acts& a, float* out, int64_t ldo, __mmask16 mask,
                  const ahead::Ranges& next, int64_t g, int64_t groups) {
   constexpr int64_t MP = mpairs(QT);
-  constexpr auto at = [](int q, int c) { return halved(QT) ? q + 4 * c : 2 * q + c; };  // chain c's quad
   const int64_t nsb = a.nb / 8;
   __m512 y[R];
   for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
@@ -1332,17 +1338,15 @@ void rows_r16_km(const uint8_t* recs, const Buf& p, const Acts& a, float* out, i
           s0[r] = s1[r] = _mm512_setzero_si512();
         }
       for (int q = 0; q < 4; ++q) {
-        const __m512i w0 = r16_u<QT>(rec, j, at(q, 0)), w1 = r16_u<QT>(rec, j, at(q, 1));
+        const __m512i w0 = r16_u<QT>(rec, j, quad<QT>(q, 0)), w1 = r16_u<QT>(rec, j, quad<QT>(q, 1));
         for (int r = 0; r < R; ++r) {
-          s0[r] = dp(s0[r], w0, x + r * a.K + 4 * at(q, 0));
-          s1[r] = dp(s1[r], w1, x + r * a.K + 4 * at(q, 1));
+          s0[r] = dp(s0[r], w0, x + r * a.K + 4 * quad<QT>(q, 0));
+          s1[r] = dp(s1[r], w1, x + r * a.K + 4 * quad<QT>(q, 1));
         }
       }
       if constexpr (halved(QT)) {
-        const __m512i* sc = reinterpret_cast<const __m512i*>(p.sc.data() + 2 * b * NR);
-        const __m512i c0 = _mm512_loadu_si512(sc), c1 = _mm512_loadu_si512(sc + 1);
-        for (int r = 0; r < R; ++r)
-          I[r] = _mm512_add_epi32(I[r], _mm512_add_epi32(_mm512_mullo_epi32(s0[r], c0), _mm512_mullo_epi32(s1[r], c1)));
+        const HalfScales sc(p, b);
+        for (int r = 0; r < R; ++r) I[r] = sc.add(I[r], s0[r], s1[r]);
       } else {
         const __m512 d = _mm512_loadu_ps(p.d.data() + b * NR);
         for (int r = 0; r < R; ++r) z[r] = _mm512_fmadd_ps(cvt(_mm512_add_epi32(s0[r], s1[r])), d, z[r]);
