@@ -671,6 +671,30 @@ def test_bench_serve_peer_warms_both_servers_alike(serve_fake: Any) -> None:
         assert row["pagedkv"]["completed"] == row["peer"]["completed"] > 0 and row["ratio"] is not None
 
 
+def test_bench_serve_peer_repeats_alternate_and_take_the_median(serve_fake: Any) -> None:
+    """--repeats N: each level runs N rounds on both servers (ABBA order), reports every round's
+    ratio and their median; a count below 1 is refused by the parser."""
+    import argparse
+    import statistics
+
+    from pagedkv.bench import bench_serve
+
+    ours, peer = serve_fake(FakeEngine(max_model_len=1024)), serve_fake(FakeEngine(max_model_len=1024))
+    ap = argparse.ArgumentParser()
+    bench_serve.add_args(ap)
+    args = ap.parse_args(["--base-url", ours.url, "--peer", peer.url, "--peer-concurrency", "2",
+                          "--no-in-process", "--prompt", "abc", "--repeats", "3", "--peer-max-tokens", "3"])
+    args.quick = False
+    result = bench_serve.run_peer(args)
+    row = result["clients"]["2"]
+    assert result["repeats"] == 3 and len(row["ratios"]) == 3
+    assert row["ratio"] == round(statistics.median(row["ratios"]), 2)
+    for server in (ours, peer):  # warm-up (2 requests) + 3 rounds of max(4, 2 * 2) requests
+        assert server.metrics()["pagedkv:time_to_first_token_seconds_count"] == 2 + 3 * 4
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--repeats", "0"])
+
+
 # --- the real engine -------------------------------------------------------------------------
 
 

@@ -18,6 +18,12 @@ level both servers get the same untimed warm-up (`concurrency` requests of WARMU
 at once), as `vllm bench serve` sends a test prompt first: a server's first requests after
 start-up (or at a new batch size) pay one-time costs that are not its serving speed.
 
+A level is measured --repeats times (default 3), the two servers' runs alternated in ABBA order
+(pagedkv, peer; then peer, pagedkv; ...) so that a drifting machine (on a shared 2-core VM, 10-20%
+within minutes) weighs on both alike. The level's `ratio` is the median of the rounds' ratios
+(`ratios`, in round order); `pagedkv` and `peer` are each server's run of median output
+throughput.
+
 Each --peer level also runs the same requests in this process, through `LLMEngine.step` with
 the same threads and `concurrency` requests in flight, no HTTP (`in_process`): what the server
 path costs is `tpot_http_over_in_process` (1.0 = nothing), measured side by side in one run.
@@ -262,6 +268,16 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                          "in-process reference (default: the engine's, quantized)")
     ap.add_argument("--no-in-process", action="store_true",
                     help="with --peer: skip the in-process reference (LLMEngine.step, no HTTP)")
+    ap.add_argument("--repeats", type=_positive, default=3,
+                    help="with --peer: rounds per level, the servers alternated (ABBA); the "
+                         "ratio is the rounds' median")
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 WARMUP_TOKENS = 4  # per warm-up request (run_peer)
@@ -363,6 +379,24 @@ def _brief(r: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median output throughput (the lower middle one of an even count)."""
+    return sorted(runs, key=lambda r: r["output_throughput"])[(len(runs) - 1) // 2]
+
+
+def _rounds(ours: str, peer: str, kw: dict[str, Any], repeats: int) -> dict[str, Any]:
+    """One level: `repeats` rounds of both servers' runs, ABBA order; the median ratio."""
+    runs: dict[str, list[dict[str, Any]]] = {ours: [], peer: []}
+    for i in range(repeats):
+        for url in ((ours, peer) if i % 2 == 0 else (peer, ours)):
+            runs[url].append(asyncio.run(arun_serve_bench(url, **kw)))
+    ratios = [a["output_throughput"] / b["output_throughput"]
+              for a, b in zip(runs[ours], runs[peer], strict=True) if b["output_throughput"]]
+    return {"pagedkv": _brief(_median_run(runs[ours])), "peer": _brief(_median_run(runs[peer])),
+            "ratio": round(statistics.median(ratios), 2) if ratios else None,
+            "ratios": [round(r, 2) for r in ratios]}
+
+
 def run_peer(args: argparse.Namespace) -> dict[str, Any]:
     """pagedkv vs args.peer at each client count, same client and prompts."""
     levels = [int(c) for c in str(args.peer_concurrency).split(",") if c.strip()]
@@ -380,16 +414,12 @@ def run_peer(args: argparse.Namespace) -> dict[str, Any]:
             for url in (ours, args.peer):  # untimed, the same for both
                 asyncio.run(arun_serve_bench(url, num_requests=c, concurrency=c, max_tokens=WARMUP_TOKENS,
                                              prompts=prompts, api_key=args.api_key))
-            a = asyncio.run(arun_serve_bench(ours, **kw))
-            b = asyncio.run(arun_serve_bench(args.peer, **kw))
-            ratio = a["output_throughput"] / b["output_throughput"] if b["output_throughput"] else None
-            rows[str(c)] = {"pagedkv": _brief(a), "peer": _brief(b),
-                            "ratio": round(ratio, 2) if ratio else None}
+            rows[str(c)] = _rounds(ours, args.peer, kw, 1 if args.quick else args.repeats)
             if local is not None:
                 ref = run_in_process(local, prompts, c, n, max_tokens)
                 rows[str(c)]["in_process"] = ref
                 rows[str(c)]["tpot_http_over_in_process"] = (
-                    round(a["median_tpot_ms"] / ref["median_tpot_ms"], 2)
+                    round(rows[str(c)]["pagedkv"]["median_tpot_ms"] / ref["median_tpot_ms"], 2)
                     if ref["median_tpot_ms"] else None)
             print(f"[bench serve] {c} clients: {rows[str(c)]}", file=sys.stderr, flush=True)
     finally:
@@ -399,6 +429,7 @@ def run_peer(args: argparse.Namespace) -> dict[str, Any]:
     from pagedkv.model import qkernel
 
     return {"peer": args.peer, "pagedkv_threads": args.threads, "max_tokens": max_tokens,
+            "repeats": 1 if args.quick else args.repeats,
             "warmup": f"each level: its concurrency in requests of {WARMUP_TOKENS} tokens, both servers",
             "weights": args.weights or "default", "activations": args.activations or "default",
             "batch_weights": args.batch_weights or "default",
