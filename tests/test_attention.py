@@ -30,7 +30,7 @@ from pagedkv.attention.paged import (
     paged_decode_attention,
     paged_prefill_attention,
 )
-from pagedkv.cache.storage import LayerKV
+from pagedkv.cache.storage import LayerKV, write_layer
 from pagedkv.errors import StorageMismatchError
 
 BACKENDS = ("kernel", "torch")
@@ -332,6 +332,49 @@ def test_kernel_rejects_bad_block_ids() -> None:
 
 
 # --- writes -----------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler")
+@FAST
+@given(spec=specs(), dtype=st.sampled_from([torch.float32, torch.bfloat16]), data=st.data())
+def test_a_decode_step_writes_and_attends_in_one_op_with_the_same_bits(
+        spec: Spec, dtype: torch.dtype, data: st.DataObject) -> None:
+    """A pure-decode step over a float cache goes through write_decode (one op: the new K/V
+    copied to their slots, then the decode kernel): the same output bits and the same cache as
+    write_layer's copies followed by the decode op, with k/v strided views of a wider tensor
+    (as the model passes them) and skipped (-1) slots."""
+    spec.prefills, spec.decodes = [], spec.decodes or [7]
+    case = build_case(spec, dtype)
+    t, h, d = case.k.shape
+    wide = torch.randn(t, h + 1, d).to(dtype)  # k as a view with a token stride of (h + 1) d
+    wide[:, :h] = case.k
+    k = wide[:, :h]
+    skip = data.draw(st.lists(st.integers(0, t - 1), max_size=2))
+    case.meta.slot_mapping[skip] = -1
+    kc, vc = case.k_cache.clone(), case.v_cache.clone()
+    with backend("kernel"):
+        out = paged_attention(case.q, k, case.v, case.layer, case.meta, spec.scale, window=spec.window,
+                              softcap=spec.softcap)
+        assert case.meta.plan.write_op is not None
+        write_layer(LayerKV(kc, vc), case.meta.slot_mapping, k, case.v)
+        ref = paged_decode_attention(case.q, kc, vc, case.meta.decode_block_tables, case.meta.decode_seq_lens,
+                                     spec.scale, window=spec.window, softcap=spec.softcap)
+    assert torch.equal(out, ref)
+    assert torch.equal(case.k_cache, kc) and torch.equal(case.v_cache, vc)
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler")
+def test_a_slot_outside_the_cache_writes_nothing() -> None:
+    """write_decode checks every slot before its first copy: one past the cache's last row is
+    an error and no row of the cache changes (the first sequence's slot included)."""
+    spec = Spec(hkv=2, group=2, head_dim=16, block_size=4, prefills=[], decodes=[9, 5], seed=1, scale=0.25)
+    case = build_case(spec, torch.float32)
+    rows = case.k_cache.shape[0] * case.k_cache.shape[1]
+    case.meta.slot_mapping[1] = rows
+    before_k, before_v = case.k_cache.clone(), case.v_cache.clone()
+    with backend("kernel"), pytest.raises(RuntimeError, match="outside the cache"):
+        paged_attention(case.q, case.k, case.v, case.layer, case.meta, spec.scale)
+    assert torch.equal(case.k_cache, before_k) and torch.equal(case.v_cache, before_v)
 
 
 @pytest.mark.parametrize("name", BACKENDS)

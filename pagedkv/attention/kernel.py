@@ -294,3 +294,11 @@ def decode_op():
     -> None; the scales ([N, bs, Hkv] float32) are None for float caches.
     """
     return DECODE.op
+
+
+def write_decode_op():
+    """The fused write + decode op's builtin (paged_decode.cpp's write_decode; only valid after
+    load_kernel() returned True): op(q, k_new, v_new, slots, k_cache, v_cache, block_tables,
+    seq_lens, scale, out, window, softcap) -> None, float caches only."""
+    op = torch.ops.pagedkv_attn.write_decode.default
+    return getattr(op, "_op", op)

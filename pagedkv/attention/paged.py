@@ -66,6 +66,9 @@ class AttentionPlan:
     seq_lens: torch.Tensor  # decode seq lens, int32 contiguous when `kernel`
     op: object | None  # the decode op's builtin when `kernel`
     triton: object | None = None  # triton_backend.TritonStep when the triton backend runs the step
+    # a pure-decode step over a float cache (`kernel`, no prefill, int64 slots): the op that
+    # writes the new K/V and attends in one call (write_decode), else None
+    write_op: object | None = None
 
     def fits(self, q: torch.Tensor, cache: LayerKV) -> bool:
         return (
@@ -104,8 +107,11 @@ def _plan(q: torch.Tensor, k: torch.Tensor, cache: LayerKV, meta: AttentionMetad
             tables = tables.to(torch.int32).contiguous()
         if lens.dtype != torch.int32 or not lens.is_contiguous():
             lens = lens.to(torch.int32).contiguous()
+    fused = (kernel and not num_prefill and cache.k_scale is None and k.dtype == cache.k.dtype
+             and meta.slot_mapping.dtype == torch.int64 and meta.slot_mapping.is_contiguous())
     return AttentionPlan(num_tokens, num_prefill, meta.num_decodes, q.dtype, cache.k.dtype,
-                    _kernel.CONFIG.use_kernel, kernel, tables, lens, op)
+                         _kernel.CONFIG.use_kernel, kernel, tables, lens, op,
+                         write_op=_kernel.write_decode_op() if fused else None)
 
 
 def paged_attention(
@@ -140,6 +146,10 @@ def paged_attention(
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, D], contiguous
     if plan.triton is not None:
         return _triton_attention(q, k, v, cache, plan, scale, out, window, softcap)
+    if plan.write_op is not None and cache.k.is_contiguous() and cache.v.is_contiguous():
+        plan.write_op(q if q.stride(-1) == 1 else q.contiguous(), k, v, meta.slot_mapping, cache.k,
+                      cache.v, plan.block_tables, plan.seq_lens, float(scale), out, window, softcap)
+        return out
     if num_tokens:
         write_layer(cache, meta.slot_mapping, k, v, skips=meta.has_skips)
     if num_prefill:

@@ -27,6 +27,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
+#include <utility>
 #include <limits>
 #include <optional>
 #include <type_traits>
@@ -762,6 +764,55 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   }
 }
 
+// A pure-decode step's attention in one call: each sequence's new K/V row (k_new, v_new [B, Hkv,
+// D], any strides, the cache's float dtype) copied to its slot (slots int64 [B]: row slot of the
+// cache seen as [N * bs, Hkv, D]; a negative slot is not written), then paged_decode. What the
+// indexed copies of write_layer and the decode op did in three calls (and their Python: ~20 us
+// a layer at one row). Every slot is checked before the first copy, so a bad one writes nothing.
+void write_decode(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
+                  const at::Tensor& slots, at::Tensor& k_cache, at::Tensor& v_cache,
+                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                  at::Tensor& out, int64_t window, double softcap) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "k_cache/v_cache must be equal contiguous [N, bs, Hkv, D] tensors");
+  const at::ScalarType t = k_cache.scalar_type();
+  TORCH_CHECK(t == at::kFloat || t == at::kBFloat16 || t == at::kHalf,
+              "write_decode takes a float cache (a quantized one: write_layer, then paged_decode)");
+  const int64_t rows = k_cache.size(0) * k_cache.size(1), H = k_cache.size(2), D = k_cache.size(3);
+  const int64_t B = q.dim() == 3 ? q.size(0) : -1;
+  for (const at::Tensor* x : {&k_new, &v_new})
+    TORCH_CHECK(x->dim() == 3 && x->size(0) == B && x->size(1) == H && x->size(2) == D &&
+                    x->scalar_type() == t,
+                "k_new/v_new must be [B, Hkv, D] in the cache's dtype, B = q's batch");
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == B && slots.scalar_type() == at::kLong &&
+                  slots.is_contiguous(),
+              "slots must be a contiguous int64 [B] tensor");
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(sl[b] < rows, "slot ", sl[b], " outside the cache's ", rows, " rows");
+  const int64_t es = k_cache.element_size();
+  for (const auto& [src, dst] : {std::pair{&k_new, &k_cache}, std::pair{&v_new, &v_cache}}) {
+    const char* sp = static_cast<const char*>(src->data_ptr());
+    char* dp = static_cast<char*>(dst->data_ptr());
+    const int64_t s0 = src->stride(0) * es, s1 = src->stride(1) * es, s2 = src->stride(2) * es;
+    for (int64_t b = 0; b < B; ++b) {
+      if (sl[b] < 0) continue;
+      char* row = dp + sl[b] * H * D * es;
+      for (int64_t h = 0; h < H; ++h) {
+        const char* from = sp + b * s0 + h * s1;
+        if (s2 == es) {
+          std::memcpy(row + h * D * es, from, D * es);
+        } else {
+          for (int64_t d = 0; d < D; ++d) std::memcpy(row + (h * D + d) * es, from + d * s2, es);
+        }
+      }
+    }
+  }
+  paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, std::nullopt, std::nullopt,
+               window, softcap);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pagedkv_attn, m) {
@@ -769,8 +820,13 @@ TORCH_LIBRARY(pagedkv_attn, m) {
       "paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor seq_lens, float scale, Tensor(a!) out, Tensor? k_scale=None, "
       "Tensor? v_scale=None, int window=0, float softcap=0) -> ()");
+  m.def(
+      "write_decode(Tensor q, Tensor k_new, Tensor v_new, Tensor slots, Tensor(a!) k_cache, "
+      "Tensor(b!) v_cache, Tensor block_tables, Tensor seq_lens, float scale, Tensor(c!) out, "
+      "int window=0, float softcap=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedkv_attn, CPU, m) {
   m.impl("paged_decode", &paged_decode);
+  m.impl("write_decode", &write_decode);
 }
