@@ -713,6 +713,20 @@ def test_bench_serve_peer_repeats_alternate_and_take_the_median(serve_fake: Any)
         assert server.metrics()["pagedkv:time_to_first_token_seconds_count"] == 2 + 3 * 4
     with pytest.raises(SystemExit):
         ap.parse_args(["--repeats", "0"])
+    # the in-process reference runs once a round, right after both servers' runs of that round
+    seen = []
+
+    def reference() -> dict[str, Any]:
+        seen.append(tuple(s.metrics()["pagedkv:time_to_first_token_seconds_count"] for s in (ours, peer)))
+        return {"output_throughput": 10.0 + len(seen), "median_tpot_ms": 1.0}
+
+    kw = dict(num_requests=2, concurrency=2, max_tokens=3, prompts=["abc"])
+    row = bench_serve._rounds(ours.url, peer.url, kw, 3, reference)
+    base = 2 + 3 * 4
+    assert seen == [(base + 2, base + 2), (base + 4, base + 4), (base + 6, base + 6)]
+    assert row["in_process"]["output_throughput"] == 12.0  # the median run
+    assert len(row["tpot_http_over_in_process_rounds"]) == 3
+    assert row["tpot_http_over_in_process"] == round(statistics.median(row["tpot_http_over_in_process_rounds"]), 2)
 
 
 # --- the real engine -------------------------------------------------------------------------

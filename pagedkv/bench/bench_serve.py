@@ -24,15 +24,17 @@ within minutes) weighs on both alike. The level's `ratio` is the median of the r
 (`ratios`, in round order); `pagedkv` and `peer` are each server's run of median output
 throughput.
 
-Each --peer level also runs the same requests in this process, through `LLMEngine.step` with
-the same threads and `concurrency` requests in flight, no HTTP (`in_process`): what the server
-path costs is `tpot_http_over_in_process` (1.0 = nothing), measured side by side in one run.
+Each --peer round also runs the same requests in this process, right after the servers, through
+`LLMEngine.step` with the same threads and `concurrency` requests in flight, no HTTP
+(`in_process`): what the server path costs is `tpot_http_over_in_process` (1.0 = nothing), the
+median of the rounds' TPOT ratios.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import socket
@@ -40,6 +42,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -384,17 +387,31 @@ def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return sorted(runs, key=lambda r: r["output_throughput"])[(len(runs) - 1) // 2]
 
 
-def _rounds(ours: str, peer: str, kw: dict[str, Any], repeats: int) -> dict[str, Any]:
-    """One level: `repeats` rounds of both servers' runs, ABBA order; the median ratio."""
+def _rounds(ours: str, peer: str, kw: dict[str, Any], repeats: int,
+            local: Callable[[], dict[str, Any]] | None = None) -> dict[str, Any]:
+    """One level: `repeats` rounds of both servers' runs, ABBA order; the median ratio. With
+    `local` (the in-process reference), each round also runs it right after the servers, and
+    `tpot_http_over_in_process` is the median of the rounds' TPOT ratios (a ratio of runs
+    minutes apart read the machine's drift: 1.16x in one run, 0.96-1.04x back to back)."""
     runs: dict[str, list[dict[str, Any]]] = {ours: [], peer: []}
+    refs: list[dict[str, Any]] = []
     for i in range(repeats):
         for url in ((ours, peer) if i % 2 == 0 else (peer, ours)):
             runs[url].append(asyncio.run(arun_serve_bench(url, **kw)))
+        if local is not None:
+            refs.append(local())
     ratios = [a["output_throughput"] / b["output_throughput"]
               for a, b in zip(runs[ours], runs[peer], strict=True) if b["output_throughput"]]
-    return {"pagedkv": _brief(_median_run(runs[ours])), "peer": _brief(_median_run(runs[peer])),
-            "ratio": round(statistics.median(ratios), 2) if ratios else None,
-            "ratios": [round(r, 2) for r in ratios]}
+    row = {"pagedkv": _brief(_median_run(runs[ours])), "peer": _brief(_median_run(runs[peer])),
+           "ratio": round(statistics.median(ratios), 2) if ratios else None,
+           "ratios": [round(r, 2) for r in ratios]}
+    if refs:
+        over = [a["median_tpot_ms"] / r["median_tpot_ms"]
+                for a, r in zip(runs[ours], refs, strict=True) if r["median_tpot_ms"]]
+        row["in_process"] = _median_run(refs)
+        row["tpot_http_over_in_process"] = round(statistics.median(over), 2) if over else None
+        row["tpot_http_over_in_process_rounds"] = [round(r, 2) for r in over]
+    return row
 
 
 def run_peer(args: argparse.Namespace) -> dict[str, Any]:
@@ -414,13 +431,8 @@ def run_peer(args: argparse.Namespace) -> dict[str, Any]:
             for url in (ours, args.peer):  # untimed, the same for both
                 asyncio.run(arun_serve_bench(url, num_requests=c, concurrency=c, max_tokens=WARMUP_TOKENS,
                                              prompts=prompts, api_key=args.api_key))
-            rows[str(c)] = _rounds(ours, args.peer, kw, 1 if args.quick else args.repeats)
-            if local is not None:
-                ref = run_in_process(local, prompts, c, n, max_tokens)
-                rows[str(c)]["in_process"] = ref
-                rows[str(c)]["tpot_http_over_in_process"] = (
-                    round(rows[str(c)]["pagedkv"]["median_tpot_ms"] / ref["median_tpot_ms"], 2)
-                    if ref["median_tpot_ms"] else None)
+            ref = None if local is None else functools.partial(run_in_process, local, prompts, c, n, max_tokens)
+            rows[str(c)] = _rounds(ours, args.peer, kw, 1 if args.quick else args.repeats, ref)
             print(f"[bench serve] {c} clients: {rows[str(c)]}", file=sys.stderr, flush=True)
     finally:
         if proc is not None:
