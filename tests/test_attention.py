@@ -377,6 +377,20 @@ def test_a_slot_outside_the_cache_writes_nothing() -> None:
     assert torch.equal(case.k_cache, before_k) and torch.equal(case.v_cache, before_v)
 
 
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler")
+def test_a_bad_block_table_fails_the_decode_step_before_any_write() -> None:
+    """write_decode checks the block tables and lengths too before its first copy: a block id
+    outside the pool, or a length past the table, fails with no row of the cache changed."""
+    spec = Spec(hkv=2, group=2, head_dim=16, block_size=4, prefills=[], decodes=[9, 5], seed=2, scale=0.25)
+    for field, value, match in (("decode_block_tables", 10_000, "block id"), ("decode_seq_lens", 999, "seq_lens")):
+        case = build_case(spec, torch.float32)
+        getattr(case.meta, field)[0] = value
+        before_k, before_v = case.k_cache.clone(), case.v_cache.clone()
+        with backend("kernel"), pytest.raises(RuntimeError, match=match):
+            paged_attention(case.q, case.k, case.v, case.layer, case.meta, spec.scale)
+        assert torch.equal(case.k_cache, before_k) and torch.equal(case.v_cache, before_v)
+
+
 @pytest.mark.parametrize("name", BACKENDS)
 def test_slots_minus_one_are_not_written(name: str) -> None:
     spec = Spec(

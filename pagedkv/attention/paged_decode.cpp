@@ -27,7 +27,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <optional>
 #include <utility>
 #include <limits>
 #include <optional>
@@ -683,10 +682,18 @@ void decode_impl(const Problem& p, at::Tensor& out, int64_t max_len, int64_t tot
 // with s_b = max(0, len_b - window) for a sliding-window layer (window > 0), else 0, each
 // score soft-capped first when softcap > 0. Blocks
 // wholly before s_b are never read (nor checked): their table entries may be anything.
-void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                  at::Tensor& out, const std::optional<at::Tensor>& k_scale,
-                  const std::optional<at::Tensor>& v_scale, int64_t window, double softcap) {
+// A checked decode call, ready to run: every argument and every block id it will read validated.
+struct Prepared {
+  Problem p;
+  at::ScalarType kv_type;
+  int64_t max_len, total_len;
+};
+
+// paged_decode's checks (a TORCH_CHECK error on a bad argument); nullopt for an empty batch
+std::optional<Prepared> prepare(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                                const at::Tensor& out, const std::optional<at::Tensor>& k_scale,
+                                const std::optional<at::Tensor>& v_scale, int64_t window, double softcap) {
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: no window)");
   TORCH_CHECK(softcap >= 0 && std::isfinite(softcap), "softcap must be finite and >= 0 (0: none)");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, Hq, D] with a contiguous last dim");
@@ -719,7 +726,7 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
     ks = k_scale->data_ptr<float>();
     vs = v_scale->data_ptr<float>();
   }
-  if (B == 0) return;
+  if (B == 0) return std::nullopt;
 
   // Validate every block id a sequence will touch before going parallel: a bad id would
   // otherwise be an out-of-bounds read. This is B * max_blocks compares, cheap next to the work.
@@ -740,10 +747,16 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
     total_len += len - first;
   }
 
-  Problem p{q.data_ptr(), q.scalar_type(), q.stride(0), q.stride(1), k_cache.data_ptr(),
-            v_cache.data_ptr(), ks, vs, bt, max_blocks, lens, B, Hq, Hkv, Hq / Hkv, D, bs,
-            static_cast<float>(scale), window, static_cast<float>(softcap)};
-  switch (kv_type) {
+  return Prepared{{q.data_ptr(), q.scalar_type(), q.stride(0), q.stride(1), k_cache.data_ptr(),
+                   v_cache.data_ptr(), ks, vs, bt, max_blocks, lens, B, Hq, Hkv, Hq / Hkv, D, bs,
+                   static_cast<float>(scale), window, static_cast<float>(softcap)},
+                  kv_type, max_len, total_len};
+}
+
+void run(const Prepared& d, at::Tensor& out) {
+  const Problem& p = d.p;
+  const int64_t max_len = d.max_len, total_len = d.total_len;
+  switch (d.kv_type) {
     case at::kFloat:
       decode_impl<float>(p, out, max_len, total_len);
       break;
@@ -760,27 +773,36 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
       decode_impl<Fp8>(p, out, max_len, total_len);
       break;
     default:
-      TORCH_CHECK(false, "paged_decode: unsupported cache dtype ", k_cache.scalar_type());
+      TORCH_CHECK(false, "paged_decode: unsupported cache dtype ", d.kv_type);
   }
+}
+
+void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                  at::Tensor& out, const std::optional<at::Tensor>& k_scale,
+                  const std::optional<at::Tensor>& v_scale, int64_t window, double softcap) {
+  if (const auto d = prepare(q, k_cache, v_cache, block_tables, seq_lens, scale, out, k_scale, v_scale,
+                             window, softcap))
+    run(*d, out);
 }
 
 // A pure-decode step's attention in one call: each sequence's new K/V row (k_new, v_new [B, Hkv,
 // D], any strides, the cache's float dtype) copied to its slot (slots int64 [B]: row slot of the
 // cache seen as [N * bs, Hkv, D]; a negative slot is not written), then paged_decode. What the
 // indexed copies of write_layer and the decode op did in three calls (and their Python: ~20 us
-// a layer at one row). Every slot is checked before the first copy, so a bad one writes nothing.
+// a layer at one row). Every argument, block id and slot is checked before the first copy, so a
+// bad one writes nothing.
 void write_decode(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
                   const at::Tensor& slots, at::Tensor& k_cache, at::Tensor& v_cache,
                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                   at::Tensor& out, int64_t window, double softcap) {
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
-              "k_cache/v_cache must be equal contiguous [N, bs, Hkv, D] tensors");
   const at::ScalarType t = k_cache.scalar_type();
   TORCH_CHECK(t == at::kFloat || t == at::kBFloat16 || t == at::kHalf,
               "write_decode takes a float cache (a quantized one: write_layer, then paged_decode)");
+  const std::optional<Prepared> d = prepare(q, k_cache, v_cache, block_tables, seq_lens, scale, out,
+                                            std::nullopt, std::nullopt, window, softcap);
   const int64_t rows = k_cache.size(0) * k_cache.size(1), H = k_cache.size(2), D = k_cache.size(3);
-  const int64_t B = q.dim() == 3 ? q.size(0) : -1;
+  const int64_t B = q.size(0);  // (prepare checked q: [B, Hq, D])
   for (const at::Tensor* x : {&k_new, &v_new})
     TORCH_CHECK(x->dim() == 3 && x->size(0) == B && x->size(1) == H && x->size(2) == D &&
                     x->scalar_type() == t,
@@ -809,8 +831,7 @@ void write_decode(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor
       }
     }
   }
-  paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, std::nullopt, std::nullopt,
-               window, softcap);
+  if (d) run(*d, out);
 }
 
 }  // namespace

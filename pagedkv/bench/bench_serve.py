@@ -49,6 +49,8 @@ from typing import Any
 
 import httpx
 
+from pagedkv.options import positive_int
+
 DATA = Path(__file__).parent / "data"
 Prompt = str | list[dict[str, str]]
 
@@ -271,16 +273,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                          "in-process reference (default: the engine's, quantized)")
     ap.add_argument("--no-in-process", action="store_true",
                     help="with --peer: skip the in-process reference (LLMEngine.step, no HTTP)")
-    ap.add_argument("--repeats", type=_positive, default=3,
+    ap.add_argument("--repeats", type=positive_int, default=3,
                     help="with --peer: rounds per level, the servers alternated (ABBA); the "
                          "ratio is the rounds' median")
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 WARMUP_TOKENS = 4  # per warm-up request (run_peer)
