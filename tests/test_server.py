@@ -619,6 +619,55 @@ def test_bench_serve_against_fake(serve_fake: Any) -> None:
     assert_idle(server)
 
 
+class DroppingServer:
+    """A real HTTP/1.1 server on a socket: the first `drops` connections are read and closed
+    with no response (a kept-alive connection the server closed as the client reused it); the
+    rest get one streamed completion of two chunks, then the connection closes."""
+
+    SSE = (b'data: {"choices": [{"text": "a"}]}\n\ndata: {"choices": [{"text": "b"}], '
+           b'"usage": {"prompt_tokens": 3, "completion_tokens": 2}}\n\ndata: [DONE]\n\n')
+
+    def __init__(self, drops: int) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.drops, self.seen = drops, 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(65536)
+                head, _, body = data.partition(b"\r\n\r\n")
+                size = int(re.search(rb"content-length: (\d+)", head, re.I).group(1))
+                while len(body) < size:
+                    body += conn.recv(65536)
+                self.seen += 1
+                if self.seen > self.drops:
+                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                                 b"connection: close\r\n\r\n" + self.SSE)
+
+
+def test_bench_serve_resends_once_after_a_dropped_connection() -> None:
+    """A request whose connection the server closed before any response is sent once more and
+    counted in `retried`; a second drop fails it (never a third try)."""
+    from pagedkv.bench.bench_serve import run_serve_bench
+
+    once = DroppingServer(drops=1)
+    r = run_serve_bench(once.url, num_requests=2, concurrency=1, max_tokens=2, prompts=["hi"], model="m")
+    assert (r["completed"], r["failed"], r["retried"], r["total_output_tokens"]) == (2, 0, 1, 4), r
+    assert once.seen == 3
+    twice = DroppingServer(drops=2)
+    r = run_serve_bench(twice.url, num_requests=2, concurrency=1, max_tokens=2, prompts=["hi"], model="m")
+    assert (r["completed"], r["failed"], r["retried"]) == (1, 1, 1), r
+    assert "without sending a response" in r["first_errors"][0] and twice.seen == 3
+
+
 def test_bench_serve_reads_cached_prompt_tokens_as_untrusted() -> None:
     """usage.prompt_tokens_details.cached_tokens (what each server took from its cache) counts
     only as a non-negative int, and never beyond the request's prompt tokens."""

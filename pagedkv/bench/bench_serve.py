@@ -65,6 +65,7 @@ class RequestResult:
     cached_tokens: int = 0  # of prompt_tokens, served from the server's prompt/prefix cache
     output_tokens: int = 0
     error: str = ""
+    retried: bool = False  # sent again after a kept-alive connection closed under it (see _one_request)
 
 
 def default_prompts() -> list[Prompt]:
@@ -106,37 +107,55 @@ def _chunk_has_text(obj: dict[str, Any]) -> bool:
 async def _one_request(
     client: httpx.AsyncClient, prompt: Prompt, model: str, max_tokens: int
 ) -> RequestResult:
-    path, body = _request_body(prompt, model, max_tokens)
+    """One streamed request. Sent once more, on a new connection, when the server closed the
+    kept-alive connection it went out on before any byte of a response came back (the race
+    every HTTP/1.1 client meets: llama-server's cpp-httplib closes connections after a count of
+    requests or an idle time); the retry is counted (`retried` in the summary). Any other error,
+    or one after the response began, fails the request."""
     result = RequestResult()
+    for attempt in range(2):
+        try:
+            return await _stream(client, prompt, model, max_tokens, result)
+        except httpx.RemoteProtocolError as exc:
+            if attempt or result.ttft or "without sending a response" not in str(exc):
+                result.error = f"{type(exc).__name__}: {exc}"
+                return result
+            result.retried = True
+        except httpx.HTTPError as exc:
+            result.error = f"{type(exc).__name__}: {exc}"
+            return result
+    return result  # (not reached)
+
+
+async def _stream(
+    client: httpx.AsyncClient, prompt: Prompt, model: str, max_tokens: int, result: RequestResult
+) -> RequestResult:
+    path, body = _request_body(prompt, model, max_tokens)
     chunks = 0
     start = last = time.perf_counter()
-    try:
-        async with client.stream("POST", path, json=body) as response:
-            if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+    async with client.stream("POST", path, json=body) as response:
+        if response.status_code != 200:
+            result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+            return result
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            obj = json.loads(line[6:])
+            if "error" in obj:
+                result.error = str(obj["error"])
                 return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                obj = json.loads(line[6:])
-                if "error" in obj:
-                    result.error = str(obj["error"])
-                    return result
-                now = time.perf_counter()
-                if obj.get("usage"):
-                    result.prompt_tokens = obj["usage"]["prompt_tokens"]
-                    result.output_tokens = obj["usage"]["completion_tokens"]
-                    result.cached_tokens = _cached_tokens(obj["usage"])
-                if _chunk_has_text(obj):
-                    if chunks == 0:
-                        result.ttft = now - start
-                    else:
-                        result.itls.append(now - last)
-                    chunks += 1
-                    last = now
-    except httpx.HTTPError as exc:
-        result.error = f"{type(exc).__name__}: {exc}"
-        return result
+            now = time.perf_counter()
+            if obj.get("usage"):
+                result.prompt_tokens = obj["usage"]["prompt_tokens"]
+                result.output_tokens = obj["usage"]["completion_tokens"]
+                result.cached_tokens = _cached_tokens(obj["usage"])
+            if _chunk_has_text(obj):
+                if chunks == 0:
+                    result.ttft = now - start
+                else:
+                    result.itls.append(now - last)
+                chunks += 1
+                last = now
     result.latency = time.perf_counter() - start
     result.output_tokens = result.output_tokens or chunks  # no usage: count chunks
     result.ok = chunks > 0
@@ -161,6 +180,7 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
     summary: dict[str, Any] = {
         "completed": len(ok),
         "failed": len(results) - len(ok),
+        "retried": sum(r.retried for r in results),  # resent once after a stale kept-alive connection
         "duration_s": duration,
         "total_input_tokens": in_tokens,
         # prompt tokens the server took from its cache (the rest it computed): a server that
