@@ -31,15 +31,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedkv.attention.metadata import AttentionMetadata
+from pagedkv.attention.paged import _plan as attention_plan
 from pagedkv.attention.paged import paged_attention
 from pagedkv.cache.storage import KVStorage, LayerKV
 from pagedkv.errors import ModelLoadError, StorageMismatchError
-from pagedkv.model import qkernel
+from pagedkv.model import qkernel, quant
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.packed import linear as packed_linear
 from pagedkv.model.packed import pack
 from pagedkv.model.quant import QPart, QWeight
 
+# whether a pure-decode step runs its layers in one op (decode_loop.cpp; the same ops and bits
+# as the Python loop, which runs every other step and where this is False)
+DECODE_LOOP = True
 # HF checkpoint entries that carry no weights we need
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # the tensors partial rotary reorders (LlamaModel._rotary_rows): q and k rows, QK-norm weights
@@ -227,6 +231,7 @@ class DecoderLayer(nn.Module):
     def bind(self) -> None:
         """Prebind the four matmuls as plain callables (Linear.fast), called once per layer
         per step without the nn.Module call machinery; again whenever a Linear's `q` changes."""
+        quant.changed()  # (a cached decode plan holds the old weights)
         fns = (self.qkv_proj.fast(), self.o_proj.fast(), self.gate_up_proj.fast(), self.down_proj.fast())
         self._qkv, self._o, self._gate_up, self._down = fns
         # plain references (nn.Module attribute lookup of a Parameter is a slow path); the
@@ -350,6 +355,7 @@ class LlamaModel(nn.Module):
             None if cfg.embedding_scale is None else torch.tensor(cfg.embedding_scale).to(dtype)
         )
         self._lm_head_packed: torch.Tensor | None = None
+        self._plans: dict[int, tuple] = {}  # row count -> (route key, kv, its layers, _static_plan)
 
     def pack_weights(self) -> bool:
         """Pre-pack every matmul weight for the CPU (packed.py); True if packing applies.
@@ -495,6 +501,10 @@ class LlamaModel(nn.Module):
         bufs = None if fused is None else self._step_buffers(x)
         hb = None if bufs is None else bufs[3]
         res = self.config.residual_scale  # Granite: block outputs scaled before their adds
+        loop = None if bufs is None or not DECODE_LOOP else self._decode_plan(kv, metas, tables, bufs)
+        if loop is not None:  # the layers in one op (decode_loop.cpp): the same ops, no Python
+            qkernel.decode_layers()(x, h, *loop)
+            layers = []
         for i, (layer, cache) in enumerate(zip(layers, kv.model_layers, strict=False)):
             cos, sin = tables[layer.rope_table]
             a = layer.attention(h, cos, sin, cache, metas[groups[i]], fused, bufs)
@@ -515,6 +525,74 @@ class LlamaModel(nn.Module):
             x = x.index_select(0, logits_indices)  # [B, H]: norm + LM head only where needed
         x = F.rms_norm(x, x.shape[-1:], self.norm, self.config.rms_norm_eps)
         return self._final_logits(self._lm_head(x))
+
+    def _decode_plan(self, kv: KVStorage, metas: tuple[AttentionMetadata, ...], tables: list,
+                     bufs: tuple[torch.Tensor, ...]) -> tuple | None:
+        """decode_loop.cpp's arguments after (x, h) for this step's layers, or None where one of
+        them would take another way than the op's: a layer with QK-norm, Gemma's output norms,
+        Granite's residual scale, a NoPE layer, a matmul QWeight.step_call does not take, an
+        attention step other than the fused write + decode (prefill, a quantized or strided
+        cache, the triton backend). The weights' part is cached per row count and KV storage
+        (quant.route_key: any change of a weight's routes drops it)."""
+        if tables[0] is None:  # (the local table is None for every model without one: no layer reads it)
+            return None
+        t, views = bufs[4].shape[0], bufs[8]
+        q, k = views[1], views[2]
+        meta: list[torch.Tensor] = []
+        for g, m in enumerate(metas):
+            if g not in kv.layer_group:
+                meta += [m.slot_mapping] * 3  # (a group no layer reads: never indexed)
+                continue
+            cache = kv.model_layers[kv.layer_group.index(g)]
+            plan = m.plan
+            if plan is None or not plan.fits(q, cache):
+                plan = m.plan = attention_plan(q, k, cache, m)
+            if plan.write_op is None or plan.triton is not None or plan.num_tokens != t:
+                return None
+            meta += [m.slot_mapping, plan.block_tables, plan.seq_lens]
+        key = quant.route_key()
+        hit = self._plans.get(t)
+        if hit is None or hit[0] != key or hit[1] is not kv or hit[2] is not kv.model_layers:
+            if len(self._plans) > 64:
+                self._plans.clear()
+            hit = self._plans[t] = (key, kv, kv.model_layers, self._static_plan(t, kv))
+        static = hit[3]
+        if static is None:
+            return None
+        w, ints, floats, _ = static
+        if any(tables[i] is None for i in static[3]):
+            return None
+        rope = [c for pair in tables for c in (pair or (views[0], views[0]))]  # (a stand-in for a table no layer reads)
+        return [bufs[0], bufs[1], bufs[2], bufs[4], bufs[5], bufs[6], bufs[7], *views], rope, meta, w, ints, floats
+
+    def _static_plan(self, t: int, kv: KVStorage) -> tuple | None:
+        """The step-independent part of _decode_plan for t rows (None: the Python loop)."""
+        c = self.config
+        layers = list(self.layers)
+        if (self.dtype != torch.float32 or c.residual_scale is not None or qkernel.decode_layers() is None
+                or len({(ly.scale, ly.softcap, ly.gelu) for ly in layers}) != 1):
+            return None
+        w: list[torch.Tensor] = []
+        ints = [len(layers), int(layers[0].gelu)]
+        for i, (ly, cache) in enumerate(zip(layers, kv.model_layers, strict=True)):
+            if (ly.q_norm is not None or ly.attn_out_norm is not None or ly.mlp_out_norm is not None
+                    or ly.rope_table == 2 or not (cache.k.is_contiguous() and cache.v.is_contiguous())):
+                return None
+            bias = ly.qkv_proj.bias
+            ints += [kv.layer_group[i], ly.rope_table, ly.window, int(bias is not None)]
+            w += [ly.norms[1], *([layers[i + 1].norms[0]] if i + 1 < len(layers) else []),
+                  *([bias] if bias is not None else []), cache.k, cache.v]
+            for lin in (ly.qkv_proj, ly.o_proj, ly.gate_up_proj, ly.down_proj):
+                if lin.q is None or lin.bias is not None and lin is not ly.qkv_proj:
+                    return None
+                call = lin.q.step_call(t)
+                if call is None:
+                    return None
+                kind, ts, vs = call
+                ints += [kind, len(ts), len(vs), *vs]
+                w += ts
+        floats = [float(c.rms_norm_eps), float(layers[0].scale), float(layers[0].softcap)]
+        return w, ints, floats, {ly.rope_table for ly in layers}
 
     def _lm_head(self, x: torch.Tensor) -> torch.Tensor:
         """Normed hidden states [B, H] -> logits [B, V] float32 (a new tensor)."""

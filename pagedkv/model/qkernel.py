@@ -11,7 +11,8 @@ pagedkv/attention/kernel.py) plus -ffp-contract=off, so that the kernel dequanti
 the float32 roundings of the `gguf` package (a fused multiply-add would round d * q + m once).
 Registered as torch.ops.pagedkv_q.{qmatmul,qgemm,qrows,has_gemm,limit_isa,isa,types},
 torch.ops.pagedkv_a8.{quantize,matmul,linear,panel,panel_vnni,panel_avx2} and
-torch.ops.pagedkv_ops.{add_rms_norm,silu_mul,rope,argmax,gelu_tanh_mul,norm_add_rms_norm}.
+torch.ops.pagedkv_ops.{add_rms_norm,silu_mul,rope,argmax,gelu_tanh_mul,norm_add_rms_norm} and
+decode_loop.cpp's torch.ops.pagedkv_ops.decode_layers.
 
 Attempted once per process; any failure is logged once and `load()` returns False, and the
 callers (quant.py) use the pure-torch fallback. `PAGEDKV_NO_KERNEL=1` in the environment at the
@@ -39,7 +40,7 @@ logger = logging.getLogger(__name__)
 _DIR = Path(__file__).parent
 # one translation unit each; the headers they include (ggml_blocks.h, vec.h, ...) live in _DIR
 _SOURCES = [_DIR / n for n in ("qmatmul.cpp", "qmatmul_avx2.cpp", "qmatmul_avx512.cpp", "qmatmul_a8.cpp", "qmatmul_a8x.cpp",
-                               "qmatmul_panel.cpp", "fused_ops.cpp")]
+                               "qmatmul_panel.cpp", "fused_ops.cpp", "decode_loop.cpp")]
 _EXTRA_FLAGS = ["-ffp-contract=off"]
 
 
@@ -59,6 +60,7 @@ class _Kernel:
         self.r16 = None  # (r16_pack, panel_r16) of qmatmul_panel.cpp, where this CPU runs its VNNI code
         self.vnni = False  # whether the int8 kernels run AVX-512 VNNI code (at load, within the ISA limit)
         self.gemm = None  # qmatmul.cpp's qgemm, where the build has its AVX2 / AVX-512 code
+        self.decode_layers = None  # decode_loop.cpp's op
 
 
 _kernel = _Kernel()
@@ -136,6 +138,7 @@ def load() -> bool:
             k.fused = tuple(_raw(o.default) for o in (f.rope, f.silu_mul, f.add_rms_norm,
                                                       f.gelu_tanh_mul, f.norm_add_rms_norm))
             k.argmax = _raw(f.argmax.default)
+            k.decode_layers = _raw(f.decode_layers.default)
             k.vnni = bool(a8.panel_vnni())
             if hasattr(a8, "panel") and (k.vnni or a8.panel_avx2()):
                 k.panel = _raw(a8.panel.default)
@@ -170,6 +173,11 @@ def fused():  # noqa: ANN201
 def argmax():  # noqa: ANN201
     """fused_ops.cpp's argmax(x, best, idx) op, or None without the kernel."""
     return _kernel.argmax if (_kernel.ok or load()) else None
+
+
+def decode_layers():  # noqa: ANN201
+    """decode_loop.cpp's op (a pure-decode step's layers in one call), or None without the kernel."""
+    return _kernel.decode_layers if (_kernel.ok or load()) else None
 
 
 def panel():  # noqa: ANN201

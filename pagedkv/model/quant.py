@@ -66,6 +66,29 @@ KERNEL_TYPES = frozenset({
     Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL,
     Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS,
 })
+# QWeight.route: the kernel a call takes
+ROUTE_R16, ROUTE_PANEL, ROUTE_A8, ROUTE_A8_MIXED, ROUTE_GEMM, ROUTE_PACKED, ROUTE_TILED, ROUTE_ROWS, ROUTE_FALLBACK = range(9)
+_generation = 0  # bumped by every change of a QWeight's routes (generation(), changed())
+
+
+def generation() -> int:
+    """A count that changes whenever any QWeight's routes may have: what a cached plan of
+    routes (LlamaModel._decode_plan) is keyed on."""
+    return _generation
+
+
+def changed() -> None:
+    global _generation
+    _generation += 1
+
+
+def route_key() -> tuple:
+    """The module's routing knobs QWeight.route reads at call time (tests change some): with
+    generation(), what a cached plan of routes is valid for."""
+    return (_generation, A8_IMPL, A8_ROWS, A8_SB_ROWS, A8_SB_VNNI_ROWS, PACKED_A8_ROWS, TILED_ROWS,
+            PACKED_TILED_ROWS, GEMM_MIN_ROWS, GEMM_MIN_ROWS_PAIRED, GEMM_MAX_ROWS, PAIRED_K)
+
+
 TILE_ELEMS = 1 << 20  # float32 elements per dequantized tile (4 MiB)
 ACTIVATIONS = ("float32", "int8")  # activation modes; "int8" is the approximate, opt-in one
 BATCH_WEIGHTS = ("quantized", "float32", "panel")  # what calls above the kernels' rows multiply by
@@ -307,6 +330,7 @@ class QWeight:
         """"float32" (exact) or "int8" (approximate; effective where a segment is A8_TYPES)."""
         if mode not in ACTIVATIONS:
             raise UnsupportedModelError(f"unsupported activations {mode!r}; choose one of {list(ACTIVATIONS)}")
+        changed()
         self.a8 = mode == "int8" and any(q in A8_TYPES for q, _ in self.parts) and self.k % 32 == 0
         self._a8_all = all(q in A8_TYPES for q, _ in self.parts)  # one op call per linear
         self._panel = self._a8_all and all(q in PANEL_TYPES for q, _ in self.parts)
@@ -325,6 +349,7 @@ class QWeight:
         skip unpacking the file's blocks; the same results bit for bit."""
         if mode not in BATCH_WEIGHTS:
             raise UnsupportedModelError(f"unsupported batch weights {mode!r}; choose one of {list(BATCH_WEIGHTS)}")
+        changed()
         if mode != "panel":
             self._r16 = None
         if mode != "float32":
@@ -377,44 +402,76 @@ class QWeight:
             self._float = self.dequantize()
         return self._float
 
-    def linear(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, K] float32 -> x W^T [T, N] float32. `out`: a contiguous float32 [T, N] tensor
-        the kernel paths write into (the fallback ignores it); use the returned tensor."""
-        op = qkernel.qmatmul()
-        if op is None:
-            return F.linear(x, self._fallback())
-        x = x.contiguous()
-        t = x.shape[0]
-        if out is None:
-            out = torch.empty(t, self.n, dtype=torch.float32)
+    def route(self, t: int) -> int:
+        """Which kernel `linear` runs for a call of t activation rows (a ROUTE_* code). The one
+        decision: `linear` follows it, and the decode loop (decode_loop.cpp) calls the same op."""
+        if qkernel.qmatmul() is None:
+            return ROUTE_FALLBACK
         packed = self._batch is not None
         if self.a8 and self._panel and t >= self._panel_from:
             if self._r16 is not None and A8_IMPL == 0:  # the kept panels: the same bits, no unpacking
-                qkernel.r16()[1](x, *self._r16, out)
-                return out
-            if (panel := qkernel.panel()) is not None:
-                panel(x, *self._a8_args, out, A8_IMPL)
-                return out
+                return ROUTE_R16
+            if qkernel.panel() is not None:
+                return ROUTE_PANEL
         if self.a8 and 0 < t <= self._a8_rows(packed):
-            if self._a8_all:  # the common case: one op quantizes x and fills every segment
-                qkernel.a8()[2](x, *self._a8_args, out, A8_IMPL)
-            else:
-                self._linear_a8(x, out, op)
-            return out
-        if not packed and t >= gemm_min_rows(self.k) and self.k % 32 == 0 and (gemm := qkernel.gemm()) is not None:
+            return ROUTE_A8 if self._a8_all else ROUTE_A8_MIXED
+        if not packed and t >= gemm_min_rows(self.k) and self.k % 32 == 0 and qkernel.gemm() is not None:
+            return ROUTE_GEMM
+        if t > (PACKED_TILED_ROWS if packed else TILED_ROWS):
+            return ROUTE_PACKED if packed else ROUTE_TILED
+        return ROUTE_ROWS
+
+    def linear(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, K] float32 -> x W^T [T, N] float32. `out`: a contiguous float32 [T, N] tensor
+        the kernel paths write into (the fallback ignores it); use the returned tensor."""
+        x = x.contiguous()
+        t = x.shape[0]
+        r = self.route(t)
+        if r == ROUTE_FALLBACK:
+            return F.linear(x, self._fallback())
+        if out is None:
+            out = torch.empty(t, self.n, dtype=torch.float32)
+        if r == ROUTE_R16:
+            qkernel.r16()[1](x, *self._r16, out)
+        elif r == ROUTE_PANEL:
+            qkernel.panel()(x, *self._a8_args, out, A8_IMPL)
+        elif r == ROUTE_A8:  # the common case: one op quantizes x and fills every segment
+            qkernel.a8()[2](x, *self._a8_args, out, A8_IMPL)
+        elif r == ROUTE_A8_MIXED:
+            self._linear_a8(x, out, qkernel.qmatmul())
+        elif r == ROUTE_GEMM:
+            gemm = qkernel.gemm()
             for a in range(0, t, GEMM_MAX_ROWS):  # row blocks (each row's bits are the same)
                 xa, oa = (x, out) if t <= GEMM_MAX_ROWS else (x[a : a + GEMM_MAX_ROWS], out[a : a + GEMM_MAX_ROWS])
                 for data, qtype, col in self._calls:
                     gemm(xa, data, qtype, oa, col)
-            return out
-        if t > (PACKED_TILED_ROWS if packed else TILED_ROWS):
-            if packed:  # oneDNN allocates its result: returned as is (no copy into `out`)
-                return packed_linear(x, *self._batch)
+        elif r == ROUTE_PACKED:  # oneDNN allocates its result: returned as is (no copy into `out`)
+            return packed_linear(x, *self._batch)
+        elif r == ROUTE_TILED:
             self._tiled(x, out)
-            return out
-        for data, qtype, col in self._calls:
-            op(x, data, qtype, out, col)
+        else:
+            op = qkernel.qmatmul()
+            for data, qtype, col in self._calls:
+                op(x, data, qtype, out, col)
         return out
+
+    def step_call(self, t: int) -> tuple[int, list[torch.Tensor], list[int]] | None:
+        """What decode_loop.cpp calls for t rows, as (kind, tensors, ints): kind 0 the int8 row
+        op (ints: impl, the types), 1 the panel op (impl, types), 2 the kept panels (types, then
+        each segment's rows), 3 / 4 the exact row kernel / qgemm once per segment (each
+        segment's type and first column). None where `linear` takes another way (tiles, the
+        float32 copy, mixed int8 segments, the torch fallback, qgemm in row blocks)."""
+        r = self.route(t)
+        types = [int(q) for q, _ in self.parts]
+        if r == ROUTE_A8:
+            return 0, self._a8_args[0], [A8_IMPL, *types]
+        if r == ROUTE_PANEL:
+            return 1, self._a8_args[0], [A8_IMPL, *types]
+        if r == ROUTE_R16:
+            return 2, self._r16[0], [*self._r16[1], *self._r16[2]]
+        if r in (ROUTE_ROWS, ROUTE_GEMM) and (r == ROUTE_ROWS or t <= GEMM_MAX_ROWS):
+            return 3 if r == ROUTE_ROWS else 4, [d for d, _, _ in self._calls], [v for _, q, c in self._calls for v in (q, c)]
+        return None
 
     def _a8_rows(self, packed: bool) -> int:
         """Up to how many rows int8 mode takes the int8 row kernel (the panel aside)."""

@@ -1,0 +1,124 @@
+"""decode_loop.cpp: a pure-decode step's layers in one op give the Python loop's bits.
+
+Each case runs the same greedy requests (logprobs on) twice on one engine, the layers in the
+op and then in Python (llama.DECODE_LOOP), and wants the same tokens and the same float32
+logprobs bit for bit: at 1, 6 and 16 rows, so the exact mode's row kernel and qgemm and the
+int8 mode's row kernels and panel all run inside the op."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tiny_gguf import SPECS, Q, TinySpec, write_tiny_gguf
+
+from pagedkv import LLM, SamplingParams
+from pagedkv.model import llama, qkernel
+
+pytestmark = pytest.mark.skipif(not qkernel.load(), reason="needs the compiled kernels")
+
+LOOP_SPECS = {
+    # K-quants at whole super-blocks, Qwen2's q/k/v biases, Q6_K where Q4_K_M puts it
+    "qwen2-kquants": TinySpec("qwen2", "Qwen2 K-quant tiny", 512, 4, 2, 128, 1280, layers=3, bias=True, seed=31,
+                              qtypes={"attn": Q.Q4_K, "attn_v": Q.Q6_K, "ffn": Q.Q4_K, "ffn_down": Q.Q4_K,
+                                      "ffn_down_odd": Q.Q6_K, "embd": Q.Q6_K}),
+    # rows that are not whole super-blocks: the 32-element fallbacks of a real Q4_K_M file
+    "llama-fallbacks": TinySpec("llama", "SmolLM2-like tiny", 960, 15, 5, 64, 2560 - 32, layers=3, seed=32,
+                                qtypes={"attn": Q.Q5_0, "attn_v": Q.Q8_0, "ffn": Q.Q5_0, "ffn_down": Q.Q8_0,
+                                        "ffn_down_odd": Q.Q4_1, "embd": Q.Q8_0}),
+}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("loop")
+    specs = {**LOOP_SPECS, "qwen3": SPECS["qwen3"]}
+    return {name: write_tiny_gguf(spec, folder / f"{name}.gguf", fast=True) for name, spec in specs.items()}
+
+
+class Calls:
+    """Counts decode_layers calls (the op wrapped where qkernel hands it out)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.n = 0
+        op = qkernel._kernel.decode_layers
+
+        def counted(*args: Any) -> None:
+            self.n += 1
+            op(*args)
+
+        monkeypatch.setattr(qkernel._kernel, "decode_layers", counted)
+
+
+def run(llm: LLM, rows: int, loop: bool) -> list[tuple[list[int], Any]]:
+    llama.DECODE_LOOP = loop
+    try:
+        prompts = [[7 + i, 90 + 3 * i, 200, 11 * i + 5, 64][: 2 + i % 4] for i in range(rows)]
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2))
+    finally:
+        llama.DECODE_LOOP = True
+    return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs]
+
+
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+@pytest.mark.parametrize("name", sorted(LOOP_SPECS))
+def test_loop_gives_the_python_loops_bits(files: dict[str, Path], name: str, activations: str,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    llm = LLM(str(files[name]), activations=activations, enable_prefix_caching=False, num_blocks=128)
+    calls = Calls(monkeypatch)
+    for rows in (1, 6, 16):
+        ours = run(llm, rows, loop=True)
+        ran = calls.n
+        assert ran >= 4, (rows, ran)  # every decode step of the 5 tokens took the op
+        assert ours == run(llm, rows, loop=False), (name, activations, rows)
+        assert calls.n == ran  # (and the Python loop's steps never did)
+
+
+def test_plan_follows_the_weights_routes(files: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan cached under int8 activations is not reused after the weights switch to float32
+    (quant.route_key): the op then gives the exact mode's Python bits."""
+    llm = LLM(str(files["qwen2-kquants"]), activations="int8", enable_prefix_caching=False, num_blocks=64)
+    int8 = run(llm, 2, loop=True)
+    llm.engine.runner.model.set_activations("float32")
+    Calls(monkeypatch)
+    exact = run(llm, 2, loop=True)
+    assert exact == run(llm, 2, loop=False) and exact != int8
+
+
+def test_layers_it_does_not_take_run_in_python(files: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen3's QK-norm is not one of the op's steps: every step runs the Python loop."""
+    llm = LLM(str(files["qwen3"]), enable_prefix_caching=False, num_blocks=64)
+    calls = Calls(monkeypatch)
+    run(llm, 2, loop=True)
+    assert calls.n == 0
+
+
+def test_a_malformed_plan_changes_nothing(files: dict[str, Path]) -> None:
+    """The op reads its whole plan before its first call: a plan one int short, or with an
+    unknown matmul kind, fails with nothing written to x, h or the KV cache."""
+    llm = LLM(str(files["qwen2-kquants"]), activations="int8", enable_prefix_caching=False, num_blocks=64)
+    model = llm.engine.runner.model
+    captured: dict[str, Any] = {}
+    real = model._decode_plan
+
+    def keep(*args: Any) -> Any:
+        plan = real(*args)
+        if plan is not None:
+            captured.setdefault("plan", plan)
+        return plan
+
+    model._decode_plan = keep
+    run(llm, 1, loop=True)
+    bufs, rope, meta, w, ints, floats = captured["plan"]
+    x, h = torch.randn(1, 512), torch.randn(1, 512)
+    caches = [t.clone() for t in w if t.dim() == 4]
+    assert ints[-4:-2] == [1, 2]  # the last matmul (down): one segment, its impl and type
+    kind = len(ints) - 5
+    for bad in (ints[:-1], [*ints, 7], [9 if i == kind else v for i, v in enumerate(ints)]):
+        x0, h0 = x.clone(), h.clone()
+        with pytest.raises(RuntimeError, match="decode_layers"):
+            qkernel.decode_layers()(x, h, bufs, rope, meta, w, bad, floats)
+        assert torch.equal(x, x0) and torch.equal(h, h0)
+        assert all(torch.equal(a, b) for a, b in zip(caches, [t for t in w if t.dim() == 4], strict=True))
