@@ -389,9 +389,9 @@ def run_in_process(engine: Any, prompts: list[Prompt], concurrency: int, num_req
 
 
 def _brief(r: dict[str, Any]) -> dict[str, Any]:
-    keys = ("completed", "failed", "output_throughput", "median_ttft_ms", "median_tpot_ms", "duration_s",
+    keys = ("completed", "failed", "retried", "output_throughput", "median_ttft_ms", "median_tpot_ms", "duration_s",
             "total_input_tokens", "total_cached_input_tokens")
-    out = {k: round(r[k], 2) if isinstance(r[k], float) else r[k] for k in keys}
+    out = {k: round(r[k], 2) if isinstance(r[k], float) else r[k] for k in keys if k in r}
     if "first_errors" in r:
         out["first_errors"] = r["first_errors"]
     return out
