@@ -330,6 +330,9 @@ def test_llama_cpp_fallback_types_stay_quantized(tmp_path: Path) -> None:
     llm = LLM(str(tmp_path / "q.gguf"), num_blocks=8)
     line = engine_lines(llm.engine, str(tmp_path / "q.gguf"), "float32")[0]
     assert "kept quantized as in the file," in line and "expanded" not in line
+    assert "exact float32 activations (--activations int8:" in line  # the faster mode, named
+    fast = LLM(str(tmp_path / "q.gguf"), num_blocks=8, activations="int8")
+    assert "int8 activations (approximate)" in engine_lines(fast.engine, str(tmp_path / "q.gguf"), "float32")[0]
     if qkernel.load():  # the vector code the matmuls run
         assert f", {qkernel.isa()} kernels" in line
 
