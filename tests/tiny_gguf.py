@@ -323,6 +323,13 @@ FULL_SPECS = {
                                  vocab=256000, window=4096, rope_theta=1e4, softcaps=(50.0, 30.0), seed=14,
                                  chat=True, qtypes={"attn": Q.Q4_K, "attn_v": Q.Q6_K, "ffn": Q.Q4_K,
                                                     "ffn_down": Q.Q4_K, "ffn_down_odd": Q.Q6_K, "embd": Q.Q6_K}),
+    # Llama-3.2-1B's shapes (16 layers, hidden 2048, 32 / 8 heads of 64, intermediate 8192, the
+    # tied 128,256-row embeddings, Llama 3 RoPE scaling) in its Q4_K_M mix: Q4_K, Q6_K for attn_v,
+    # every other ffn_down and the embeddings / LM head: 0.8 GB
+    "llama3.2-1b-q4_k_m": TinySpec("llama", "Llama 3.2 1B synthetic", 2048, 32, 8, 64, 8192, layers=16,
+                                   vocab=128256, llama3=(32.0, 1.0, 4.0, 8192), rope_theta=500000.0, seed=21,
+                                   chat=True, qtypes={"attn": Q.Q4_K, "attn_v": Q.Q6_K, "ffn": Q.Q4_K,
+                                                      "ffn_down": Q.Q4_K, "ffn_down_odd": Q.Q6_K, "embd": Q.Q6_K}),
     # Phi-4-mini's shapes (3.8B: 32 layers, hidden 3072, 24 / 8 heads of 128, RoPE over 96 of them,
     # LongRoPE from 4,096, tied 200,064-row embeddings) in a Q4_K_M-like mix: Q5_K fused qkv, Q4_K
     # gate|up, Q6_K every other ffn_down and the embeddings / LM head: 2.4 GB
