@@ -117,8 +117,10 @@ _FAMILIES = {
                "pagedkv_a8::panel",
                "pagedkv_a8::quantize", "mkldnn::_linear_pointwise", "aten::mm",
                "aten::addmm", "aten::linear"),
-    "attention": ("pagedkv_attn::paged_decode", "aten::index_put_", "aten::index_copy_"),
-    "norm_rope_act": ("aten::rms_norm", "aten::_fused_rms_norm", "aten::mul", "aten::addcmul",
+    "attention": ("pagedkv_attn::paged_decode", "pagedkv_attn::write_decode", "aten::index_put_",
+                  "aten::index_copy_"),
+    "norm_rope_act": ("pagedkv_ops::add_rms_norm", "pagedkv_ops::norm_add_rms_norm", "pagedkv_ops::rope",
+                      "pagedkv_ops::silu_mul", "pagedkv_ops::gelu_tanh_mul", "aten::rms_norm", "aten::_fused_rms_norm", "aten::mul", "aten::addcmul",
                       "aten::flip", "aten::silu", "aten::mul_", "aten::add_", "aten::index_select",
                       "aten::cat", "aten::embedding", "aten::pow", "aten::mean", "aten::rsqrt"),
 }
