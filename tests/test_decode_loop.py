@@ -87,6 +87,17 @@ def test_plan_follows_the_weights_routes(files: dict[str, Path], monkeypatch: py
     assert exact == run(llm, 2, loop=False) and exact != int8
 
 
+def test_cached_plans_hold_no_kv_storage(files: dict[str, Path]) -> None:
+    """The plans the model caches hold its own tensors only: the KV caches go in each step, so a
+    storage dropped by its engine is never kept alive by the model."""
+    llm = LLM(str(files["qwen2-kquants"]), activations="int8", enable_prefix_caching=False, num_blocks=64)
+    run(llm, 2, loop=True)
+    model, storage = llm.engine.runner.model, llm.engine.storage
+    kv = {t.untyped_storage().data_ptr() for c in storage.model_layers for t in (c.k, c.v)}
+    plans = [p for _, p in model._plans.values() if p is not None]
+    assert plans and all(t.untyped_storage().data_ptr() not in kv for p in plans for t in p[0])
+
+
 def test_layers_it_does_not_take_run_in_python(files: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     """Qwen3's QK-norm is not one of the op's steps: every step runs the Python loop."""
     llm = LLM(str(files["qwen3"]), enable_prefix_caching=False, num_blocks=64)
@@ -96,8 +107,8 @@ def test_layers_it_does_not_take_run_in_python(files: dict[str, Path], monkeypat
 
 
 def test_a_malformed_plan_changes_nothing(files: dict[str, Path]) -> None:
-    """The op reads its whole plan before its first call: a plan one int short, or with an
-    unknown matmul kind, fails with nothing written to x, h or the KV cache."""
+    """The op reads its whole plan before its first call: a plan one int short or long, with an
+    unknown matmul kind, or one cache short, fails with nothing written to x, h or the KV cache."""
     llm = LLM(str(files["qwen2-kquants"]), activations="int8", enable_prefix_caching=False, num_blocks=64)
     model = llm.engine.runner.model
     captured: dict[str, Any] = {}
@@ -111,14 +122,17 @@ def test_a_malformed_plan_changes_nothing(files: dict[str, Path]) -> None:
 
     model._decode_plan = keep
     run(llm, 1, loop=True)
-    bufs, rope, meta, w, ints, floats = captured["plan"]
+    bufs, rope, meta, caches, w, ints, floats = captured["plan"]
     x, h = torch.randn(1, 512), torch.randn(1, 512)
-    caches = [t.clone() for t in w if t.dim() == 4]
+    before = [t.clone() for t in caches]
     assert ints[-4:-2] == [1, 2]  # the last matmul (down): one segment, its impl and type
     kind = len(ints) - 5
     for bad in (ints[:-1], [*ints, 7], [9 if i == kind else v for i, v in enumerate(ints)]):
         x0, h0 = x.clone(), h.clone()
         with pytest.raises(RuntimeError, match="decode_layers"):
-            qkernel.decode_layers()(x, h, bufs, rope, meta, w, bad, floats)
+            qkernel.decode_layers()(x, h, bufs, rope, meta, caches, w, bad, floats)
         assert torch.equal(x, x0) and torch.equal(h, h0)
-        assert all(torch.equal(a, b) for a, b in zip(caches, [t for t in w if t.dim() == 4], strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(before, caches, strict=True))
+    with pytest.raises(RuntimeError, match="a k and a v cache a layer"):  # one cache short
+        qkernel.decode_layers()(x, h, bufs, rope, meta, caches[:-1], w, ints, floats)
+    assert all(torch.equal(a, b) for a, b in zip(before, caches, strict=True))

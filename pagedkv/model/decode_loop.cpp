@@ -7,16 +7,17 @@
 // parsing, the wrappers, the loop) cost ~1.5-2 ms of a 32 ms step, single-threaded while the
 // second OpenMP thread waited.
 //
-// decode_layers(x, h, bufs, rope, meta, w, ints, floats):
+// decode_layers(x, h, bufs, rope, meta, caches, w, ints, floats):
 //   x [T, H] the residual stream (updated in place), h [T, H] layer 0's normed input (the
 //   step's normed-state buffer: every add_rms_norm writes it);
 //   bufs: qk [T, Hq + Hkv, D], att [T, Hq, D], act [T, I], qkv [T, (Hq + 2 Hkv) D], o [T, H],
 //     gate_up [T, 2 I], down [T, H], then the views qk_in (q|k of qkv), q, k (of qk), v (of
 //     qkv), att2 (att as [T, Hq D]);
 //   rope: cos, sin of each RoPE table; meta: slots, block tables, seq lens of each KV group;
+//   caches: each layer's k cache and v cache;
 //   w, per layer: post-attention norm, next layer's input norm (all but the last), qkv bias
-//     (when it has one), k cache, v cache, then the tensors of its four matmuls (qkv, o,
-//     gate_up, down: QWeight.step_call);
+//     (when it has one), then the tensors of its four matmuls (qkv, o, gate_up, down:
+//     QWeight.step_call);
 //   ints: layers, gelu, then per layer: group, rope table, window, bias, then per matmul
 //     kind, count of tensors, count of ints, the ints (QWeight.step_call's);
 //   floats: eps, attention scale, softcap.
@@ -120,13 +121,13 @@ void matmul(const Ops* o, Reader& r, const Tensor& x, Tensor& out) {
 // that a malformed plan fails before the first op changes x or a cache)
 template <bool Run>
 void layers(const Ops* o, Tensor& x, Tensor& h, at::TensorList bufs, at::TensorList rope, at::TensorList meta,
-            at::TensorList w, IntArrayRef ints, at::ArrayRef<double> floats) {
+            at::TensorList caches, at::TensorList w, IntArrayRef ints, at::ArrayRef<double> floats) {
   Tensor qk = bufs[0], att = bufs[1], act = bufs[2], qkv = bufs[3], ob = bufs[4], gu = bufs[5], down = bufs[6];
   const Tensor &qk_in = bufs[7], &q = bufs[8], &k = bufs[9], &v = bufs[10], &att2 = bufs[11];
   const double eps = floats[0], scale = floats[1], softcap = floats[2];
   Reader r{w, ints};
   const int64_t n = r.next(), gelu = r.next();
-  TORCH_CHECK(n > 0, "decode_layers: no layers");
+  TORCH_CHECK(n > 0 && static_cast<int64_t>(caches.size()) == 2 * n, "decode_layers: a k and a v cache a layer");
   for (int64_t i = 0; i < n; ++i) {
     const int64_t group = r.next(), table = r.next(), window = r.next(), bias = r.next();
     TORCH_CHECK(group >= 0 && 3 * group + 2 < static_cast<int64_t>(meta.size()), "decode_layers: no KV group ", group);
@@ -134,7 +135,7 @@ void layers(const Ops* o, Tensor& x, Tensor& h, at::TensorList bufs, at::TensorL
     const Tensor& post_norm = r.tensor();
     const Tensor* next_norm = i + 1 < n ? &r.tensor() : nullptr;
     const Tensor* b = bias ? &r.tensor() : nullptr;
-    Tensor kc = r.tensor(), vc = r.tensor();
+    Tensor kc = caches[2 * i], vc = caches[2 * i + 1];
     matmul<Run>(o, r, h, qkv);
     if constexpr (Run) {
       if (b) qkv.add_(*b);
@@ -156,18 +157,18 @@ void layers(const Ops* o, Tensor& x, Tensor& h, at::TensorList bufs, at::TensorL
 }
 
 void decode_layers(Tensor& x, Tensor& h, at::TensorList bufs, at::TensorList rope, at::TensorList meta,
-                   at::TensorList w, IntArrayRef ints, at::ArrayRef<double> floats) {
+                   at::TensorList caches, at::TensorList w, IntArrayRef ints, at::ArrayRef<double> floats) {
   TORCH_CHECK(bufs.size() == 12, "decode_layers: 12 step buffers and views");
   TORCH_CHECK(floats.size() == 3, "decode_layers: eps, scale, softcap");
-  layers<false>(nullptr, x, h, bufs, rope, meta, w, ints, floats);
-  layers<true>(&ops(), x, h, bufs, rope, meta, w, ints, floats);
+  layers<false>(nullptr, x, h, bufs, rope, meta, caches, w, ints, floats);
+  layers<true>(&ops(), x, h, bufs, rope, meta, caches, w, ints, floats);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedkv_ops, m) {
-  m.def("decode_layers(Tensor(a!) x, Tensor(b!) h, Tensor[] bufs, Tensor[] rope, Tensor[] meta, Tensor[] w, "
-        "int[] ints, float[] floats) -> ()");
+  m.def("decode_layers(Tensor(a!) x, Tensor(b!) h, Tensor[] bufs, Tensor[] rope, Tensor[] meta, Tensor[] caches, "
+        "Tensor[] w, int[] ints, float[] floats) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedkv_ops, CPU, m) { m.impl("decode_layers", &decode_layers); }

@@ -355,7 +355,7 @@ class LlamaModel(nn.Module):
             None if cfg.embedding_scale is None else torch.tensor(cfg.embedding_scale).to(dtype)
         )
         self._lm_head_packed: torch.Tensor | None = None
-        self._plans: dict[int, tuple] = {}  # row count -> (route key, kv, its layers, _static_plan)
+        self._plans: dict[int, tuple] = {}  # row count -> ((route key, KV layer groups), _static_plan)
 
     def pack_weights(self) -> bool:
         """Pre-pack every matmul weight for the CPU (packed.py); True if packing applies.
@@ -532,8 +532,9 @@ class LlamaModel(nn.Module):
         them would take another way than the op's: a layer with QK-norm, Gemma's output norms,
         Granite's residual scale, a NoPE layer, a matmul QWeight.step_call does not take, an
         attention step other than the fused write + decode (prefill, a quantized or strided
-        cache, the triton backend). The weights' part is cached per row count and KV storage
-        (quant.route_key: any change of a weight's routes drops it)."""
+        cache, the triton backend). The weights' part is cached per row count and the storage's
+        layer groups (quant.route_key: any change of a weight's routes drops it); the caches are
+        passed each step, so no plan keeps a KV storage alive."""
         if tables[0] is None:  # (the local table is None for every model without one: no layer reads it)
             return None
         t, views = bufs[4].shape[0], bufs[8]
@@ -550,23 +551,28 @@ class LlamaModel(nn.Module):
             if plan.write_op is None or plan.triton is not None or plan.num_tokens != t:
                 return None
             meta += [m.slot_mapping, plan.block_tables, plan.seq_lens]
-        key = quant.route_key()
+        caches = [kv_t for c in kv.model_layers for kv_t in (c.k, c.v)]
+        if not all(c.is_contiguous() for c in caches):
+            return None
+        key = (quant.route_key(), kv.layer_group)
         hit = self._plans.get(t)
-        if hit is None or hit[0] != key or hit[1] is not kv or hit[2] is not kv.model_layers:
+        if hit is None or hit[0] != key:
             if len(self._plans) > 64:
                 self._plans.clear()
-            hit = self._plans[t] = (key, kv, kv.model_layers, self._static_plan(t, kv))
-        static = hit[3]
+            hit = self._plans[t] = (key, self._static_plan(t, kv.layer_group))
+        static = hit[1]
         if static is None:
             return None
-        w, ints, floats, _ = static
-        if any(tables[i] is None for i in static[3]):
+        w, ints, floats, tabs = static
+        if any(tables[i] is None for i in tabs):
             return None
         rope = [c for pair in tables for c in (pair or (views[0], views[0]))]  # (a stand-in for a table no layer reads)
-        return [bufs[0], bufs[1], bufs[2], bufs[4], bufs[5], bufs[6], bufs[7], *views], rope, meta, w, ints, floats
+        bufs = [bufs[0], bufs[1], bufs[2], bufs[4], bufs[5], bufs[6], bufs[7], *views]
+        return bufs, rope, meta, caches, w, ints, floats
 
-    def _static_plan(self, t: int, kv: KVStorage) -> tuple | None:
-        """The step-independent part of _decode_plan for t rows (None: the Python loop)."""
+    def _static_plan(self, t: int, layer_group: tuple[int, ...]) -> tuple | None:
+        """The step-independent part of _decode_plan for t rows (None: the Python loop). It holds
+        the model's own tensors only (never a KV storage's)."""
         c = self.config
         layers = list(self.layers)
         if (self.dtype != torch.float32 or c.residual_scale is not None or qkernel.decode_layers() is None
@@ -574,14 +580,13 @@ class LlamaModel(nn.Module):
             return None
         w: list[torch.Tensor] = []
         ints = [len(layers), int(layers[0].gelu)]
-        for i, (ly, cache) in enumerate(zip(layers, kv.model_layers, strict=True)):
-            if (ly.q_norm is not None or ly.attn_out_norm is not None or ly.mlp_out_norm is not None
-                    or ly.rope_table == 2 or not (cache.k.is_contiguous() and cache.v.is_contiguous())):
+        for i, ly in enumerate(layers):
+            if ly.q_norm is not None or ly.attn_out_norm is not None or ly.mlp_out_norm is not None or ly.rope_table == 2:
                 return None
             bias = ly.qkv_proj.bias
-            ints += [kv.layer_group[i], ly.rope_table, ly.window, int(bias is not None)]
+            ints += [layer_group[i], ly.rope_table, ly.window, int(bias is not None)]
             w += [ly.norms[1], *([layers[i + 1].norms[0]] if i + 1 < len(layers) else []),
-                  *([bias] if bias is not None else []), cache.k, cache.v]
+                  *([bias] if bias is not None else [])]
             for lin in (ly.qkv_proj, ly.o_proj, ly.gate_up_proj, ly.down_proj):
                 if lin.q is None or lin.bias is not None and lin is not ly.qkv_proj:
                     return None
