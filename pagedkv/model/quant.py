@@ -68,23 +68,19 @@ KERNEL_TYPES = frozenset({
 })
 # QWeight.route: the kernel a call takes
 ROUTE_R16, ROUTE_PANEL, ROUTE_A8, ROUTE_A8_MIXED, ROUTE_GEMM, ROUTE_PACKED, ROUTE_TILED, ROUTE_ROWS, ROUTE_FALLBACK = range(9)
-_generation = 0  # bumped by every change of a QWeight's routes (generation(), changed())
-
-
-def generation() -> int:
-    """A count that changes whenever any QWeight's routes may have: what a cached plan of
-    routes (LlamaModel._decode_plan) is keyed on."""
-    return _generation
+_generation = 0  # bumped by every change of a QWeight's routes (changed())
 
 
 def changed() -> None:
+    """Any QWeight's routes may have changed (set_activations, set_batch_weights, a rebind)."""
     global _generation
     _generation += 1
 
 
 def route_key() -> tuple:
-    """The module's routing knobs QWeight.route reads at call time (tests change some): with
-    generation(), what a cached plan of routes is valid for."""
+    """What a cached plan of routes (LlamaModel._decode_plan) is valid for: the count of
+    changed() calls and the module's routing knobs QWeight.route reads at call time (tests
+    change some)."""
     return (_generation, A8_IMPL, A8_ROWS, A8_SB_ROWS, A8_SB_VNNI_ROWS, PACKED_A8_ROWS, TILED_ROWS,
             PACKED_TILED_ROWS, GEMM_MIN_ROWS, GEMM_MIN_ROWS_PAIRED, GEMM_MAX_ROWS, PAIRED_K)
 
