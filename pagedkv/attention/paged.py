@@ -78,7 +78,10 @@ class AttentionPlan:
         )
 
 
-def _plan(q: torch.Tensor, k: torch.Tensor, cache: LayerKV, meta: AttentionMetadata) -> AttentionPlan:
+def attention_plan(q: torch.Tensor, k: torch.Tensor, cache: LayerKV, meta: AttentionMetadata) -> AttentionPlan:
+    """What a step's attention does, decided once from its first layer's q, k and cache (meta.plan:
+    paged_attention, and LlamaModel._decode_plan before the layers run in one op).
+    StorageMismatchError where the metadata does not describe q and k."""
     num_tokens = q.shape[0]
     num_prefill = meta.num_prefill_tokens
     if num_prefill + meta.num_decodes != num_tokens or k.shape[0] != num_tokens:
@@ -136,7 +139,7 @@ def paged_attention(
     """
     plan = meta.plan
     if plan is None or not plan.fits(q, cache):
-        plan = meta.plan = _plan(q, k, cache, meta)
+        plan = meta.plan = attention_plan(q, k, cache, meta)
     num_tokens, num_prefill = plan.num_tokens, plan.num_prefill
     if q.shape[0] != num_tokens or k.shape[0] != num_tokens:
         raise StorageMismatchError(

@@ -31,8 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedkv.attention.metadata import AttentionMetadata
-from pagedkv.attention.paged import _plan as attention_plan
-from pagedkv.attention.paged import paged_attention
+from pagedkv.attention.paged import attention_plan, paged_attention
 from pagedkv.cache.storage import KVStorage, LayerKV
 from pagedkv.errors import ModelLoadError, StorageMismatchError
 from pagedkv.model import qkernel, quant
