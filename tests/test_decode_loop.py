@@ -108,7 +108,8 @@ def test_layers_it_does_not_take_run_in_python(files: dict[str, Path], monkeypat
 
 def test_a_malformed_plan_changes_nothing(files: dict[str, Path]) -> None:
     """The op reads its whole plan before its first call: a plan one int short or long, with an
-    unknown matmul kind, or one cache short, fails with nothing written to x, h or the KV cache."""
+    unknown matmul kind, one cache short, a KV group index that overflows when scaled, a negative
+    window or a NaN softcap fails with a clear error and nothing written to x, h or the KV cache."""
     llm = LLM(str(files["qwen2-kquants"]), activations="int8", enable_prefix_caching=False, num_blocks=64)
     model = llm.engine.runner.model
     captured: dict[str, Any] = {}
@@ -135,4 +136,13 @@ def test_a_malformed_plan_changes_nothing(files: dict[str, Path]) -> None:
         assert all(torch.equal(a, b) for a, b in zip(before, caches, strict=True))
     with pytest.raises(RuntimeError, match="a k and a v cache a layer"):  # one cache short
         qkernel.decode_layers()(x, h, bufs, rope, meta, caches[:-1], w, ints, floats)
+    # hostile values: a group index whose 3 * g overflows int64, a negative window, a NaN softcap
+    wrap = (2**64 + 2) // 3
+    for bad_ints, bad_floats, match in (([*ints[:2], wrap, *ints[3:]], floats, "no KV group"),
+                                        ([*ints[:4], -1, *ints[5:]], floats, "window -1 < 0"),
+                                        (ints, [floats[0], floats[1], float("nan")], "softcap")):
+        with pytest.raises(RuntimeError, match=match):
+            qkernel.decode_layers()(x, h, bufs, rope, meta, caches, w, bad_ints, bad_floats)
+    assert torch.equal(x, x0) and torch.equal(h, h0)
     assert all(torch.equal(a, b) for a, b in zip(before, caches, strict=True))
+    assert run(llm, 1, loop=True) == run(llm, 1, loop=False)  # the model serves on, unharmed

@@ -28,8 +28,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <cstdint>
-#include <vector>
 
 namespace {
 
@@ -127,11 +127,14 @@ void layers(const Ops* o, Tensor& x, Tensor& h, at::TensorList bufs, at::TensorL
   const double eps = floats[0], scale = floats[1], softcap = floats[2];
   Reader r{w, ints};
   const int64_t n = r.next(), gelu = r.next();
-  TORCH_CHECK(n > 0 && static_cast<int64_t>(caches.size()) == 2 * n, "decode_layers: a k and a v cache a layer");
+  // (counts and indices compared by division: a hostile int never overflows into range)
+  TORCH_CHECK(n > 0 && caches.size() % 2 == 0 && n == static_cast<int64_t>(caches.size() / 2),
+              "decode_layers: a k and a v cache a layer");
   for (int64_t i = 0; i < n; ++i) {
     const int64_t group = r.next(), table = r.next(), window = r.next(), bias = r.next();
-    TORCH_CHECK(group >= 0 && 3 * group + 2 < static_cast<int64_t>(meta.size()), "decode_layers: no KV group ", group);
-    TORCH_CHECK(table >= 0 && 2 * table + 1 < static_cast<int64_t>(rope.size()), "decode_layers: no RoPE table ", table);
+    TORCH_CHECK(group >= 0 && group < static_cast<int64_t>(meta.size() / 3), "decode_layers: no KV group ", group);
+    TORCH_CHECK(table >= 0 && table < static_cast<int64_t>(rope.size() / 2), "decode_layers: no RoPE table ", table);
+    TORCH_CHECK(window >= 0, "decode_layers: window ", window, " < 0");
     const Tensor& post_norm = r.tensor();
     const Tensor* next_norm = i + 1 < n ? &r.tensor() : nullptr;
     const Tensor* b = bias ? &r.tensor() : nullptr;
@@ -160,6 +163,9 @@ void decode_layers(Tensor& x, Tensor& h, at::TensorList bufs, at::TensorList rop
                    at::TensorList caches, at::TensorList w, IntArrayRef ints, at::ArrayRef<double> floats) {
   TORCH_CHECK(bufs.size() == 12, "decode_layers: 12 step buffers and views");
   TORCH_CHECK(floats.size() == 3, "decode_layers: eps, scale, softcap");
+  TORCH_CHECK(std::isfinite(floats[0]) && floats[0] >= 0 && std::isfinite(floats[1]) && std::isfinite(floats[2]) &&
+                  floats[2] >= 0,
+              "decode_layers: eps and softcap must be finite and >= 0, the scale finite");
   layers<false>(nullptr, x, h, bufs, rope, meta, caches, w, ints, floats);
   layers<true>(&ops(), x, h, bufs, rope, meta, caches, w, ints, floats);
 }
