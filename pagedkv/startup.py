@@ -78,15 +78,6 @@ def _kernels() -> str:
     return f", {isa} kernels" + (" (PAGEDKV_MAX_ISA=avx2)" if qkernel.max_isa() == "avx2" else "")
 
 
-def _int8_able(model: Any) -> bool:
-    """Whether --activations int8 would change how this model's matmuls run (a weight of a
-    type the int8 kernels multiply)."""
-    from pagedkv.model.quant import A8_TYPES
-
-    qweights = getattr(model, "qweights", list)()
-    return any(q in A8_TYPES for w in qweights for q, _ in w.parts)
-
-
 def engine_lines(engine: Any, source: Any, dtype: str) -> list[str]:
     """The model line and the KV cache line of the start-up report."""
     loaded = engine.loaded
@@ -104,7 +95,8 @@ def engine_lines(engine: Any, source: Any, dtype: str) -> list[str]:
         weights += _kernels()
     if getattr(loaded, "activations", "float32") != "float32":
         weights += f"; {loaded.activations} activations (approximate)"
-    elif getattr(loaded, "weights", "") == "quantized" and _int8_able(loaded.model):
+    elif getattr(loaded, "weights", "") == "quantized" and any(
+            w.int8_able() for w in getattr(loaded.model, "qweights", list)()):
         weights += "; exact float32 activations (--activations int8: llama.cpp's integer math, faster, approximate)"
     batch = getattr(loaded, "batch_weights", "quantized")
     if batch == "float32":

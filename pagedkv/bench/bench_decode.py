@@ -120,7 +120,8 @@ _FAMILIES = {
     "attention": ("pagedkv_attn::paged_decode", "pagedkv_attn::write_decode", "aten::index_put_",
                   "aten::index_copy_"),
     "norm_rope_act": ("pagedkv_ops::add_rms_norm", "pagedkv_ops::norm_add_rms_norm", "pagedkv_ops::rope",
-                      "pagedkv_ops::silu_mul", "pagedkv_ops::gelu_tanh_mul", "aten::rms_norm", "aten::_fused_rms_norm", "aten::mul", "aten::addcmul",
+                      "pagedkv_ops::silu_mul", "pagedkv_ops::gelu_tanh_mul", "aten::rms_norm",
+                      "aten::_fused_rms_norm", "aten::mul", "aten::addcmul",
                       "aten::flip", "aten::silu", "aten::mul_", "aten::add_", "aten::index_select",
                       "aten::cat", "aten::embedding", "aten::pow", "aten::mean", "aten::rsqrt"),
 }

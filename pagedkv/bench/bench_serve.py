@@ -117,7 +117,7 @@ async def _one_request(
         try:
             return await _stream(client, prompt, model, max_tokens, result)
         except httpx.RemoteProtocolError as exc:
-            if attempt or result.ttft or "without sending a response" not in str(exc):
+            if attempt or "without sending a response" not in str(exc):
                 result.error = f"{type(exc).__name__}: {exc}"
                 return result
             result.retried = True

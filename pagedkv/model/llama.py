@@ -534,8 +534,6 @@ class LlamaModel(nn.Module):
         cache, the triton backend). The weights' part is cached per row count and the storage's
         layer groups (quant.route_key: any change of a weight's routes drops it); the caches are
         passed each step, so no plan keeps a KV storage alive."""
-        if tables[0] is None:  # (the local table is None for every model without one: no layer reads it)
-            return None
         t, views = bufs[4].shape[0], bufs[8]
         q, k = views[1], views[2]
         meta: list[torch.Tensor] = []

@@ -327,7 +327,7 @@ class QWeight:
         if mode not in ACTIVATIONS:
             raise UnsupportedModelError(f"unsupported activations {mode!r}; choose one of {list(ACTIVATIONS)}")
         changed()
-        self.a8 = mode == "int8" and any(q in A8_TYPES for q, _ in self.parts) and self.k % 32 == 0
+        self.a8 = mode == "int8" and self.int8_able()
         self._a8_all = all(q in A8_TYPES for q, _ in self.parts)  # one op call per linear
         self._panel = self._a8_all and all(q in PANEL_TYPES for q, _ in self.parts)
         sb = any(q in A8_SB_TYPES for q, _ in self.parts)
@@ -335,6 +335,11 @@ class QWeight:
         self._sb_cap = sb and (not self._panel or any(q in A8_SB_CAP_TYPES for q, _ in self.parts))
         if not self.a8:
             self._r16 = None  # (the kept panels serve int8 calls only)
+
+    def int8_able(self) -> bool:
+        """Whether activations="int8" changes how this weight is multiplied (a segment of a type
+        the int8 kernels take, rows of whole 32-element blocks)."""
+        return any(q in A8_TYPES for q, _ in self.parts) and self.k % 32 == 0
 
     def set_batch_weights(self, mode: str) -> None:
         """"quantized" (the default): calls above the kernels' rows multiply dequantized tiles.
