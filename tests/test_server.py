@@ -969,3 +969,30 @@ def test_step_outputs_reach_the_loop_when_the_next_forward_starts() -> None:
     assert len(ids) == 5 and not left
     assert engine.before_forward is None  # unhooked when the server stopped
     assert engine.held_at_forward == [0, 1, 1, 1, 1]  # the first pass had nothing to hand over
+
+
+def test_bench_serve_peer_stops_its_server_when_set_up_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The `pagedkv serve` process run_peer starts is stopped whatever fails after it, the
+    in-process engine's set-up included (a file with no chat template once left it running)."""
+    import argparse
+
+    from pagedkv.bench import bench_serve
+
+    started: list[subprocess.Popen] = []
+
+    def start(*_: Any, **__: Any) -> tuple[subprocess.Popen, str]:
+        started.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]))
+        return started[-1], "http://127.0.0.1:9"
+
+    def no_engine(*_: Any, **__: Any) -> None:
+        raise RuntimeError("no chat template")
+
+    monkeypatch.setattr(bench_serve, "start_pagedkv", start)
+    monkeypatch.setattr(bench_serve, "in_process_engine", no_engine)
+    ap = argparse.ArgumentParser()
+    bench_serve.add_args(ap)
+    args = ap.parse_args(["--peer", "http://127.0.0.1:9", "--peer-concurrency", "1"])
+    args.quick = True
+    with pytest.raises(RuntimeError, match="no chat template"):
+        bench_serve.run_peer(args)
+    assert len(started) == 1 and started[0].poll() is not None

@@ -436,9 +436,9 @@ def run_peer(args: argparse.Namespace) -> dict[str, Any]:
                   start_pagedkv(args.threads, args.weights, args.model, args.activations, args.batch_weights))
     max_tokens = 16 if args.quick else args.peer_max_tokens
     rows = {}
-    prompts = args.prompt or default_prompts()
-    local = None if args.no_in_process else in_process_engine(args, prompts, levels, max_tokens)
-    try:
+    try:  # (from here on the server is stopped whatever fails: the in-process engine's set-up too)
+        prompts = args.prompt or default_prompts()
+        local = None if args.no_in_process else in_process_engine(args, prompts, levels, max_tokens)
         for c in levels:
             n = c if args.quick else _requests_for(c)
             kw = dict(num_requests=n, concurrency=c, max_tokens=max_tokens, prompts=prompts,
