@@ -402,3 +402,76 @@ def test_panel_kernels_keep_their_prefetches() -> None:
         elif in_panel and "prefetcht1" in line:
             count += 1
     assert count > 0
+
+
+def _misaligned(t: int, n: int) -> torch.Tensor:
+    """A contiguous float32 [t, n] tensor 4 bytes past a 64-byte boundary (no whole-line stores)."""
+    flat = torch.full((t * n + 16,), float("nan"))
+    skip = (-flat.data_ptr() // 4) % 16 + 1
+    return flat[skip : skip + t * n].view(t, n)
+
+
+@needs_kernel
+@pytest.mark.parametrize("impl", VECTOR)
+def test_big_outputs_stream_the_same_bits(impl: int) -> None:
+    """A call whose output reaches out_store.h's 8 MiB (40 rows x 52,436 outputs: a large
+    vocabulary's logits) writes it with streaming stores: the same bits as the same rows taken 4 at
+    a time (0.8 MiB, cached stores), a short last panel (masked) included, and into an output that
+    is not line-aligned (cached stores throughout). The panel, the kept panels and the qgemm."""
+    t, n = 40, 52436  # 40 * 52436 * 4 bytes >= 8 MiB
+    k = 32
+    parts = [(Q.Q8_0, _blocks(Q.Q8_0, n - 7, k, 1)), (Q.Q4_0, _blocks(Q.Q4_0, 7, k, 2))]
+    x = _acts(t, k, seed=3)
+    ws, qs = [torch.from_numpy(d) for _, d in parts], [int(q) for q, _ in parts]
+    xt = torch.from_numpy(x)
+    whole, skew = torch.full((t, n), float("nan")), _misaligned(t, n)
+    torch.ops.pagedkv_a8.panel(xt, ws, qs, whole, impl)
+    torch.ops.pagedkv_a8.panel(xt, ws, qs, skew, impl)
+    for r in range(0, t, 4):
+        part = torch.full((4, n), float("nan"))
+        torch.ops.pagedkv_a8.panel(xt[r : r + 4].contiguous(), ws, qs, part, impl)
+        assert torch.equal(whole[r : r + 4], part) and torch.equal(skew[r : r + 4], part), r
+
+    g_whole, g_skew = torch.full((t, n - 7), float("nan")), _misaligned(t, n - 7)
+    for out in (g_whole, g_skew):
+        torch.ops.pagedkv_q.qgemm(xt, ws[0], qs[0], out, 0)
+    for r in range(0, t, 4):
+        part = torch.full((4, n - 7), float("nan"))
+        torch.ops.pagedkv_q.qgemm(xt[r : r + 4].contiguous(), ws[0], qs[0], part, 0)
+        assert torch.equal(g_whole[r : r + 4], part) and torch.equal(g_skew[r : r + 4], part), r
+
+
+@needs_vnni
+def test_big_outputs_of_kept_panels_stream_the_same_bits() -> None:
+    t, n, k = 40, 52436, 256
+    data = _blocks(Q.Q4_K, n, k, seed=9)
+    x = _acts(t, k, seed=4)
+    pack, matmul = qkernel.r16()
+    packs = [pack(torch.from_numpy(data), int(Q.Q4_K))]
+    xt = torch.from_numpy(x)
+    whole, skew = torch.full((t, n), float("nan")), _misaligned(t, n)
+    for out in (whole, skew):
+        matmul(xt, packs, [int(Q.Q4_K)], [n], out)
+    ref = torch.full((t, n), float("nan"))
+    for r in range(0, t, 4):
+        matmul(xt[r : r + 4].contiguous(), packs, [int(Q.Q4_K)], [n], ref[r : r + 4])
+    assert torch.equal(whole, ref) and torch.equal(skew, ref)
+
+
+@needs_kernel
+@pytest.mark.skipif(shutil.which("objdump") is None or platform.machine() != "x86_64", reason="needs objdump, x86-64")
+def test_many_row_kernels_hold_streaming_stores() -> None:
+    """out_store.h's streaming stores reach the built panel and qgemm code (the VNNI panel's, the
+    AVX2 panel's and both gemms')."""
+    with open("/proc/self/maps") as f:
+        libs = {line.split()[-1] for line in f if "pagedkv_qmatmul" in line and line.rstrip().endswith(".so")}
+    assert libs
+    asm = subprocess.run(["objdump", "-d", "-C", "--no-show-raw-insn", libs.pop()], capture_output=True, text=True,
+                         check=True).stdout
+    found, name = set(), ""
+    for line in asm.splitlines():
+        if line.endswith(">:"):
+            name = line
+        elif "vmovntps" in line:
+            found |= {k for k in ("panel::rows_vnni", "panel::rows_avx2", "z::gemm", "y::gemm") if k in name}
+    assert found == {"panel::rows_vnni", "panel::rows_avx2", "z::gemm", "y::gemm"}, found

@@ -50,6 +50,7 @@
 #include "ggml_blocks.h"
 #include "isa.h"
 #include "kquant_values.h"
+#include "out_store.h"
 #include "qmatmul_a8.h"
 #include "vec.h"
 #include "work_split.h"
@@ -168,6 +169,7 @@ struct Buf {
   std::vector<uint8_t> u;
   std::vector<float> d, m, dm;
   std::vector<int32_t> mn, sc;
+  bool stream = false;  // this call's outputs are streamed past the caches (out_store.h)
   void scales(int64_t nb) {  // the scales alone (r16: u stays in the records)
     d.assign(nb * NR, 0.f);
     m.assign(nb * NR, 0.f);
@@ -483,6 +485,14 @@ PQ_INLINE void dot_rows(const __m256i* u, const int8_t* x, int64_t K, int j0, in
   }
 }
 
+// one output row's first `cols` of 8 lanes at p, streamed where `stream` and the store is whole
+inline void put8(float* p, int64_t cols, __m256 v, bool stream) {
+  if (stream && cols == NR2 && (reinterpret_cast<uintptr_t>(p) & 31) == 0) return _mm256_stream_ps(p, v);
+  alignas(32) float t[NR2];
+  _mm256_store_ps(t, v);
+  std::memcpy(p, t, sizeof(float) * cols);
+}
+
 // R activation rows x the panel (rows_scalar's arithmetic): out[r * ldo + n] for n < cols
 template <int64_t QT, int R>
 void rows_avx2(const Buf& p, int64_t nb, const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum,
@@ -527,11 +537,7 @@ void rows_avx2(const Buf& p, int64_t nb, const int8_t* xq, const float* xd, cons
       for (int r = 0; r < R; ++r) y[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[r * nb + b]), y[r]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    alignas(32) float v[NR2];
-    _mm256_store_ps(v, y[r]);
-    std::memcpy(out + r * ldo, v, sizeof(float) * cols);
-  }
+  for (int r = 0; r < R; ++r) put8(out + r * ldo, cols, y[r], p.stream);
 }
 
 // R activation rows x the panel, a km type (rows_scalar_km's arithmetic)
@@ -592,11 +598,7 @@ void rows_avx2_km(const Buf& p, int64_t nb, const Acts& a, float* out, int64_t l
       y[r] = _mm256_fmadd_ps(t, _mm256_set1_ps(a.kd[r * nsb + sb]), y[r]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    alignas(32) float v[NR2];
-    _mm256_store_ps(v, y[r]);
-    std::memcpy(out + r * ldo, v, sizeof(float) * cols);
-  }
+  for (int r = 0; r < R; ++r) put8(out + r * ldo, cols, y[r], p.stream);
 }
 
 constexpr int RB2 = 4;  // activation rows per register block
@@ -1026,6 +1028,13 @@ inline __m512 fold(__m512 y, __m512i s0, __m512i s1, const Buf& p, int64_t b, co
   return y;
 }
 
+// one output row's 16 lanes at p (mask: the columns kept), streamed where `stream` and the store
+// is one whole line
+inline void put16(float* p, __mmask16 mask, __m512 v, bool stream) {
+  if (stream && mask == 0xFFFF && (reinterpret_cast<uintptr_t>(p) & 63) == 0) _mm512_stream_ps(p, v);
+  else _mm512_mask_storeu_ps(p, mask, v);
+}
+
 // R activation rows x the panel: out[r * ldo + n] for the first `cols` of its NR rows
 template <int64_t QT, int R>
 void rows_vnni(const Buf& p, int64_t nb, const int8_t* xq, const float* xd, const float* xs,
@@ -1047,7 +1056,7 @@ void rows_vnni(const Buf& p, int64_t nb, const int8_t* xq, const float* xd, cons
     }
     for (int r = 0; r < R; ++r) y[r] = fold<QT>(y[r], s0[r], s1[r], p, b, xd, xs, r * nb + b);
   }
-  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * ldo, mask, y[r]);
+  for (int r = 0; r < R; ++r) put16(out + r * ldo, mask, y[r], p.stream);
 }
 
 constexpr int RB = 4;  // activation rows per register block
@@ -1140,7 +1149,7 @@ void rows_vnni_km(const Buf* const* pb, int64_t nb, const Acts& a, float* const*
     }
   }
   for (int q = 0; q < P; ++q)
-    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out[q] + r * ldo, mask[q], y[q][r]);
+    for (int r = 0; r < R; ++r) put16(out[q] + r * ldo, mask[q], y[q][r], pb[q]->stream);
 }
 
 // Two panels (32 weight rows) x R activation rows: each activation quad is broadcast once into a
@@ -1189,8 +1198,8 @@ void rows_vnni2(const Buf& pa, const Buf& pb, int64_t nb, const int8_t* xq, cons
     }
   }
   for (int r = 0; r < R; ++r) {
-    _mm512_mask_storeu_ps(oa + r * ldo, ma, ya[r]);
-    _mm512_mask_storeu_ps(ob + r * ldo, mb, yb[r]);
+    put16(oa + r * ldo, ma, ya[r], pa.stream);
+    put16(ob + r * ldo, mb, yb[r], pb.stream);
   }
 }
 
@@ -1366,7 +1375,7 @@ void rows_r16_km(const uint8_t* recs, const Buf& p, const Acts& a, float* out, i
       y[r] = _mm512_fmadd_ps(_mm512_fmadd_ps(cvt(M), dm, z[r]), kd, y[r]);
     }
   }
-  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * ldo, mask, y[r]);
+  for (int r = 0; r < R; ++r) put16(out + r * ldo, mask, y[r], p.stream);
 }
 
 template <int64_t QT>
@@ -1490,10 +1499,12 @@ void panel(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, at::T
   struct Bufs {
     Buf a, b;
   };
+  const bool stream = out_store::stream(T, N);
   auto buffer = [&] {
     Bufs b;
     b.a.size(nb);
     b.b.size(nb);
+    b.a.stream = b.b.stream = stream;
     return b;
   };
   auto run = [&](Bufs& bufs, int64_t p0, int64_t p1) {
@@ -1543,6 +1554,7 @@ void panel(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, at::T
       if (km(qtypes[seg])) rows_scalar_km(qtypes[seg], buf, nb, T, acts, o, N, cols);
       else rows_scalar(qtypes[seg], buf, nb, T, acts.q, acts.d, acts.s, acts.sum, K, o, N, cols);
     }
+    out_store::fence(stream);
   };
   split::chunks(np, split::chunk_for(np, 8), buffer, run);
 }
@@ -1626,9 +1638,11 @@ void matmul_r16(const at::Tensor& x, at::TensorList packs, at::IntArrayRef qtype
   };
   float* op = out.data_ptr<float>();
   const int64_t np = static_cast<int64_t>(panels.size()), nb = K / QK;
+  const bool stream = out_store::stream(T, N);
   auto buffer = [&] {
     Buf b;
     b.scales(nb);
+    b.stream = stream;
     return b;
   };
   auto run = [&](Buf& buf, int64_t p0, int64_t p1) {
@@ -1639,6 +1653,7 @@ void matmul_r16(const at::Tensor& x, at::TensorList packs, at::IntArrayRef qtype
       const int64_t cols = std::min<int64_t>(NR, ns[seg] - p * NR);
       panel_r16(qtypes[seg], recs_of(panels[pi]), T, prep.acts, op + first[seg] + p * NR, N, cols, buf, next);
     }
+    out_store::fence(stream);
   };
   split::chunks(np, split::chunk_for(np, 8), buffer, run);
 #endif

@@ -75,6 +75,8 @@ struct V8 {
   static PQ_INLINE F load(const float* p) { return _mm256_loadu_ps(p); }
   static PQ_INLINE F bcast(const float* p) { return _mm256_broadcast_ss(p); }
   static PQ_INLINE void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static PQ_INLINE bool aligned(const float* p) { return (reinterpret_cast<uintptr_t>(p) & 31) == 0; }
+  static PQ_INLINE void stream(float* p, F v) { _mm256_stream_ps(p, v); }  // past the caches; p aligned
   static PQ_INLINE F add(F a, F b) { return _mm256_add_ps(a, b); }
   static PQ_INLINE F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static PQ_INLINE F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
@@ -137,6 +139,8 @@ struct V16 {
   static PQ_INLINE F load(const float* p) { return _mm512_loadu_ps(p); }
   static PQ_INLINE F bcast(const float* p) { return _mm512_set1_ps(*p); }
   static PQ_INLINE void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static PQ_INLINE bool aligned(const float* p) { return (reinterpret_cast<uintptr_t>(p) & 63) == 0; }
+  static PQ_INLINE void stream(float* p, F v) { _mm512_stream_ps(p, v); }  // past the caches; p aligned
   static PQ_INLINE F add(F a, F b) { return _mm512_add_ps(a, b); }
   static PQ_INLINE F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static PQ_INLINE F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
