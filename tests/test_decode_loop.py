@@ -31,10 +31,15 @@ LOOP_SPECS = {
 }
 
 
+# QK-norm (Qwen3), the attention and MLP output norms (Gemma 2), both with sliding-window KV groups
+# and a second RoPE table (Gemma 3)
+NORMED = ("qwen3", "gemma2", "gemma3")
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("loop")
-    specs = {**LOOP_SPECS, "qwen3": SPECS["qwen3"]}
+    specs = {**LOOP_SPECS, **{name: SPECS[name] for name in NORMED}}
     return {name: write_tiny_gguf(spec, folder / f"{name}.gguf", fast=True) for name, spec in specs.items()}
 
 
@@ -63,7 +68,7 @@ def run(llm: LLM, rows: int, loop: bool) -> list[tuple[list[int], Any]]:
 
 
 @pytest.mark.parametrize("activations", ["float32", "int8"])
-@pytest.mark.parametrize("name", sorted(LOOP_SPECS))
+@pytest.mark.parametrize("name", [*sorted(LOOP_SPECS), *NORMED])
 def test_loop_gives_the_python_loops_bits(files: dict[str, Path], name: str, activations: str,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     llm = LLM(str(files[name]), activations=activations, enable_prefix_caching=False, num_blocks=128)
@@ -98,9 +103,10 @@ def test_cached_plans_hold_no_kv_storage(files: dict[str, Path]) -> None:
     assert plans and all(t.untyped_storage().data_ptr() not in kv for p in plans for t in p[0])
 
 
-def test_layers_it_does_not_take_run_in_python(files: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    """Qwen3's QK-norm is not one of the op's steps: every step runs the Python loop."""
-    llm = LLM(str(files["qwen3"]), enable_prefix_caching=False, num_blocks=64)
+def test_steps_it_does_not_take_run_in_python(files: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A quantized KV cache's attention is not the op's fused write + decode: every step runs the
+    Python loop."""
+    llm = LLM(str(files["qwen3"]), enable_prefix_caching=False, num_blocks=64, kv_cache_dtype="int8")
     calls = Calls(monkeypatch)
     run(llm, 2, loop=True)
     assert calls.n == 0
@@ -136,10 +142,15 @@ def test_a_malformed_plan_changes_nothing(files: dict[str, Path]) -> None:
         assert all(torch.equal(a, b) for a, b in zip(before, caches, strict=True))
     with pytest.raises(RuntimeError, match="a k and a v cache a layer"):  # one cache short
         qkernel.decode_layers()(x, h, bufs, rope, meta, caches[:-1], w, ints, floats)
-    # hostile values: a group index whose 3 * g overflows int64, a negative window, a NaN softcap
+    # hostile values: a group index whose 3 * g overflows int64, a negative window, a QK-norm flag
+    # of 2, QK-norm and output-norm flags on a layer whose next tensors are not such weights, a
+    # NaN softcap
     wrap = (2**64 + 2) // 3
     for bad_ints, bad_floats, match in (([*ints[:2], wrap, *ints[3:]], floats, "no KV group"),
                                         ([*ints[:4], -1, *ints[5:]], floats, "window -1 < 0"),
+                                        ([*ints[:6], 2, *ints[7:]], floats, "0 or 1"),
+                                        ([*ints[:6], 1, *ints[7:]], floats, r"\[Hq \+ Hkv, D\]"),
+                                        ([*ints[:7], 1, *ints[8:]], floats, r"output norms must be \[H\]"),
                                         (ints, [floats[0], floats[1], float("nan")], "softcap")):
         with pytest.raises(RuntimeError, match=match):
             qkernel.decode_layers()(x, h, bufs, rope, meta, caches, w, bad_ints, bad_floats)

@@ -16,16 +16,19 @@
 //   rope: cos, sin of each RoPE table; meta: slots, block tables, seq lens of each KV group;
 //   caches: each layer's k cache and v cache;
 //   w, per layer: post-attention norm, next layer's input norm (all but the last), qkv bias
-//     (when it has one), then the tensors of its four matmuls (qkv, o, gate_up, down:
-//     QWeight.step_call);
-//   ints: layers, gelu, then per layer: group, rope table, window, bias, then per matmul
-//     kind, count of tensors, count of ints, the ints (QWeight.step_call's);
+//     (when it has one), the QK-norm weights [Hq + Hkv, D] (Qwen3, Gemma 3: when it has them),
+//     the attention and MLP output norms (Gemma's: when it has them), then the tensors of its
+//     four matmuls (qkv, o, gate_up, down: QWeight.step_call);
+//   ints: layers, gelu, then per layer: group, rope table, window, bias, QK-norm, output norms
+//     (each flag 0 or 1), then per matmul kind, count of tensors, count of ints, the ints
+//     (QWeight.step_call's);
 //   floats: eps, attention scale, softcap.
 // The caller (LlamaModel._decode_plan) builds these only where every step of the loop is one
 // of these ops; anything else runs the Python loop.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/rms_norm.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -47,6 +50,7 @@ struct Ops {
   TypedOperatorHandle<void(const Tensor&, at::TensorList, IntArrayRef, IntArrayRef, Tensor&)> r16;
   TypedOperatorHandle<void(const Tensor&, const Tensor&, int64_t, Tensor&, int64_t)> rows, gemm;
   TypedOperatorHandle<void(Tensor&, const Tensor&, const Tensor&, double, Tensor&)> add_norm;
+  TypedOperatorHandle<void(Tensor&, const Tensor&, const Tensor&, const Tensor&, double, Tensor&)> norm_add;
   TypedOperatorHandle<void(const Tensor&, Tensor&)> silu, gelu;
   TypedOperatorHandle<void(const Tensor&, const Tensor&, const Tensor&, Tensor&)> rope;
   TypedOperatorHandle<void(const Tensor&, const Tensor&, const Tensor&, const Tensor&, Tensor&, Tensor&,
@@ -59,6 +63,8 @@ struct Ops {
         rows(op<void(const Tensor&, const Tensor&, int64_t, Tensor&, int64_t)>("pagedkv_q::qmatmul")),
         gemm(op<void(const Tensor&, const Tensor&, int64_t, Tensor&, int64_t)>("pagedkv_q::qgemm")),
         add_norm(op<void(Tensor&, const Tensor&, const Tensor&, double, Tensor&)>("pagedkv_ops::add_rms_norm")),
+        norm_add(op<void(Tensor&, const Tensor&, const Tensor&, const Tensor&, double, Tensor&)>(
+            "pagedkv_ops::norm_add_rms_norm")),
         silu(op<void(const Tensor&, Tensor&)>("pagedkv_ops::silu_mul")),
         gelu(op<void(const Tensor&, Tensor&)>("pagedkv_ops::gelu_tanh_mul")),
         rope(op<void(const Tensor&, const Tensor&, const Tensor&, Tensor&)>("pagedkv_ops::rope")),
@@ -131,28 +137,48 @@ void layers(const Ops* o, Tensor& x, Tensor& h, at::TensorList bufs, at::TensorL
   TORCH_CHECK(n > 0 && caches.size() % 2 == 0 && n == static_cast<int64_t>(caches.size() / 2),
               "decode_layers: a k and a v cache a layer");
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t group = r.next(), table = r.next(), window = r.next(), bias = r.next();
+    const int64_t group = r.next(), table = r.next(), window = r.next(), bias = r.next(), qkn = r.next(),
+                  outn = r.next();
     TORCH_CHECK(group >= 0 && group < static_cast<int64_t>(meta.size() / 3), "decode_layers: no KV group ", group);
     TORCH_CHECK(table >= 0 && table < static_cast<int64_t>(rope.size() / 2), "decode_layers: no RoPE table ", table);
     TORCH_CHECK(window >= 0, "decode_layers: window ", window, " < 0");
+    TORCH_CHECK((bias == 0 || bias == 1) && (qkn == 0 || qkn == 1) && (outn == 0 || outn == 1),
+                "decode_layers: a layer's bias, QK-norm and output-norm flags are 0 or 1");
     const Tensor& post_norm = r.tensor();
     const Tensor* next_norm = i + 1 < n ? &r.tensor() : nullptr;
     const Tensor* b = bias ? &r.tensor() : nullptr;
+    const Tensor* qk_w = qkn ? &r.tensor() : nullptr;
+    const Tensor* attn_out = outn ? &r.tensor() : nullptr;
+    const Tensor* mlp_out = outn ? &r.tensor() : nullptr;
+    TORCH_CHECK(!qk_w || (qk_w->dim() == 2 && qk_w->size(0) == qk_in.size(1) && qk_w->size(1) == qk_in.size(2)),
+                "decode_layers: QK-norm weights must be [Hq + Hkv, D]");
+    TORCH_CHECK(!outn || (attn_out->dim() == 1 && mlp_out->dim() == 1 && attn_out->size(0) == x.size(1) &&
+                          mlp_out->size(0) == x.size(1)),
+                "decode_layers: output norms must be [H]");
     Tensor kc = caches[2 * i], vc = caches[2 * i + 1];
     matmul<Run>(o, r, h, qkv);
     if constexpr (Run) {
       if (b) qkv.add_(*b);
-      o->rope.call(qk_in, rope[2 * table], rope[2 * table + 1], qk);
+      if (qk_w)  // each q and k head RMS-normed (DecoderLayer._norm_qk: the same ATen ops), then RoPE
+        o->rope.call(at::rms_norm(qk_in, {qk_in.size(-1)}, std::nullopt, eps).mul_(*qk_w), rope[2 * table],
+                     rope[2 * table + 1], qk);
+      else
+        o->rope.call(qk_in, rope[2 * table], rope[2 * table + 1], qk);
       o->write_decode.call(q, k, v, meta[3 * group], kc, vc, meta[3 * group + 1], meta[3 * group + 2], scale, att,
                            window, softcap);
     }
     matmul<Run>(o, r, att2, ob);
-    if constexpr (Run) o->add_norm.call(x, ob, post_norm, eps, h);
+    if constexpr (Run) {  // (Gemma: each output normed before its residual add)
+      if (attn_out) o->norm_add.call(x, ob, *attn_out, post_norm, eps, h);
+      else o->add_norm.call(x, ob, post_norm, eps, h);
+    }
     matmul<Run>(o, r, h, gu);
     if constexpr (Run) (gelu ? o->gelu : o->silu).call(gu, act);
     matmul<Run>(o, r, act, down);
     if constexpr (Run) {
-      if (next_norm) o->add_norm.call(x, down, *next_norm, eps, h);
+      if (next_norm && mlp_out) o->norm_add.call(x, down, *mlp_out, *next_norm, eps, h);
+      else if (next_norm) o->add_norm.call(x, down, *next_norm, eps, h);
+      else if (mlp_out) x.add_(at::rms_norm(down, {down.size(-1)}, *mlp_out, eps));
       else x.add_(down);
     }
   }

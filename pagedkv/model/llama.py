@@ -528,8 +528,8 @@ class LlamaModel(nn.Module):
     def _decode_plan(self, kv: KVStorage, metas: tuple[AttentionMetadata, ...], tables: list,
                      bufs: tuple[torch.Tensor, ...]) -> tuple | None:
         """decode_loop.cpp's arguments after (x, h) for this step's layers, or None where one of
-        them would take another way than the op's: a layer with QK-norm, Gemma's output norms,
-        Granite's residual scale, a NoPE layer, a matmul QWeight.step_call does not take, an
+        them would take another way than the op's: Granite's residual scale, a NoPE layer, a
+        matmul QWeight.step_call does not take, an
         attention step other than the fused write + decode (prefill, a quantized or strided
         cache, the triton backend). The weights' part is cached per row count and the storage's
         layer groups (quant.route_key: any change of a weight's routes drops it); the caches are
@@ -578,12 +578,14 @@ class LlamaModel(nn.Module):
         w: list[torch.Tensor] = []
         ints = [len(layers), int(layers[0].gelu)]
         for i, ly in enumerate(layers):
-            if ly.q_norm is not None or ly.attn_out_norm is not None or ly.mlp_out_norm is not None or ly.rope_table == 2:
+            if ly.rope_table == 2:
                 return None
-            bias = ly.qkv_proj.bias
-            ints += [layer_group[i], ly.rope_table, ly.window, int(bias is not None)]
+            bias, qk_w = ly.qkv_proj.bias, ly._qk_norm_w
+            outs = [] if ly.attn_out_norm is None else [ly.attn_out_norm, ly.mlp_out_norm]
+            ints += [layer_group[i], ly.rope_table, ly.window, int(bias is not None), int(qk_w is not None),
+                     int(bool(outs))]
             w += [ly.norms[1], *([layers[i + 1].norms[0]] if i + 1 < len(layers) else []),
-                  *([bias] if bias is not None else [])]
+                  *([bias] if bias is not None else []), *([qk_w] if qk_w is not None else []), *outs]
             for lin in (ly.qkv_proj, ly.o_proj, ly.gate_up_proj, ly.down_proj):
                 if lin.q is None or lin.bias is not None and lin is not ly.qkv_proj:
                     return None
