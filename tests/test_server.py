@@ -810,6 +810,36 @@ def test_bench_serve_in_process_reference_takes_the_servers_modes() -> None:
         ap.parse_args(["--activations", "int4"])
 
 
+def test_bench_serve_in_process_reference_holds_a_hybrid_caches_requests(tmp_path: Path) -> None:
+    """The in-process reference has KV blocks for the largest level's requests at once in every
+    KV group of a hybrid (sliding-window) cache: all of them decode together, one step a token
+    (sized for one group, Gemma 3's reference held a sixth of them and its TPOT doubled)."""
+    import argparse
+
+    from tiny_gguf import SPECS, write_tiny_gguf
+
+    from pagedkv.bench import bench_serve
+
+    path = write_tiny_gguf(SPECS["gemma3"], tmp_path / "gemma3.gguf", fast=True)
+    ap = argparse.ArgumentParser()
+    bench_serve.add_args(ap)
+    args = ap.parse_args(["--model", str(path), "--peer", "http://127.0.0.1:1"])
+    engine = bench_serve.in_process_engine(args, ["the cat sat on"], [6], 8)
+    assert engine.cache.num_groups > 1
+    steps = 0
+    step = engine.step
+
+    def counted() -> Any:
+        nonlocal steps
+        steps += 1
+        return step()
+
+    engine.step = counted
+    result = bench_serve.run_in_process(engine, ["the cat sat on"], concurrency=6, num_requests=6, max_tokens=8)
+    assert result["total_output_tokens"] == 48
+    assert steps <= 1 + 8 + 2, steps  # the warm-up, then one prefill and 7 decode steps for all six
+
+
 LOAD_PROMPTS: list[Any] = [
     "The quick brown fox",
     "Once upon a time",

@@ -344,9 +344,9 @@ def in_process_engine(args: argparse.Namespace, prompts: list[Prompt], levels: l
                                ("batch_weights", args.batch_weights)) if v}
     engine = LLMEngine(args.model, num_blocks=1, max_num_seqs=64, **modes)
     longest = max(len(engine.tokenize(p)) for p in prompts)
-    bs = engine.cache.block_size
-    blocks = max(levels) * (-(-(longest + max_tokens) // bs) + 1)
-    return LLMEngine(engine.loaded, num_blocks=blocks, max_num_seqs=64)
+    # (blocks_needed counts each KV group's: a hybrid cache holds a token once per group)
+    per_request = engine.cache.blocks_needed(longest + max_tokens + engine.cache.block_size)
+    return LLMEngine(engine.loaded, num_blocks=max(levels) * per_request, max_num_seqs=64)
 
 
 def run_in_process(engine: Any, prompts: list[Prompt], concurrency: int, num_requests: int,
