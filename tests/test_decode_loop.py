@@ -157,3 +157,34 @@ def test_a_malformed_plan_changes_nothing(files: dict[str, Path]) -> None:
     assert torch.equal(x, x0) and torch.equal(h, h0)
     assert all(torch.equal(a, b) for a, b in zip(before, caches, strict=True))
     assert run(llm, 1, loop=True) == run(llm, 1, loop=False)  # the model serves on, unharmed
+
+
+def test_kept_logits_buffer_gives_the_same_outputs(files: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """With every step's logits in the one kept buffer (LlamaModel._logits_out, its threshold at 0)
+    greedy tokens with logprobs, seeded n > 1 sampling (forks read the same logits) and beam
+    search (its own forward loop) give what fresh logits tensors give; the buffer is reused
+    step after step (the same storage) and grows to a larger row count."""
+    from pagedkv.engine.beam_search import BeamSearchParams
+
+    llm = LLM(str(files["qwen2-kquants"]), activations="int8", enable_prefix_caching=False, num_blocks=256)
+    model = llm.engine.runner.model
+    prompts = [[7 + i, 90 + 3 * i, 200, 11 * i + 5][: 2 + i % 3] for i in range(6)]
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3),
+              SamplingParams(temperature=0.8, top_p=0.9, n=3, seed=5, max_tokens=6, ignore_eos=True, logprobs=2)]
+
+    def outputs() -> Any:
+        gen = [[(list(c.token_ids), c.logprobs) for c in o.outputs] for p in params for o in llm.generate(prompts, p)]
+        beams = llm.beam_search(prompts[:2], BeamSearchParams(beam_width=3, max_tokens=4, ignore_eos=True))
+        return gen, [[(b.token_ids, b.cum_logprob) for b in o.sequences] for o in beams]
+
+    monkeypatch.setattr(llama, "LOGITS_KEEP_MIN", 1 << 62)
+    fresh = outputs()
+    assert model._logits_buf is None
+    monkeypatch.setattr(llama, "LOGITS_KEEP_MIN", 0)
+    kept = outputs()
+    buf = model._logits_buf
+    assert buf is not None and buf.shape[0] >= 6 * 3
+    assert kept == fresh
+    storage = buf.untyped_storage().data_ptr()
+    llm.generate(prompts[:2], params[0])
+    assert model._logits_buf.untyped_storage().data_ptr() == storage  # reused, not reallocated
