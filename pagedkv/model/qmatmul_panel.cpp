@@ -1038,10 +1038,11 @@ inline void put16(float* p, __mmask16 mask, __m512 v, bool stream) {
 // R activation rows x the panel: out[r * ldo + n] for the first `cols` of its NR rows
 template <int64_t QT, int R>
 void rows_vnni(const Buf& p, int64_t nb, const int8_t* xq, const float* xd, const float* xs,
-               const int32_t* xsum, int64_t K, float* out, int64_t ldo, __mmask16 mask) {
+               const int32_t* xsum, int64_t K, float* out, int64_t ldo, __mmask16 mask, ahead::Cursor& next) {
   __m512 y[R];
   for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
+    next.step();
     const __m512i* u = reinterpret_cast<const __m512i*>(p.u.data() + b * 8 * NR * 4);
     const int8_t* x = xq + QK * b;
     __m512i s0[R], s1[R];  // even and odd quads (twice the chains)
@@ -1071,7 +1072,8 @@ inline __m512i quad512(const int8_t* p) {
 // R activation rows x P panels (1, or 2 as rows_vnni2: each activation quad broadcast once into
 // a register for both), a km type: rows_scalar_km's arithmetic, 16 rows per lane set
 template <int64_t QT, int R, int P>
-void rows_vnni_km(const Buf* const* pb, int64_t nb, const Acts& a, float* const* out, int64_t ldo, const __mmask16* mask) {
+void rows_vnni_km(const Buf* const* pb, int64_t nb, const Acts& a, float* const* out, int64_t ldo, const __mmask16* mask,
+                  ahead::Cursor& next) {
   constexpr int64_t MP = mpairs(QT);
   const int64_t nsb = nb / 8;
   __m512 y[P][R];
@@ -1086,6 +1088,7 @@ void rows_vnni_km(const Buf* const* pb, int64_t nb, const Acts& a, float* const*
       for (int r = 0; r < R; ++r)
         z[q][r] = _mm512_setzero_ps(), I[q][r] = s0[q][r] = s1[q][r] = _mm512_setzero_si512();
     for (int64_t b = 8 * sb; b < 8 * sb + 8; ++b) {
+      next.step();
       const int8_t* x = a.kq + QK * b;
       if constexpr (halved(QT))  // each half from -hbias times its activation sum
         for (int r = 0; r < R; ++r) {
@@ -1168,10 +1171,12 @@ void rows_vnni_km(const Buf* const* pb, int64_t nb, const Acts& a, float* const*
 // 1.5B Q4_K + Q6_K file's 40-row int8 step 239 / 278 / 238 -> 212 / 218 / 186 ms (alternated).
 template <int64_t QT, int R>
 void rows_vnni2(const Buf& pa, const Buf& pb, int64_t nb, const int8_t* xq, const float* xd, const float* xs,
-                const int32_t* xsum, int64_t K, float* oa, float* ob, int64_t ldo, __mmask16 ma, __mmask16 mb) {
+                const int32_t* xsum, int64_t K, float* oa, float* ob, int64_t ldo, __mmask16 ma, __mmask16 mb,
+                ahead::Cursor& next) {
   __m512 ya[R], yb[R];
   for (int r = 0; r < R; ++r) ya[r] = yb[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
+    next.step();
     const __m512i* ua = reinterpret_cast<const __m512i*>(pa.u.data() + b * 8 * NR * 4);
     const __m512i* ub = reinterpret_cast<const __m512i*>(pb.u.data() + b * 8 * NR * 4);
     const int8_t* x = xq + QK * b;
@@ -1209,18 +1214,17 @@ void panel_vnni2(const uint8_t* const* ra, const uint8_t* const* rb2, int64_t T,
   unpack_vnni<QT>(Rows(ra), a.nb, bufa);
   unpack_vnni<QT>(Rows(rb2), a.nb, bufb);
   const __mmask16 mb = static_cast<__mmask16>((1u << cols_b) - 1);
-  const int64_t groups = (T + RB - 1) / RB;
+  ahead::Cursor cur(next, (T + RB - 1) / RB * a.nb);  // (a step per block of each group)
   by_groups<RB>(T, [&](auto r, int64_t t) {
-    next.part(t / RB, groups);
     const Acts s = a.at(t);
     if constexpr (km(QT)) {
       const Buf* pb[2] = {&bufa, &bufb};
       float* o[2] = {oa + t * ldo, ob + t * ldo};
       const __mmask16 m[2] = {0xFFFF, mb};
-      rows_vnni_km<QT, decltype(r)::value, 2>(pb, s.nb, s, o, ldo, m);
+      rows_vnni_km<QT, decltype(r)::value, 2>(pb, s.nb, s, o, ldo, m, cur);
     } else {
       rows_vnni2<QT, decltype(r)::value>(bufa, bufb, s.nb, s.q, s.d, s.s, s.sum, s.K, oa + t * ldo, ob + t * ldo,
-                                         ldo, 0xFFFF, mb);
+                                         ldo, 0xFFFF, mb, cur);
     }
   });
 }
@@ -1231,13 +1235,13 @@ void panel_vnni2(int64_t qt, const uint8_t* const* ra, const uint8_t* const* rb2
 }
 
 template <int64_t QT, int R>
-void rows_at(const Buf& buf, const Acts& a, float* out, int64_t ldo, __mmask16 mask) {
+void rows_at(const Buf& buf, const Acts& a, float* out, int64_t ldo, __mmask16 mask, ahead::Cursor& next) {
   if constexpr (km(QT)) {
     const Buf* pb[1] = {&buf};
     float* o[1] = {out};
-    rows_vnni_km<QT, R, 1>(pb, a.nb, a, o, ldo, &mask);
+    rows_vnni_km<QT, R, 1>(pb, a.nb, a, o, ldo, &mask, next);
   } else {
-    rows_vnni<QT, R>(buf, a.nb, a.q, a.d, a.s, a.sum, a.K, out, ldo, mask);
+    rows_vnni<QT, R>(buf, a.nb, a.q, a.d, a.s, a.sum, a.K, out, ldo, mask, next);
   }
 }
 
@@ -1246,11 +1250,8 @@ void panel_vnni(const uint8_t* const* rows, int64_t T, const Acts& a, float* out
                 Buf& buf, const ahead::Ranges& next) {
   unpack_vnni<QT>(Rows(rows), a.nb, buf);
   const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
-  const int64_t groups = (T + RB - 1) / RB;
-  by_groups<RB>(T, [&](auto r, int64_t t) {
-    next.part(t / RB, groups);
-    rows_at<QT, decltype(r)::value>(buf, a.at(t), out + t * ldo, ldo, mask);
-  });
+  ahead::Cursor cur(next, (T + RB - 1) / RB * a.nb);  // (a step per block of each group)
+  by_groups<RB>(T, [&](auto r, int64_t t) { rows_at<QT, decltype(r)::value>(buf, a.at(t), out + t * ldo, ldo, mask, cur); });
 }
 
 void panel_vnni(int64_t qt, const uint8_t* const* rows, int64_t T, const Acts& a, float* out, int64_t ldo,
@@ -1323,7 +1324,7 @@ void r16_scales(const uint8_t* panel, int64_t nsb, Buf& buf) {
 // R activation rows x a km panel (rows_vnni_km's arithmetic, P = 1)
 template <int64_t QT, int R>
 void rows_r16_km(const uint8_t* recs, const Buf& p, const Acts& a, float* out, int64_t ldo, __mmask16 mask,
-                 const ahead::Ranges& next, int64_t g, int64_t groups) {
+                 ahead::Cursor& next) {
   constexpr int64_t MP = mpairs(QT);
   const int64_t nsb = a.nb / 8;
   __m512 y[R];
@@ -1336,7 +1337,7 @@ void rows_r16_km(const uint8_t* recs, const Buf& p, const Acts& a, float* out, i
     chunks8([&](auto jc) {
       constexpr int j = decltype(jc)::value;
       const int64_t b = 8 * sb + j;
-      next.part(g * a.nb + b, groups * a.nb);
+      next.step();
       const int8_t* x = a.kq + QK * b;
       __m512i s0[R], s1[R];  // even and odd quads, or the halves (two chains: from -hbias s_h)
       for (int r = 0; r < R; ++r)
@@ -1383,10 +1384,9 @@ void panel_r16(const uint8_t* recs, int64_t T, const Acts& a, float* out, int64_
                const ahead::Ranges& next) {
   r16_scales<QT>(recs, a.nb / 8, buf);
   const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
-  const int64_t groups = (T + RB - 1) / RB;
-  // the next panel fetched a part per chunk of each group
+  ahead::Cursor cur(next, (T + RB - 1) / RB * a.nb);  // the next panel fetched a part per chunk of each group
   by_groups<RB>(T, [&](auto r, int64_t t) {
-    rows_r16_km<QT, decltype(r)::value>(recs, buf, a.at(t), out + t * ldo, ldo, mask, next, t / RB, groups);
+    rows_r16_km<QT, decltype(r)::value>(recs, buf, a.at(t), out + t * ldo, ldo, mask, cur);
   });
 }
 
