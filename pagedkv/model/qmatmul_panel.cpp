@@ -496,13 +496,14 @@ inline void put8(float* p, int64_t cols, __m256 v, bool stream) {
 // R activation rows x the panel (rows_scalar's arithmetic): out[r * ldo + n] for n < cols
 template <int64_t QT, int R>
 void rows_avx2(const Buf& p, int64_t nb, const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum,
-               int64_t K, float* out, int64_t ldo, int64_t cols) {
+               int64_t K, float* out, int64_t ldo, int64_t cols, ahead::Cursor& next) {
   constexpr bool wide = QT == Q8_0 || QT == IQ4_NL || QT == IQ4_XS;  // u up to 255
   constexpr int G = QT == Q4_0 || QT == Q4_1 || QT == Q4_K ? 8 : 4;  // quads summed in int16 (u <= 15 / 31)
   const int32_t bi = bias(QT);
   __m256 y[R];
   for (int r = 0; r < R; ++r) y[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
+    next.step();
     const __m256i* u = reinterpret_cast<const __m256i*>(p.u.data() + b * 8 * NR2 * 4);
     const int8_t* x = xq + QK * b;
     const __m256 d = _mm256_loadu_ps(p.d.data() + b * NR2);
@@ -542,7 +543,8 @@ void rows_avx2(const Buf& p, int64_t nb, const int8_t* xq, const float* xd, cons
 
 // R activation rows x the panel, a km type (rows_scalar_km's arithmetic)
 template <int64_t QT, int R>
-void rows_avx2_km(const Buf& p, int64_t nb, const Acts& a, float* out, int64_t ldo, int64_t cols) {
+void rows_avx2_km(const Buf& p, int64_t nb, const Acts& a, float* out, int64_t ldo, int64_t cols,
+                  ahead::Cursor& next) {
   constexpr int G = QT == Q4_K ? 8 : QT == Q5_K ? 4 : 2;  // quads summed in int16 (u <= 15 / 31 / 45, 63)
   constexpr int64_t P = mpairs(QT);
   const int64_t nsb = nb / 8;
@@ -553,6 +555,7 @@ void rows_avx2_km(const Buf& p, int64_t nb, const Acts& a, float* out, int64_t l
       __m256i I[R];
       for (int r = 0; r < R; ++r) I[r] = _mm256_setzero_si256();
       for (int64_t b = 8 * sb; b < 8 * sb + 8; ++b) {
+        next.step();
         const __m256i* u = reinterpret_cast<const __m256i*>(p.u.data() + b * 8 * NR2 * 4);
         __m256i i0[R], i1[R];
         for (int r = 0; r < R; ++r) {
@@ -575,6 +578,7 @@ void rows_avx2_km(const Buf& p, int64_t nb, const Acts& a, float* out, int64_t l
     __m256i i[R];  // a chunk's integer sums (Q2_K: the super-block's)
     for (int r = 0; r < R; ++r) z[r] = _mm256_setzero_ps(), i[r] = _mm256_setzero_si256();
     for (int64_t b = 8 * sb; b < 8 * sb + 8; ++b) {
+      next.step();
       const __m256i* u = reinterpret_cast<const __m256i*>(p.u.data() + b * 8 * NR2 * 4);
       if constexpr (QT != Q2_K)
         for (int r = 0; r < R; ++r) i[r] = _mm256_setzero_si256();
@@ -605,18 +609,19 @@ constexpr int RB2 = 4;  // activation rows per register block
 
 template <int64_t QT>
 void panel_avx2(const uint8_t* const* rows, int64_t T, const Acts& a, float* out, int64_t ldo, int64_t cols,
-                Buf& buf) {
+                Buf& buf, const ahead::Ranges& next) {
   unpack_avx2<QT>(rows, a.nb, buf);
+  ahead::Cursor cur(next, (T + RB2 - 1) / RB2 * a.nb);  // (a step per block of each group)
   by_groups<RB2>(T, [&](auto r, int64_t t) {
     const Acts s = a.at(t);
-    if constexpr (km(QT)) rows_avx2_km<QT, decltype(r)::value>(buf, s.nb, s, out + t * ldo, ldo, cols);
-    else rows_avx2<QT, decltype(r)::value>(buf, s.nb, s.q, s.d, s.s, s.sum, s.K, out + t * ldo, ldo, cols);
+    if constexpr (km(QT)) rows_avx2_km<QT, decltype(r)::value>(buf, s.nb, s, out + t * ldo, ldo, cols, cur);
+    else rows_avx2<QT, decltype(r)::value>(buf, s.nb, s.q, s.d, s.s, s.sum, s.K, out + t * ldo, ldo, cols, cur);
   });
 }
 
 void panel_avx2(int64_t qt, const uint8_t* const* rows, int64_t T, const Acts& a, float* out, int64_t ldo,
-                int64_t cols, Buf& buf) {
-  with_panel_type(qt, [&](auto q) { panel_avx2<decltype(q)::value>(rows, T, a, out, ldo, cols, buf); });
+                int64_t cols, Buf& buf, const ahead::Ranges& next) {
+  with_panel_type(qt, [&](auto q) { panel_avx2<decltype(q)::value>(rows, T, a, out, ldo, cols, buf, next); });
 }
 #endif
 
@@ -1541,12 +1546,9 @@ void panel(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, at::T
 #endif
 #ifdef PQ_AVX2
       if (avx2) {
-        if (pi + 1 < p1) {
-          ahead::Ranges next;
-          ahead_of(ws, panels[pi + 1], nr, next);
-          next.part(0, 1);
-        }
-        panel_avx2(qtypes[seg], rows, T, acts, o, N, cols, buf);
+        ahead::Ranges next;  // from memory while this one computes
+        if (pi + 1 < p1) ahead_of(ws, panels[pi + 1], nr, next);
+        panel_avx2(qtypes[seg], rows, T, acts, o, N, cols, buf, next);
         continue;
       }
 #endif
