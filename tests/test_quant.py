@@ -451,6 +451,31 @@ def test_fused_norm_add_rms_norm_matches_torch() -> None:
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 
+def test_fused_norm_rope_matches_torch() -> None:
+    """QK-norm and RoPE in one pass (Qwen3, Gemma 3): each head of a strided q|k view RMS-normed,
+    times its weights, then rotated, equals rms_norm + mul + the rope op; bad weights or eps are
+    refused before anything is written."""
+    if not qkernel.load():
+        pytest.skip(f"kernel unavailable: {qkernel.info()['error']}")
+    gen = torch.Generator().manual_seed(6)
+    t, h, d = 5, 6, 128
+    qkv = torch.randn(t, (h + 2) * d, generator=gen) * 20
+    x = qkv[:, : h * d].view(t, h, d)  # rows of stride (h + 2) d, as DecoderLayer's view
+    w = torch.rand(h, d, generator=gen) + 0.5
+    cos, sin = torch.randn(t, d, generator=gen), torch.randn(t, d, generator=gen)
+    want = torch.empty(t, h, d)
+    qkernel.fused()[0](torch.nn.functional.rms_norm(x, (d,), None, 1e-6).mul_(w), cos, sin, want)
+    out = torch.full((t, h, d), float("nan"))
+    qkernel.fused()[5](x, w, 1e-6, cos, sin, out)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)
+    for bad_w, eps, match in ((w[:, :64], 1e-6, r"\[H, D\]"), (w.t(), 1e-6, "contiguous"),
+                              (w, float("nan"), "eps"), (w, -1.0, "eps")):
+        out.fill_(float("nan"))
+        with pytest.raises(RuntimeError, match=match):
+            qkernel.fused()[5](x, bad_w, eps, cos, sin, out)
+        assert out.isnan().all()
+
+
 def test_fused_silu_mul_matches_torch() -> None:
     """SwiGLU in one pass (vectorized exp with AVX2) equals torch's silu(gate) * up to float32
     rounding, over the whole range (very negative gates give 0, very positive ones the gate)."""

@@ -326,6 +326,12 @@ FULL_SPECS = {
     # Llama-3.2-1B's shapes (16 layers, hidden 2048, 32 / 8 heads of 64, intermediate 8192, the
     # tied 128,256-row embeddings, Llama 3 RoPE scaling) in its Q4_K_M mix: Q4_K, Q6_K for attn_v,
     # every other ffn_down and the embeddings / LM head: 0.8 GB
+    # Qwen3-0.6B's shapes (28 layers, hidden 1,024, 16 / 8 heads of 128 with QK-norm, the tied
+    # 151,936-row embeddings) in its Q4_K_M mix (rows of 1,024 and 3,072: whole super-blocks): 0.5 GB
+    "qwen3-0.6b-q4_k_m": TinySpec("qwen3", "Qwen3 0.6B synthetic", 1024, 16, 8, 128, 3072, layers=28,
+                                  vocab=151936, qk_norm=True, seed=22, chat=True,
+                                  qtypes={"attn": Q.Q4_K, "attn_v": Q.Q6_K, "ffn": Q.Q4_K,
+                                          "ffn_down": Q.Q4_K, "ffn_down_odd": Q.Q6_K, "embd": Q.Q6_K}),
     "llama3.2-1b-q4_k_m": TinySpec("llama", "Llama 3.2 1B synthetic", 2048, 32, 8, 64, 8192, layers=16,
                                    vocab=128256, llama3=(32.0, 1.0, 4.0, 8192), rope_theta=500000.0, seed=21,
                                    chat=True, qtypes={"attn": Q.Q4_K, "attn_v": Q.Q6_K, "ffn": Q.Q4_K,

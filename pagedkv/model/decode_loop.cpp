@@ -53,6 +53,7 @@ struct Ops {
   TypedOperatorHandle<void(Tensor&, const Tensor&, const Tensor&, const Tensor&, double, Tensor&)> norm_add;
   TypedOperatorHandle<void(const Tensor&, Tensor&)> silu, gelu;
   TypedOperatorHandle<void(const Tensor&, const Tensor&, const Tensor&, Tensor&)> rope;
+  TypedOperatorHandle<void(const Tensor&, const Tensor&, double, const Tensor&, const Tensor&, Tensor&)> norm_rope;
   TypedOperatorHandle<void(const Tensor&, const Tensor&, const Tensor&, const Tensor&, Tensor&, Tensor&,
                            const Tensor&, const Tensor&, double, Tensor&, int64_t, double)>
       write_decode;
@@ -68,6 +69,8 @@ struct Ops {
         silu(op<void(const Tensor&, Tensor&)>("pagedkv_ops::silu_mul")),
         gelu(op<void(const Tensor&, Tensor&)>("pagedkv_ops::gelu_tanh_mul")),
         rope(op<void(const Tensor&, const Tensor&, const Tensor&, Tensor&)>("pagedkv_ops::rope")),
+        norm_rope(op<void(const Tensor&, const Tensor&, double, const Tensor&, const Tensor&, Tensor&)>(
+            "pagedkv_ops::norm_rope")),
         write_decode(op<void(const Tensor&, const Tensor&, const Tensor&, const Tensor&, Tensor&, Tensor&,
                              const Tensor&, const Tensor&, double, Tensor&, int64_t, double)>(
             "pagedkv_attn::write_decode")) {}
@@ -159,9 +162,8 @@ void layers(const Ops* o, Tensor& x, Tensor& h, at::TensorList bufs, at::TensorL
     matmul<Run>(o, r, h, qkv);
     if constexpr (Run) {
       if (b) qkv.add_(*b);
-      if (qk_w)  // each q and k head RMS-normed (DecoderLayer._norm_qk: the same ATen ops), then RoPE
-        o->rope.call(at::rms_norm(qk_in, {qk_in.size(-1)}, std::nullopt, eps).mul_(*qk_w), rope[2 * table],
-                     rope[2 * table + 1], qk);
+      if (qk_w)  // each q and k head RMS-normed, then RoPE (QK-norm)
+        o->norm_rope.call(qk_in, *qk_w, eps, rope[2 * table], rope[2 * table + 1], qk);
       else
         o->rope.call(qk_in, rope[2 * table], rope[2 * table + 1], qk);
       o->write_decode.call(q, k, v, meta[3 * group], kc, vc, meta[3 * group + 1], meta[3 * group + 2], scale, att,

@@ -11,7 +11,7 @@ pagedkv/attention/kernel.py) plus -ffp-contract=off, so that the kernel dequanti
 the float32 roundings of the `gguf` package (a fused multiply-add would round d * q + m once).
 Registered as torch.ops.pagedkv_q.{qmatmul,qgemm,qrows,has_gemm,limit_isa,isa,types},
 torch.ops.pagedkv_a8.{quantize,matmul,linear,panel,panel_vnni,panel_avx2} and
-torch.ops.pagedkv_ops.{add_rms_norm,silu_mul,rope,argmax,gelu_tanh_mul,norm_add_rms_norm} and
+torch.ops.pagedkv_ops.{add_rms_norm,silu_mul,rope,argmax,gelu_tanh_mul,norm_add_rms_norm,norm_rope} and
 decode_loop.cpp's torch.ops.pagedkv_ops.decode_layers.
 
 Attempted once per process; any failure is logged once and `load()` returns False, and the
@@ -54,7 +54,7 @@ class _Kernel:
         self.error: str | None = None
         self.qmatmul = None  # the op's overload, once loaded
         self.a8 = None  # (quantize, matmul, linear) overloads of the activation-quantized path
-        self.fused = None  # (rope, silu_mul, add_rms_norm, gelu_tanh_mul, norm_add_rms_norm)
+        self.fused = None  # (rope, silu_mul, add_rms_norm, gelu_tanh_mul, norm_add_rms_norm, norm_rope)
         self.argmax = None  # fused_ops.cpp's argmax
         self.panel = None  # qmatmul_panel.cpp's panel op, where this CPU runs its VNNI or AVX2 code
         self.r16 = None  # (r16_pack, panel_r16) of qmatmul_panel.cpp, where this CPU runs its VNNI code
@@ -136,7 +136,7 @@ def load() -> bool:
             k.a8 = tuple(_raw(o.default) for o in (a8.quantize, a8.matmul, a8.linear))
             f = torch.ops.pagedkv_ops
             k.fused = tuple(_raw(o.default) for o in (f.rope, f.silu_mul, f.add_rms_norm,
-                                                      f.gelu_tanh_mul, f.norm_add_rms_norm))
+                                                      f.gelu_tanh_mul, f.norm_add_rms_norm, f.norm_rope))
             k.argmax = _raw(f.argmax.default)
             k.decode_layers = _raw(f.decode_layers.default)
             k.vnni = bool(a8.panel_vnni())
@@ -165,7 +165,7 @@ def a8():  # noqa: ANN201
 
 
 def fused():  # noqa: ANN201
-    """(rope, silu_mul, add_rms_norm, gelu_tanh_mul, norm_add_rms_norm) ops of fused_ops.cpp,
+    """(rope, silu_mul, add_rms_norm, gelu_tanh_mul, norm_add_rms_norm, norm_rope) ops of fused_ops.cpp,
     or None without the kernel."""
     return _kernel.fused if (_kernel.ok or load()) else None
 
