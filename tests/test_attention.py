@@ -364,6 +364,34 @@ def test_a_decode_step_writes_and_attends_in_one_op_with_the_same_bits(
 
 
 @pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler")
+@FAST
+@given(spec=specs(), dtype=st.sampled_from([torch.float16, torch.bfloat16]), data=st.data())
+def test_float32_rows_into_a_16_bit_cache_in_one_op_with_the_same_bits(
+        spec: Spec, dtype: torch.dtype, data: st.DataObject) -> None:
+    """A float32 model over a float16 / bfloat16 cache (--kv-cache-dtype): write_decode rounds its
+    float32 K/V into the cache's type as write_layer's indexed copy does, then attends, all in one
+    op: the same output and cache bits as write_layer followed by the decode op."""
+    spec.prefills, spec.decodes = [], spec.decodes or [7]
+    case = build_case(spec, dtype)
+    t, h, d = case.k.shape
+    g = torch.Generator().manual_seed(spec.seed + 7)
+    wide = torch.randn(t, h + 1, d, generator=g) * 3  # float32 K as the model's strided view
+    k, v = wide[:, :h], torch.randn(t, h, d, generator=g)
+    q = case.q.float()
+    skip = data.draw(st.lists(st.integers(0, t - 1), max_size=2))
+    case.meta.slot_mapping[skip] = -1
+    kc, vc = case.k_cache.clone(), case.v_cache.clone()
+    with backend("kernel"):
+        out = paged_attention(q, k, v, case.layer, case.meta, spec.scale, window=spec.window, softcap=spec.softcap)
+        assert case.meta.plan.write_op is not None
+        write_layer(LayerKV(kc, vc), case.meta.slot_mapping, k, v)
+        ref = paged_decode_attention(q, kc, vc, case.meta.decode_block_tables, case.meta.decode_seq_lens,
+                                     spec.scale, window=spec.window, softcap=spec.softcap)
+    assert torch.equal(out, ref)
+    assert torch.equal(case.k_cache, kc) and torch.equal(case.v_cache, vc)
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler")
 def test_a_slot_outside_the_cache_writes_nothing() -> None:
     """write_decode checks every slot before its first copy: one past the cache's last row is
     an error and no row of the cache changes (the first sequence's slot included)."""

@@ -81,6 +81,18 @@ def test_loop_gives_the_python_loops_bits(files: dict[str, Path], name: str, act
         assert calls.n == ran  # (and the Python loop's steps never did)
 
 
+@pytest.mark.parametrize("kv", ["float16", "bfloat16"])
+def test_loop_over_a_16_bit_kv_cache_gives_the_python_loops_bits(files: dict[str, Path], kv: str,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """--kv-cache-dtype float16 / bfloat16 (llama.cpp's default KV type is f16): the float32 K/V
+    are rounded into the cache by the fused write + decode, inside the op as in the Python loop."""
+    llm = LLM(str(files["qwen3"]), activations="int8", enable_prefix_caching=False, num_blocks=128, kv_cache_dtype=kv)
+    calls = Calls(monkeypatch)
+    ours = run(llm, 6, loop=True)
+    assert calls.n >= 4
+    assert ours == run(llm, 6, loop=False)
+
+
 def test_plan_follows_the_weights_routes(files: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     """A plan cached under int8 activations is not reused after the weights switch to float32
     (quant.route_key): the op then gives the exact mode's Python bits."""

@@ -110,7 +110,9 @@ def attention_plan(q: torch.Tensor, k: torch.Tensor, cache: LayerKV, meta: Atten
             tables = tables.to(torch.int32).contiguous()
         if lens.dtype != torch.int32 or not lens.is_contiguous():
             lens = lens.to(torch.int32).contiguous()
-    fused = (kernel and not num_prefill and cache.k_scale is None and k.dtype == cache.k.dtype
+    # (float32 K/V into a 16-bit cache: write_decode rounds them as the indexed copy does)
+    same = k.dtype == cache.k.dtype or (k.dtype == torch.float32 and cache.k.dtype in (torch.float16, torch.bfloat16))
+    fused = (kernel and not num_prefill and cache.k_scale is None and same
              and meta.slot_mapping.dtype == torch.int64 and meta.slot_mapping.is_contiguous())
     return AttentionPlan(num_tokens, num_prefill, meta.num_decodes, q.dtype, cache.k.dtype,
                          _kernel.CONFIG.use_kernel, kernel, tables, lens, op,

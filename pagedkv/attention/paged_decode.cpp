@@ -803,10 +803,12 @@ void write_decode(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor
                                             std::nullopt, std::nullopt, window, softcap);
   const int64_t rows = k_cache.size(0) * k_cache.size(1), H = k_cache.size(2), D = k_cache.size(3);
   const int64_t B = q.size(0);  // (prepare checked q: [B, Hq, D])
+  const bool narrow = k_new.scalar_type() == at::kFloat && t != at::kFloat;  // float32 rows into a 16-bit cache
   for (const at::Tensor* x : {&k_new, &v_new})
     TORCH_CHECK(x->dim() == 3 && x->size(0) == B && x->size(1) == H && x->size(2) == D &&
-                    x->scalar_type() == t,
-                "k_new/v_new must be [B, Hkv, D] in the cache's dtype, B = q's batch");
+                    x->scalar_type() == (narrow ? at::kFloat : t),
+                "k_new/v_new must be [B, Hkv, D] in the cache's dtype (or float32 for a 16-bit cache), "
+                "B = q's batch");
   TORCH_CHECK(slots.dim() == 1 && slots.size(0) == B && slots.scalar_type() == at::kLong &&
                   slots.is_contiguous(),
               "slots must be a contiguous int64 [B] tensor");
@@ -814,6 +816,27 @@ void write_decode(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(sl[b] < rows, "slot ", sl[b], " outside the cache's ", rows, " rows");
   const int64_t es = k_cache.element_size();
+  if (narrow) {  // each float rounded to the cache's type as torch's .to() does (to nearest, ties to even)
+    for (const auto& [src, dst] : {std::pair{&k_new, &k_cache}, std::pair{&v_new, &v_cache}}) {
+      const float* sp = src->data_ptr<float>();
+      const int64_t s0 = src->stride(0), s1 = src->stride(1), s2 = src->stride(2);
+      for (int64_t b = 0; b < B; ++b) {
+        if (sl[b] < 0) continue;
+        for (int64_t h = 0; h < H; ++h) {
+          const float* from = sp + b * s0 + h * s1;
+          if (t == at::kHalf) {
+            c10::Half* row = dst->data_ptr<c10::Half>() + (sl[b] * H + h) * D;
+            for (int64_t d = 0; d < D; ++d) row[d] = c10::Half(from[d * s2]);
+          } else {
+            c10::BFloat16* row = dst->data_ptr<c10::BFloat16>() + (sl[b] * H + h) * D;
+            for (int64_t d = 0; d < D; ++d) row[d] = c10::BFloat16(from[d * s2]);
+          }
+        }
+      }
+    }
+    if (d) run(*d, out);
+    return;
+  }
   for (const auto& [src, dst] : {std::pair{&k_new, &k_cache}, std::pair{&v_new, &v_cache}}) {
     const char* sp = static_cast<const char*>(src->data_ptr());
     char* dp = static_cast<char*>(dst->data_ptr());
