@@ -392,6 +392,31 @@ def test_float32_rows_into_a_16_bit_cache_in_one_op_with_the_same_bits(
 
 
 @pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 128, 40, 320])
+def test_16_bit_rows_read_in_place_give_the_float32_caches_bits(dtype: torch.dtype, d: int) -> None:
+    """A float16 / bfloat16 cache is read in place, 8 values a register (the vector code), and
+    attends with the bits of the same values in a float32 cache: GQA, lengths that end inside a
+    tile and a block, a head size with a tail past the 8-lane groups (40) and one past 256."""
+    g = torch.Generator().manual_seed(d)
+    bs, hkv, hq, lens = 16, 2, 6, [1, 7, 33, 85]
+    nb = sum(-(-n // bs) for n in lens) + 2
+    kc = torch.randn(nb, bs, hkv, d, generator=g).to(dtype)
+    vc = torch.randn(nb, bs, hkv, d, generator=g).to(dtype)
+    perm, tables, used = torch.randperm(nb, generator=g), torch.zeros(len(lens), 6, dtype=torch.int32), 0
+    for i, n in enumerate(lens):
+        k = -(-n // bs)
+        tables[i, :k] = perm[used : used + k].to(torch.int32)
+        used += k
+    q = torch.randn(len(lens), hq, d, generator=g)
+    seq = torch.tensor(lens, dtype=torch.int32)
+    with backend("kernel"):
+        half = paged_decode_attention(q, kc, vc, tables, seq, 0.125)
+        full = paged_decode_attention(q, kc.float(), vc.float(), tables, seq, 0.125)
+    assert torch.equal(half, full)
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler")
 def test_a_slot_outside_the_cache_writes_nothing() -> None:
     """write_decode checks every slot before its first copy: one past the cache's last row is
     an error and no row of the cache changes (the first sequence's slot included)."""
