@@ -795,17 +795,18 @@ def test_bench_serve_in_process_reference(smollm2: Any) -> None:
     assert engine.cache.num_free_blocks == 64
 
 def test_bench_serve_in_process_reference_takes_the_servers_modes() -> None:
-    """--activations int8 reaches both the started server's command line and the in-process
-    reference, so tpot_http_over_in_process compares like with like."""
+    """--activations int8 and --kv-cache-dtype float16 reach both the started server's command
+    line and the in-process reference, so tpot_http_over_in_process compares like with like."""
     import argparse
 
     from pagedkv.bench import bench_serve
 
     ap = argparse.ArgumentParser()
     bench_serve.add_args(ap)
-    args = ap.parse_args(["--activations", "int8", "--peer", "http://127.0.0.1:1"])
+    args = ap.parse_args(["--activations", "int8", "--kv-cache-dtype", "float16", "--peer", "http://127.0.0.1:1"])
     engine = bench_serve.in_process_engine(args, ["hi"], [1], 4)
     assert engine.loaded.activations == "int8"
+    assert str(engine.storage.model_layers[0].k.dtype) == "torch.float16"
     with pytest.raises(SystemExit):  # argparse: not a mode
         ap.parse_args(["--activations", "int4"])
 

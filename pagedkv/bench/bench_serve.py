@@ -291,6 +291,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--batch-weights", default=None, choices=["quantized", "float32", "panel"],
                     help="batch weights of the pagedkv server started for --peer and of its "
                          "in-process reference (default: the engine's, quantized)")
+    ap.add_argument("--kv-cache-dtype", default=None,
+                    help="KV cache dtype of the pagedkv server started for --peer and of its in-process "
+                         "reference (default: the engine's, auto; llama.cpp's default is float16)")
     ap.add_argument("--no-in-process", action="store_true",
                     help="with --peer: skip the in-process reference (LLMEngine.step, no HTTP)")
     ap.add_argument("--repeats", type=positive_int, default=3,
@@ -307,7 +310,8 @@ def _requests_for(concurrency: int) -> int:
 
 
 def start_pagedkv(threads: int, weights: str | None, model: str | None,
-                  activations: str | None = None, batch_weights: str | None = None) -> tuple[subprocess.Popen, str]:
+                  activations: str | None = None, batch_weights: str | None = None,
+                  kv_cache_dtype: str | None = None) -> tuple[subprocess.Popen, str]:
     """`pagedkv serve` as its own process (as the peer is); returns it once /health answers."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -317,6 +321,7 @@ def start_pagedkv(threads: int, weights: str | None, model: str | None,
     cmd += ["--weights", weights] if weights else []
     cmd += ["--activations", activations] if activations else []
     cmd += ["--batch-weights", batch_weights] if batch_weights else []
+    cmd += ["--kv-cache-dtype", kv_cache_dtype] if kv_cache_dtype else []
     cmd += ["--model", model] if model else []
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
@@ -346,7 +351,8 @@ def in_process_engine(args: argparse.Namespace, prompts: list[Prompt], levels: l
     longest = max(len(engine.tokenize(p)) for p in prompts)
     # (blocks_needed counts each KV group's: a hybrid cache holds a token once per group)
     per_request = engine.cache.blocks_needed(longest + max_tokens + engine.cache.block_size)
-    return LLMEngine(engine.loaded, num_blocks=max(levels) * per_request, max_num_seqs=64)
+    kv = {"kv_cache_dtype": args.kv_cache_dtype} if args.kv_cache_dtype else {}
+    return LLMEngine(engine.loaded, num_blocks=max(levels) * per_request, max_num_seqs=64, **kv)
 
 
 def run_in_process(engine: Any, prompts: list[Prompt], concurrency: int, num_requests: int,
@@ -433,7 +439,8 @@ def run_peer(args: argparse.Namespace) -> dict[str, Any]:
     """pagedkv vs args.peer at each client count, same client and prompts."""
     levels = [int(c) for c in str(args.peer_concurrency).split(",") if c.strip()]
     proc, ours = ((None, args.base_url) if args.base_url else
-                  start_pagedkv(args.threads, args.weights, args.model, args.activations, args.batch_weights))
+                  start_pagedkv(args.threads, args.weights, args.model, args.activations, args.batch_weights,
+                                args.kv_cache_dtype))
     max_tokens = 16 if args.quick else args.peer_max_tokens
     rows = {}
     try:  # (from here on the server is stopped whatever fails: the in-process engine's set-up too)
@@ -460,6 +467,7 @@ def run_peer(args: argparse.Namespace) -> dict[str, Any]:
             "warmup": f"each level: its concurrency in requests of {WARMUP_TOKENS} tokens, both servers",
             "weights": args.weights or "default", "activations": args.activations or "default",
             "batch_weights": args.batch_weights or "default",
+            "kv_cache_dtype": args.kv_cache_dtype or "default",
             "kernels": qkernel.isa() if proc is not None else None,  # the server started here
             "clients": rows}
 
