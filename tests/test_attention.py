@@ -392,6 +392,25 @@ def test_float32_rows_into_a_16_bit_cache_in_one_op_with_the_same_bits(
 
 
 @pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler")
+def test_mixed_k_and_v_dtypes_into_a_16_bit_cache_write_nothing() -> None:
+    """write_decode rounds float32 K and V into a 16-bit cache only together: float32 K with a
+    float16 V (or the reverse) is refused before any row of the cache changes."""
+    from pagedkv.attention import kernel as attn_kernel
+
+    spec = Spec(hkv=2, group=2, head_dim=16, block_size=4, prefills=[], decodes=[9, 5], seed=3, scale=0.25)
+    case = build_case(spec, torch.float16)
+    assert attn_kernel.load_kernel()
+    op = attn_kernel.write_decode_op()
+    before_k, before_v = case.k_cache.clone(), case.v_cache.clone()
+    out = torch.empty(case.q.shape)
+    for k, v in ((case.k.float(), case.v), (case.k, case.v.float())):
+        with pytest.raises(RuntimeError, match="cache's dtype"):
+            op(case.q.float(), k, v, case.meta.slot_mapping, case.k_cache, case.v_cache,
+               case.meta.decode_block_tables.int(), case.meta.decode_seq_lens.int(), 0.25, out, 0, 0.0)
+        assert torch.equal(case.k_cache, before_k) and torch.equal(case.v_cache, before_v)
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("d", [64, 128, 40, 320])
 def test_16_bit_rows_read_in_place_give_the_float32_caches_bits(dtype: torch.dtype, d: int) -> None:
