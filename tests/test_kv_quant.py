@@ -401,3 +401,14 @@ def test_decode_quantized_any_head_dim(name, dtype, head_dim):
     want = paged_decode_attention(case.q, twin.k, twin.v, m.decode_block_tables,
                                   m.decode_seq_lens, 0.2)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_a_huge_unknown_kv_cache_dtype_is_refused_with_a_short_message() -> None:
+    """A 100,000-character kv_cache_dtype (a hostile --kv-cache-dtype) is refused with a typed
+    error that names the supported values and echoes only its first 40 characters."""
+    from pagedkv.cache.quant import resolve_kv_cache_dtype
+    from pagedkv.errors import CacheConfigError
+
+    with pytest.raises(CacheConfigError, match="choose one of") as err:
+        resolve_kv_cache_dtype("x" * 100_000)
+    assert len(str(err.value)) < 300

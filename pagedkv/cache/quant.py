@@ -75,8 +75,9 @@ def resolve_kv_cache_dtype(
     if key in QUANT_DTYPES:
         return QUANT_DTYPES[key]
     hint = " (this torch has no float8_e4m3fn)" if key.startswith("fp8") and _FP8 is None else ""
+    shown = name if len(name) <= 40 else name[:40] + "..."  # never echo a huge value whole
     raise CacheConfigError(
-        f"unsupported KV cache dtype {name!r}{hint}; choose one of {supported_kv_cache_dtypes()}"
+        f"unsupported KV cache dtype {shown!r}{hint}; choose one of {supported_kv_cache_dtypes()}"
     )
 
 
