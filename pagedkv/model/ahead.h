@@ -1,6 +1,6 @@
 // Prefetch ahead for the int8 panel kernel (qmatmul_panel.cpp): the bytes of the weight panels
-// a thread multiplies next, fetched towards L2 while it computes this one, one part per group of
-// activation rows rather than all at once. A burst of a whole panel's prefetches (a Q6_K pair:
+// a thread multiplies next, fetched towards L2 while it computes this one, in parts (Cursor
+// below) rather than all at once. A burst of a whole panel's prefetches (a Q6_K pair:
 // 640 lines) fills the core's miss queue, and the products behind them wait for DRAM. Zen 5
 // EPYC, 2 threads, 151936 x 1536 (from DRAM), ps per multiply-add and thread, burst -> parts
 // (alternated, min of 9): Q6_K 7.06-7.54 -> 5.17-5.23 at 40 rows, 12.7-12.9 -> 10.4-10.8 at 16;
@@ -36,25 +36,12 @@ struct Ranges {
     const int k = p[0] == nullptr ? 0 : 1;
     p[k] = static_cast<const char*>(q), n[k] = bytes;
   }
-
-  // the cache lines [i, i + 1) / parts of each range, towards L2 (parts > 0, 0 <= i < parts);
-  // (Cursor below spreads them finer, without a division per call)
-  void part(int64_t i, int64_t parts) const {
-#if defined(__x86_64__) && defined(__GNUC__)
-    for (int k = 0; k < 2; ++k) {
-      const int64_t lines = (n[k] + 63) / 64;
-      for (int64_t l = lines * i / parts; l < lines * (i + 1) / parts; ++l) l2(p[k] + 64 * l);
-    }
-#else
-    (void)i, (void)parts;
-#endif
-  }
 };
 
 // The lines of Ranges fetched a few at a time: `steps` calls of step() cover them all, the
 // first ones fetching `per` lines each (set once; no division per call). A kernel steps it once
-// per block of its products, so the prefetches go out at the pace of the compute: stepped once
-// per group of activation rows (Ranges::part), a panel of long rows (Q6_K 8,960 wide: 1,838
+// per block of its products, so the prefetches go out at the pace of the compute: fetched a part
+// per group of activation rows (as before), a panel of long rows (Q6_K 8,960 wide: 1,838
 // lines, 184 a part) issued bursts that filled the core's miss queue, and 5.6% of the panel's
 // time sat on its prefetch instructions (perf, 1 thread, 40 rows). Decode steps, int8, 2 threads,
 // Zen 4, alternated medians, ms, a part per group -> a step per block: the 1.5B Q4_K + Q6_K file

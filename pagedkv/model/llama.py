@@ -254,6 +254,14 @@ class DecoderLayer(nn.Module):
             return qk_in
         return F.rms_norm(qk_in, qk_in.shape[-1:], None, self.eps).mul_(self._qk_norm_w)
 
+    def _rope_fused(self, fused: tuple, qk_in: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    out: torch.Tensor) -> None:
+        """RoPE of q|k into `out` by the fused ops; with QK-norm, the norm and RoPE in one pass."""
+        if self._qk_norm_w is None:
+            fused[0](qk_in, cos, sin, out)
+        else:
+            fused[5](qk_in, self._qk_norm_w, self.eps, cos, sin, out)
+
     def attention(
         self,
         h: torch.Tensor,
@@ -272,20 +280,14 @@ class DecoderLayer(nn.Module):
         qkv = self._qkv(h, None if bufs is None else bufs[4])  # [T, (Hq + 2 Hkv) D]
         if bufs is not None and qkv is bufs[4]:  # the step's views of the scratch, made once
             qk_in, q, k, v, o2 = bufs[8]
-            if self._qk_norm_w is None:
-                fused[0](qk_in, cos, sin, bufs[0])
-            else:  # QK-norm and RoPE in one pass
-                fused[5](qk_in, self._qk_norm_w, self.eps, cos, sin, bufs[0])
+            self._rope_fused(fused, qk_in, cos, sin, bufs[0])
             paged_attention(q, k, v, cache, meta, self.scale, bufs[1], self.window, self.softcap)
             return self._o(o2, bufs[5])
         # q and k are rotated together: one set of RoPE ops instead of two (one op when fused)
         qk_in = qkv[:, : self.q_size + self.kv_size].view(t, hq + hkv, d)
         if fused is not None:
             qk = torch.empty(t, hq + hkv, d) if bufs is None else bufs[0]
-            if self._qk_norm_w is None:
-                fused[0](qk_in, cos, sin, qk)
-            else:
-                fused[5](qk_in, self._qk_norm_w, self.eps, cos, sin, qk)
+            self._rope_fused(fused, qk_in, cos, sin, qk)
         else:
             qk = RotaryEmbedding.rotate(self._norm_qk(qk_in), cos, sin)
         q, k = qk[:, :hq], qk[:, hq:]  # [T, Hq, D], [T, Hkv, D]
