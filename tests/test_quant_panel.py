@@ -475,3 +475,27 @@ def test_many_row_kernels_hold_streaming_stores() -> None:
         elif "vmovntps" in line:
             found |= {k for k in ("panel::rows_vnni", "panel::rows_avx2", "z::gemm", "y::gemm") if k in name}
     assert found == {"panel::rows_vnni", "panel::rows_avx2", "z::gemm", "y::gemm"}, found
+
+
+@needs_kernel
+@pytest.mark.parametrize("impl", VECTOR)
+@pytest.mark.parametrize("fill", [0xFF, 0x80, 0x7F])
+def test_largest_products_do_not_saturate(fill: int, impl: int) -> None:
+    """Every byte of every panel type's blocks set alike (the largest quants with scales at their
+    limits, 0x80: the most negative int8 scale), finite fp16 scales, against activations of
+    +-127 everywhere (constant and alternating sign): the int16 sums of the vector paths
+    (maddubs pairs, quads summed before madd, the halves' madd by their scales) never saturate,
+    so they equal the scalar path bit for bit."""
+    k = 512
+    parts = []
+    for q in sorted(quant.PANEL_TYPES, key=int):
+        block, size = GGML_QUANT_SIZES[q]
+        raw = np.full((9, k // block, size), fill, dtype=np.uint8)
+        for at in F16_FIELDS.get(q, (0, 2) if q == Q.Q4_1 else (0,)):
+            raw[..., at : at + 2] = _f16_bytes(np.full((9, k // block), 1e-3))
+        parts.append((q, raw.reshape(9, -1)))
+    sign = np.where(np.arange(k) % 2 == 0, 1.0, -1.0).astype(np.float32)
+    x = np.stack([np.full(k, 3.0, np.float32), -np.full(k, 3.0, np.float32), 3.0 * sign] * 14)
+    fast, scalar = _panel(x, parts, impl), _panel(x, parts, 1)
+    assert np.isfinite(scalar).all()
+    assert np.array_equal(fast, scalar)

@@ -185,8 +185,8 @@ struct Buf {
 
 // the activations' quantized blocks and sums, T rows; for the km types also quantized per 256:
 // kq, kd (one per super-block), ks (each 32 elements' integer sum, in int16 pairs as Buf::mn:
-// [nb / 8][4] per row), ks16 (Q2_K: each 16's, [nb / 8][8]) and hb (the halves types: each 16's
-// times -hbias, [2 nb] per row: hb[0] Q6_K's, hb[1] Q3_K's)
+// [nb / 8][4] per row), ks16 (each 16's, [nb / 8][8]: Q2_K's mins, the AVX2 halves' offsets)
+// and hb (the halves types: each 16's times -hbias, [2 nb] per row: hb[0] Q6_K's, hb[1] Q3_K's)
 struct Acts {
   const int8_t* q;
   const float *d, *s;
@@ -207,6 +207,8 @@ struct Acts {
     const int64_t P = mpairs(qt);
     return (qt == Q2_K ? ks16 : ks) + (r * (nb / 8) + sb) * P;
   }
+  // row r's sums of each 16 elements of super-block sb, in int16 pairs (8; ks16)
+  const int32_t* halves(int64_t r, int64_t sb) const { return ks16 + (r * (nb / 8) + sb) * 8; }
   // row r's -hbias times the sums of the halves of a halves type's block b (two)
   const int32_t* offsets(int64_t qt, int64_t r, int64_t b) const { return hb[qt == Q6_K ? 0 : 1] + r * 2 * nb + 2 * b; }
 };
@@ -442,6 +444,22 @@ inline __m256i chunk_avx2(const uint8_t* row, int64_t c, float& d, float& m) {
   }
 }
 
+// a halves type's super-block sb, its scales as rows_avx2_km takes them: each half's sc twice in
+// an int16 pair (sc[h][n] = sc | sc << 16: madd by it scales both int16 sums of a lane at once),
+// and mn [sb][8][NR2] the 16 scales as consecutive pairs (sc 2k | sc 2k+1 << 16) for the offsets
+inline void scale_pairs_avx2(int64_t sb, Buf& p) {
+  auto* sc = reinterpret_cast<__m256i*>(p.sc.data() + sb * 16 * NR2);
+  auto* mn = reinterpret_cast<__m256i*>(p.mn.data() + sb * 8 * NR2);
+  const __m256i lo = _mm256_set1_epi32(0xFFFF);
+  for (int k = 0; k < 8; ++k)
+    _mm256_storeu_si256(mn + k, _mm256_or_si256(_mm256_and_si256(_mm256_loadu_si256(sc + 2 * k), lo),
+                                                _mm256_slli_epi32(_mm256_loadu_si256(sc + 2 * k + 1), 16)));
+  for (int h = 0; h < 16; ++h) {
+    const __m256i v = _mm256_loadu_si256(sc + h);
+    _mm256_storeu_si256(sc + h, _mm256_or_si256(_mm256_and_si256(v, lo), _mm256_slli_epi32(v, 16)));
+  }
+}
+
 // rows[n] (n < NR2) -> buf: u [nb][8][NR2][4], d [nb][NR2], m [nb][NR2] (unpack_scalar's layout, 8 rows)
 template <int64_t QT>
 void unpack_avx2(const uint8_t* const* rows, int64_t nb, Buf& buf) {
@@ -453,8 +471,10 @@ void unpack_avx2(const uint8_t* const* rows, int64_t nb, Buf& buf) {
     auto* u = reinterpret_cast<__m256*>(buf.u.data() + c * 8 * NR2 * 4);
     for (int j = 0; j < 8; ++j) _mm256_storeu_ps(reinterpret_cast<float*>(u + j), r[j]);
     if constexpr (km(QT))
-      if (c % 8 == 0)
+      if (c % 8 == 0) {
         for (int n = 0; n < NR2; ++n) mins_km(rows[n], QT, c / 8, n, NR2, buf);
+        if constexpr (halved(QT)) scale_pairs_avx2(c / 8, buf);
+      }
   }
 }
 
@@ -468,9 +488,10 @@ inline __m256i quad(const int8_t* p) {
 // quads [j0, j0 + n) of a block against R activation rows x + r K, into acc[r] (int32 lanes):
 // maddubs(u[j], x quad j) summed in int16 pairs over G quads at a time, then widened. Quad
 // outer, row inner: each u[j] is loaded once for the R rows.
+// (by: madd's other operand, int16 pairs per lane; ones = the plain sum)
 template <int R, int G>
-PQ_INLINE void dot_rows(const __m256i* u, const int8_t* x, int64_t K, int j0, int n, __m256i* acc) {
-  const __m256i ones = _mm256_set1_epi16(1);
+PQ_INLINE void dot_rows(const __m256i* u, const int8_t* x, int64_t K, int j0, int n, __m256i* acc,
+                        __m256i by = _mm256_set1_epi16(1)) {
   for (int g = j0; g < j0 + n; g += G) {
     __m256i s[R];
     for (int j = g; j < g + G; ++j) {
@@ -481,7 +502,7 @@ PQ_INLINE void dot_rows(const __m256i* u, const int8_t* x, int64_t K, int j0, in
         asm("" : "+x"(s[r]));  // keeps the running sum: without it GCC builds a tree and spills
       }
     }
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(s[r], ones));
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(s[r], by));
   }
 }
 
@@ -551,27 +572,28 @@ void rows_avx2_km(const Buf& p, int64_t nb, const Acts& a, float* out, int64_t l
   __m256 y[R];
   for (int r = 0; r < R; ++r) y[r] = _mm256_setzero_ps();
   for (int64_t sb = 0; sb < nsb; ++sb) {
-    if constexpr (halved(QT)) {  // HALVES: each half's int32 sum times its scale, in integers
+    if constexpr (halved(QT)) {  // HALVES, in integers: madd by each half's scale (no vpmulld)
+      // I = sum_h sc_h (sum_k u x) - hbias M, M = sum_h sc_h s_h (the scales' pairs . the halves' sums)
+      constexpr int GH = QT == Q6_K ? 2 : 4;  // quads summed in int16 within a half (u <= 63 / 7)
+      constexpr int SH = QT == Q6_K ? 5 : 2;  // log2 hbias (32 / 4)
       __m256i I[R];
       for (int r = 0; r < R; ++r) I[r] = _mm256_setzero_si256();
       for (int64_t b = 8 * sb; b < 8 * sb + 8; ++b) {
         next.step();
         const __m256i* u = reinterpret_cast<const __m256i*>(p.u.data() + b * 8 * NR2 * 4);
-        __m256i i0[R], i1[R];
-        for (int r = 0; r < R; ++r) {
-          const int32_t* o = a.offsets(QT, r, b);
-          i0[r] = _mm256_set1_epi32(o[0]), i1[r] = _mm256_set1_epi32(o[1]);
-        }
-        dot_rows<R, G>(u, a.kq + QK * b, a.K, 0, 4, i0);
-        dot_rows<R, G>(u, a.kq + QK * b, a.K, 4, 4, i1);
-        const __m256i s0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.sc.data() + 2 * b * NR2));
-        const __m256i s1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.sc.data() + (2 * b + 1) * NR2));
-        for (int r = 0; r < R; ++r)
-          I[r] = _mm256_add_epi32(I[r], _mm256_add_epi32(_mm256_mullo_epi32(i0[r], s0), _mm256_mullo_epi32(i1[r], s1)));
+        const __m256i* sc = reinterpret_cast<const __m256i*>(p.sc.data() + 2 * b * NR2);
+        dot_rows<R, GH>(u, a.kq + QK * b, a.K, 0, 4, I, _mm256_loadu_si256(sc));
+        dot_rows<R, GH>(u, a.kq + QK * b, a.K, 4, 4, I, _mm256_loadu_si256(sc + 1));
       }
+      const __m256i* mn = reinterpret_cast<const __m256i*>(p.mn.data() + sb * 8 * NR2);
       const __m256 d = _mm256_loadu_ps(p.dm.data() + sb * NR2);
-      for (int r = 0; r < R; ++r)
-        y[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(I[r]), d), _mm256_set1_ps(a.kd[r * nsb + sb]), y[r]);
+      for (int r = 0; r < R; ++r) {
+        const int32_t* hs = a.halves(r, sb);
+        __m256i M = _mm256_madd_epi16(_mm256_loadu_si256(mn), _mm256_set1_epi32(hs[0]));
+        for (int k = 1; k < 8; ++k) M = _mm256_add_epi32(M, _mm256_madd_epi16(_mm256_loadu_si256(mn + k), _mm256_set1_epi32(hs[k])));
+        const __m256i i = _mm256_sub_epi32(I[r], _mm256_slli_epi32(M, SH));
+        y[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(i), d), _mm256_set1_ps(a.kd[r * nsb + sb]), y[r]);
+      }
       continue;
     }
     __m256 z[R];
@@ -1471,8 +1493,8 @@ struct Prep {
           hb[h].resize(2 * T * nb);
           for (int64_t i = 0; i < 2 * T * nb; ++i) hb[h][i] = -hbias(h ? Q3_K : Q6_K) * bs[i];
         }
-      if (std::find(qtypes.begin(), qtypes.end(), Q2_K) != qtypes.end()) {
-        ks16.resize(8 * T * nsb);  // each 16 elements' sum, paired
+      if (std::any_of(qtypes.begin(), qtypes.end(), [](int64_t q) { return q == Q2_K || halved(q); })) {
+        ks16.resize(8 * T * nsb);  // each 16 elements' sum, paired (Q2_K; the AVX2 halves' offsets)
         for (int64_t i = 0; i < 8 * T * nsb; ++i) ks16[i] = pair(bs[2 * i], bs[2 * i + 1]);
       }
     }
