@@ -81,6 +81,8 @@ constexpr bool has_m(int64_t qt) { return qt == Q4_1 || qt == Q5_1; }  // (the K
 // the scales applied in integers (HALVES below)
 constexpr bool halved(int64_t qt) { return qt == Q6_K || qt == Q3_K; }
 constexpr int32_t hbias(int64_t qt) { return qt == Q6_K ? 32 : 4; }
+// the types whose u reach 255 (the AVX2 code takes them as two nibbles)
+constexpr bool wide_u(int64_t qt) { return qt == Q8_0 || qt == IQ4_NL || qt == IQ4_XS; }
 constexpr bool km(int64_t qt) { return qt == Q4_K || qt == Q5_K || qt == Q2_K || halved(qt); }
 // a km type's mins per super-block in int16 pairs (Buf::mn; Acts::ks or ks16): Q2_K 16, else 8
 constexpr int64_t mpairs(int64_t qt) { return qt == Q2_K ? 8 : 4; }
@@ -485,24 +487,30 @@ inline __m256i quad(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
-// quads [j0, j0 + n) of a block against R activation rows x + r K, into acc[r] (int32 lanes):
-// maddubs(u[j], x quad j) summed in int16 pairs over G quads at a time, then widened. Quad
-// outer, row inner: each u[j] is loaded once for the R rows.
-// (by: madd's other operand, int16 pairs per lane; ones = the plain sum)
-template <int R, int G>
-PQ_INLINE void dot_rows(const __m256i* u, const int8_t* x, int64_t K, int j0, int n, __m256i* acc,
-                        __m256i by = _mm256_set1_epi16(1)) {
+// quads [j0, j0 + n) of a block of P panels (u[p]) against R activation rows x + r K, into
+// acc[p R + r] (int32 lanes): maddubs(u[p][j], x quad j) summed in int16 pairs over G quads at
+// a time, then widened by madd with by[p] (ones: the plain sum; a halves type: its scale pair).
+// Quad outer, row inner: each u[p][j] is loaded once for the R rows, each quad broadcast once
+// for the P panels.
+template <int R, int G, int P>
+PQ_INLINE void dot_rows(const __m256i* const* u, const int8_t* x, int64_t K, int j0, int n, __m256i* acc,
+                        const __m256i* by) {
   for (int g = j0; g < j0 + n; g += G) {
-    __m256i s[R];
+    __m256i s[P * R];
     for (int j = g; j < g + G; ++j) {
-      const __m256i v = _mm256_loadu_si256(u + j);
+      __m256i v[P];
+      for (int q = 0; q < P; ++q) v[q] = _mm256_loadu_si256(u[q] + j);
       for (int r = 0; r < R; ++r) {
-        const __m256i p = _mm256_maddubs_epi16(v, quad(x + r * K + 4 * j));
-        s[r] = j == g ? p : _mm256_add_epi16(s[r], p);
-        asm("" : "+x"(s[r]));  // keeps the running sum: without it GCC builds a tree and spills
+        const __m256i x4 = quad(x + r * K + 4 * j);
+        for (int q = 0; q < P; ++q) {
+          const __m256i prod = _mm256_maddubs_epi16(v[q], x4);
+          s[q * R + r] = j == g ? prod : _mm256_add_epi16(s[q * R + r], prod);
+          asm("" : "+x"(s[q * R + r]));  // keeps the running sum: without it GCC builds a tree and spills
+        }
       }
     }
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(s[r], by));
+    for (int q = 0; q < P; ++q)
+      for (int r = 0; r < R; ++r) acc[q * R + r] = _mm256_add_epi32(acc[q * R + r], _mm256_madd_epi16(s[q * R + r], by[q]));
   }
 }
 
@@ -514,136 +522,211 @@ inline void put8(float* p, int64_t cols, __m256 v, bool stream) {
   std::memcpy(p, t, sizeof(float) * cols);
 }
 
-// R activation rows x the panel (rows_scalar's arithmetic): out[r * ldo + n] for n < cols
-template <int64_t QT, int R>
-void rows_avx2(const Buf& p, int64_t nb, const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum,
-               int64_t K, float* out, int64_t ldo, int64_t cols, ahead::Cursor& next) {
-  constexpr bool wide = QT == Q8_0 || QT == IQ4_NL || QT == IQ4_XS;  // u up to 255
+// P unpacked panels (pb[q], outputs at out[q], cols[q] of them stored) at once
+template <int P>
+struct Panels {
+  const Buf* pb[P];
+  float* out[P];
+  int64_t cols[P];
+  const __m256i* u(int q, int64_t b) const { return reinterpret_cast<const __m256i*>(pb[q]->u.data() + b * 8 * NR2 * 4); }
+  void put(const __m256* y, int R, int64_t ldo) const {  // y[q R + r] -> row r of panel q
+    for (int q = 0; q < P; ++q)
+      for (int r = 0; r < R; ++r) put8(out[q] + r * ldo, cols[q], y[q * R + r], pb[q]->stream);
+  }
+};
+
+// R activation rows x P panels (rows_scalar's arithmetic): out[q][r * ldo + n] for n < cols[q]
+template <int64_t QT, int R, int P>
+void rows_avx2(const Panels<P>& ps, int64_t nb, const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum,
+               int64_t K, int64_t ldo, ahead::Cursor& next) {
+  constexpr bool wide = wide_u(QT);  // u up to 255
   constexpr int G = QT == Q4_0 || QT == Q4_1 || QT == Q4_K ? 8 : 4;  // quads summed in int16 (u <= 15 / 31)
   const int32_t bi = bias(QT);
-  __m256 y[R];
-  for (int r = 0; r < R; ++r) y[r] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i by[P];
+  for (int q = 0; q < P; ++q) by[q] = ones;
+  __m256 y[P * R];
+  for (int i = 0; i < P * R; ++i) y[i] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     next.step();
-    const __m256i* u = reinterpret_cast<const __m256i*>(p.u.data() + b * 8 * NR2 * 4);
+    const __m256i* u[P];
+    for (int q = 0; q < P; ++q) u[q] = ps.u(q, b);
     const int8_t* x = xq + QK * b;
-    const __m256 d = _mm256_loadu_ps(p.d.data() + b * NR2);
-    __m256i i[R];
+    __m256i i[P * R];
     if constexpr (wide) {  // u = 16 hi + lo: two nibble sums over the block's 8 quads
       const __m256i lo4 = _mm256_set1_epi8(0x0F);
-      __m256i lo[R], hi[R];
-      for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
+      __m256i lo[P * R], hi[P * R];
+      for (int k = 0; k < P * R; ++k) lo[k] = hi[k] = _mm256_setzero_si256();
       for (int j = 0; j < 8; ++j) {
-        const __m256i v = _mm256_loadu_si256(u + j);
-        const __m256i vl = _mm256_and_si256(v, lo4), vh = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+        __m256i vl[P], vh[P];
+        for (int q = 0; q < P; ++q) {
+          const __m256i v = _mm256_loadu_si256(u[q] + j);
+          vl[q] = _mm256_and_si256(v, lo4), vh[q] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+        }
         for (int r = 0; r < R; ++r) {
-          const __m256i q = quad(x + r * K + 4 * j);
-          lo[r] = _mm256_add_epi16(lo[r], _mm256_maddubs_epi16(vl, q));
-          hi[r] = _mm256_add_epi16(hi[r], _mm256_maddubs_epi16(vh, q));
-          asm("" : "+x"(lo[r]), "+x"(hi[r]));  // as in dot_rows
+          const __m256i x4 = quad(x + r * K + 4 * j);
+          for (int q = 0; q < P; ++q) {
+            lo[q * R + r] = _mm256_add_epi16(lo[q * R + r], _mm256_maddubs_epi16(vl[q], x4));
+            hi[q * R + r] = _mm256_add_epi16(hi[q * R + r], _mm256_maddubs_epi16(vh[q], x4));
+            asm("" : "+x"(lo[q * R + r]), "+x"(hi[q * R + r]));  // as in dot_rows
+          }
         }
       }
-      const __m256i ones = _mm256_set1_epi16(1);
-      for (int r = 0; r < R; ++r)
-        i[r] = _mm256_add_epi32(_mm256_set1_epi32(-bi * xsum[r * nb + b]),
-                                _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(hi[r], ones), 4),
-                                                 _mm256_madd_epi16(lo[r], ones)));
+      for (int q = 0; q < P; ++q)
+        for (int r = 0; r < R; ++r)
+          i[q * R + r] = _mm256_add_epi32(_mm256_set1_epi32(-bi * xsum[r * nb + b]),
+                                          _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(hi[q * R + r], ones), 4),
+                                                           _mm256_madd_epi16(lo[q * R + r], ones)));
     } else {
-      for (int r = 0; r < R; ++r) i[r] = _mm256_set1_epi32(-bi * xsum[r * nb + b]);
-      dot_rows<R, G>(u, x, K, 0, 8, i);
+      for (int q = 0; q < P; ++q)
+        for (int r = 0; r < R; ++r) i[q * R + r] = _mm256_set1_epi32(-bi * xsum[r * nb + b]);
+      dot_rows<R, G, P>(u, x, K, 0, 8, i, by);
     }
-    for (int r = 0; r < R; ++r)
-      y[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i[r]), _mm256_mul_ps(d, _mm256_set1_ps(xd[r * nb + b])), y[r]);
-    if constexpr (has_m(QT)) {
-      const __m256 m = _mm256_loadu_ps(p.m.data() + b * NR2);
-      for (int r = 0; r < R; ++r) y[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[r * nb + b]), y[r]);
+    for (int q = 0; q < P; ++q) {
+      const __m256 d = _mm256_loadu_ps(ps.pb[q]->d.data() + b * NR2);
+      for (int r = 0; r < R; ++r)
+        y[q * R + r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i[q * R + r]), _mm256_mul_ps(d, _mm256_set1_ps(xd[r * nb + b])),
+                                       y[q * R + r]);
+      if constexpr (has_m(QT)) {
+        const __m256 m = _mm256_loadu_ps(ps.pb[q]->m.data() + b * NR2);
+        for (int r = 0; r < R; ++r) y[q * R + r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[r * nb + b]), y[q * R + r]);
+      }
     }
   }
-  for (int r = 0; r < R; ++r) put8(out + r * ldo, cols, y[r], p.stream);
+  ps.put(y, R, ldo);
 }
 
-// R activation rows x the panel, a km type (rows_scalar_km's arithmetic)
-template <int64_t QT, int R>
-void rows_avx2_km(const Buf& p, int64_t nb, const Acts& a, float* out, int64_t ldo, int64_t cols,
-                  ahead::Cursor& next) {
+// R activation rows x P panels, a km type (rows_scalar_km's arithmetic)
+template <int64_t QT, int R, int P>
+void rows_avx2_km(const Panels<P>& ps, int64_t nb, const Acts& a, int64_t ldo, ahead::Cursor& next) {
   constexpr int G = QT == Q4_K ? 8 : QT == Q5_K ? 4 : 2;  // quads summed in int16 (u <= 15 / 31 / 45, 63)
-  constexpr int64_t P = mpairs(QT);
+  constexpr int64_t PP = mpairs(QT);
   const int64_t nsb = nb / 8;
-  __m256 y[R];
-  for (int r = 0; r < R; ++r) y[r] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i by[P];
+  for (int q = 0; q < P; ++q) by[q] = ones;
+  __m256 y[P * R];
+  for (int k = 0; k < P * R; ++k) y[k] = _mm256_setzero_ps();
   for (int64_t sb = 0; sb < nsb; ++sb) {
     if constexpr (halved(QT)) {  // HALVES, in integers: madd by each half's scale (no vpmulld)
       // I = sum_h sc_h (sum_k u x) - hbias M, M = sum_h sc_h s_h (the scales' pairs . the halves' sums)
       constexpr int GH = QT == Q6_K ? 2 : 4;  // quads summed in int16 within a half (u <= 63 / 7)
       constexpr int SH = QT == Q6_K ? 5 : 2;  // log2 hbias (32 / 4)
-      __m256i I[R];
-      for (int r = 0; r < R; ++r) I[r] = _mm256_setzero_si256();
+      __m256i I[P * R];
+      for (int k = 0; k < P * R; ++k) I[k] = _mm256_setzero_si256();
       for (int64_t b = 8 * sb; b < 8 * sb + 8; ++b) {
         next.step();
-        const __m256i* u = reinterpret_cast<const __m256i*>(p.u.data() + b * 8 * NR2 * 4);
-        const __m256i* sc = reinterpret_cast<const __m256i*>(p.sc.data() + 2 * b * NR2);
-        dot_rows<R, GH>(u, a.kq + QK * b, a.K, 0, 4, I, _mm256_loadu_si256(sc));
-        dot_rows<R, GH>(u, a.kq + QK * b, a.K, 4, 4, I, _mm256_loadu_si256(sc + 1));
+        const __m256i* u[P];
+        __m256i s0[P], s1[P];
+        for (int q = 0; q < P; ++q) {
+          u[q] = ps.u(q, b);
+          const __m256i* sc = reinterpret_cast<const __m256i*>(ps.pb[q]->sc.data() + 2 * b * NR2);
+          s0[q] = _mm256_loadu_si256(sc), s1[q] = _mm256_loadu_si256(sc + 1);
+        }
+        dot_rows<R, GH, P>(u, a.kq + QK * b, a.K, 0, 4, I, s0);
+        dot_rows<R, GH, P>(u, a.kq + QK * b, a.K, 4, 4, I, s1);
       }
-      const __m256i* mn = reinterpret_cast<const __m256i*>(p.mn.data() + sb * 8 * NR2);
-      const __m256 d = _mm256_loadu_ps(p.dm.data() + sb * NR2);
-      for (int r = 0; r < R; ++r) {
-        const int32_t* hs = a.halves(r, sb);
-        __m256i M = _mm256_madd_epi16(_mm256_loadu_si256(mn), _mm256_set1_epi32(hs[0]));
-        for (int k = 1; k < 8; ++k) M = _mm256_add_epi32(M, _mm256_madd_epi16(_mm256_loadu_si256(mn + k), _mm256_set1_epi32(hs[k])));
-        const __m256i i = _mm256_sub_epi32(I[r], _mm256_slli_epi32(M, SH));
-        y[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(i), d), _mm256_set1_ps(a.kd[r * nsb + sb]), y[r]);
+      for (int q = 0; q < P; ++q) {
+        const __m256i* mn = reinterpret_cast<const __m256i*>(ps.pb[q]->mn.data() + sb * 8 * NR2);
+        const __m256 d = _mm256_loadu_ps(ps.pb[q]->dm.data() + sb * NR2);
+        for (int r = 0; r < R; ++r) {
+          const int32_t* hs = a.halves(r, sb);
+          __m256i M = _mm256_madd_epi16(_mm256_loadu_si256(mn), _mm256_set1_epi32(hs[0]));
+          for (int k = 1; k < 8; ++k) M = _mm256_add_epi32(M, _mm256_madd_epi16(_mm256_loadu_si256(mn + k), _mm256_set1_epi32(hs[k])));
+          const __m256i i = _mm256_sub_epi32(I[q * R + r], _mm256_slli_epi32(M, SH));
+          y[q * R + r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(i), d), _mm256_set1_ps(a.kd[r * nsb + sb]), y[q * R + r]);
+        }
       }
       continue;
     }
-    __m256 z[R];
-    __m256i i[R];  // a chunk's integer sums (Q2_K: the super-block's)
-    for (int r = 0; r < R; ++r) z[r] = _mm256_setzero_ps(), i[r] = _mm256_setzero_si256();
+    __m256 z[P * R];
+    __m256i i[P * R];  // a chunk's integer sums (Q2_K: the super-block's)
+    for (int k = 0; k < P * R; ++k) z[k] = _mm256_setzero_ps(), i[k] = _mm256_setzero_si256();
     for (int64_t b = 8 * sb; b < 8 * sb + 8; ++b) {
       next.step();
-      const __m256i* u = reinterpret_cast<const __m256i*>(p.u.data() + b * 8 * NR2 * 4);
+      const __m256i* u[P];
+      for (int q = 0; q < P; ++q) u[q] = ps.u(q, b);
       if constexpr (QT != Q2_K)
-        for (int r = 0; r < R; ++r) i[r] = _mm256_setzero_si256();
-      dot_rows<R, G>(u, a.kq + QK * b, a.K, 0, 8, i);
-      if constexpr (QT != Q2_K) {
-        const __m256 d = _mm256_loadu_ps(p.d.data() + b * NR2);
-        for (int r = 0; r < R; ++r) z[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i[r]), d, z[r]);
+        for (int k = 0; k < P * R; ++k) i[k] = _mm256_setzero_si256();
+      dot_rows<R, G, P>(u, a.kq + QK * b, a.K, 0, 8, i, by);
+      if constexpr (QT != Q2_K)
+        for (int q = 0; q < P; ++q) {
+          const __m256 d = _mm256_loadu_ps(ps.pb[q]->d.data() + b * NR2);
+          for (int r = 0; r < R; ++r) z[q * R + r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i[q * R + r]), d, z[q * R + r]);
+        }
+    }
+    for (int q = 0; q < P; ++q) {
+      const Buf& p = *ps.pb[q];
+      if constexpr (QT == Q2_K) {
+        const __m256 d = _mm256_loadu_ps(p.d.data() + 8 * sb * NR2);
+        for (int r = 0; r < R; ++r) z[q * R + r] = _mm256_mul_ps(_mm256_cvtepi32_ps(i[q * R + r]), d);
+      }
+      const __m256i* mn = reinterpret_cast<const __m256i*>(p.mn.data() + sb * PP * NR2);
+      const __m256 dm = _mm256_loadu_ps(p.dm.data() + sb * NR2);
+      for (int r = 0; r < R; ++r) {
+        const int32_t* ks = a.mins(QT, r, sb);
+        __m256i M = _mm256_madd_epi16(_mm256_loadu_si256(mn), _mm256_set1_epi32(ks[0]));
+        for (int k = 1; k < PP; ++k) M = _mm256_add_epi32(M, _mm256_madd_epi16(_mm256_loadu_si256(mn + k), _mm256_set1_epi32(ks[k])));
+        const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(M), dm, z[q * R + r]);
+        y[q * R + r] = _mm256_fmadd_ps(t, _mm256_set1_ps(a.kd[r * nsb + sb]), y[q * R + r]);
       }
     }
-    if constexpr (QT == Q2_K) {
-      const __m256 d = _mm256_loadu_ps(p.d.data() + 8 * sb * NR2);
-      for (int r = 0; r < R; ++r) z[r] = _mm256_mul_ps(_mm256_cvtepi32_ps(i[r]), d);
-    }
-    const __m256i* mn = reinterpret_cast<const __m256i*>(p.mn.data() + sb * P * NR2);
-    const __m256 dm = _mm256_loadu_ps(p.dm.data() + sb * NR2);
-    for (int r = 0; r < R; ++r) {
-      const int32_t* ks = a.mins(QT, r, sb);
-      __m256i M = _mm256_madd_epi16(_mm256_loadu_si256(mn), _mm256_set1_epi32(ks[0]));
-      for (int k = 1; k < P; ++k) M = _mm256_add_epi32(M, _mm256_madd_epi16(_mm256_loadu_si256(mn + k), _mm256_set1_epi32(ks[k])));
-      const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(M), dm, z[r]);
-      y[r] = _mm256_fmadd_ps(t, _mm256_set1_ps(a.kd[r * nsb + sb]), y[r]);
-    }
   }
-  for (int r = 0; r < R; ++r) put8(out + r * ldo, cols, y[r], p.stream);
+  ps.put(y, R, ldo);
 }
 
-constexpr int RB2 = 4;  // activation rows per register block
+constexpr int RB2 = 4;  // activation rows per register block, one panel at a time
+// The types whose panels go two at a time, and their rows per register block: Q4_K 3 rows, those
+// whose u reaches 255 2 (their lo / hi sums take twice the registers). The others lost: 1 thread,
+// Zen 2 EPYC, 40 rows, per-row cost of a call (fit over 8-40 rows), multiply-adds per cycle, one
+// panel -> two: Q4_K 896 x 4864 20.6 -> 21.9-22.1, Q8_0 32768 x 896 10.9 -> 11.7-12.3; Q4_0 4864
+// x 896 21.6 -> 14.6 (3 rows), Q5_0 19.8 -> 19.4-19.7, Q6_K 896 x 4864 16.4-16.7 -> 15.2-16.4.
+constexpr bool pair_avx2(int64_t qt) { return qt == Q4_K || wide_u(qt); }
+template <int64_t QT>
+constexpr int RB2X2 = wide_u(QT) ? 2 : 3;
+
+template <int64_t QT, int P>
+void rows_groups_avx2(const Panels<P>& ps, int64_t T, const Acts& a, int64_t ldo, const ahead::Ranges& next) {
+  constexpr int RB = P == 1 ? RB2 : RB2X2<QT>;
+  ahead::Cursor cur(next, (T + RB - 1) / RB * a.nb);  // (a step per block of each group)
+  by_groups<RB>(T, [&](auto r, int64_t t) {
+    const Acts s = a.at(t);
+    Panels<P> at = ps;
+    for (int q = 0; q < P; ++q) at.out[q] += t * ldo;
+    if constexpr (km(QT)) rows_avx2_km<QT, decltype(r)::value, P>(at, s.nb, s, ldo, cur);
+    else rows_avx2<QT, decltype(r)::value, P>(at, s.nb, s.q, s.d, s.s, s.sum, s.K, ldo, cur);
+  });
+}
 
 template <int64_t QT>
 void panel_avx2(const uint8_t* const* rows, int64_t T, const Acts& a, float* out, int64_t ldo, int64_t cols,
                 Buf& buf, const ahead::Ranges& next) {
   unpack_avx2<QT>(rows, a.nb, buf);
-  ahead::Cursor cur(next, (T + RB2 - 1) / RB2 * a.nb);  // (a step per block of each group)
-  by_groups<RB2>(T, [&](auto r, int64_t t) {
-    const Acts s = a.at(t);
-    if constexpr (km(QT)) rows_avx2_km<QT, decltype(r)::value>(buf, s.nb, s, out + t * ldo, ldo, cols, cur);
-    else rows_avx2<QT, decltype(r)::value>(buf, s.nb, s.q, s.d, s.s, s.sum, s.K, out + t * ldo, ldo, cols, cur);
-  });
+  rows_groups_avx2<QT, 1>(Panels<1>{{&buf}, {out}, {cols}}, T, a, ldo, next);
 }
 
 void panel_avx2(int64_t qt, const uint8_t* const* rows, int64_t T, const Acts& a, float* out, int64_t ldo,
                 int64_t cols, Buf& buf, const ahead::Ranges& next) {
   with_panel_type(qt, [&](auto q) { panel_avx2<decltype(q)::value>(rows, T, a, out, ldo, cols, buf, next); });
+}
+
+// two panels of one segment (the first whole) at once: each activation quad broadcast once for
+// both, fewer broadcasts and float steps per product (the same bits as one at a time)
+template <int64_t QT>
+void panel_avx2x2(const uint8_t* const* rows, const uint8_t* const* rows_b, int64_t T, const Acts& a, float* out,
+                  float* out_b, int64_t ldo, int64_t cols_b, Buf& buf, Buf& buf_b, const ahead::Ranges& next) {
+  unpack_avx2<QT>(rows, a.nb, buf);
+  unpack_avx2<QT>(rows_b, a.nb, buf_b);
+  rows_groups_avx2<QT, 2>(Panels<2>{{&buf, &buf_b}, {out, out_b}, {NR2, cols_b}}, T, a, ldo, next);
+}
+
+void panel_avx2x2(int64_t qt, const uint8_t* const* rows, const uint8_t* const* rows_b, int64_t T, const Acts& a,
+                  float* out, float* out_b, int64_t ldo, int64_t cols_b, Buf& buf, Buf& buf_b,
+                  const ahead::Ranges& next) {
+  with_panel_type(qt, [&](auto q) {
+    if constexpr (pair_avx2(decltype(q)::value))
+      panel_avx2x2<decltype(q)::value>(rows, rows_b, T, a, out, out_b, ldo, cols_b, buf, buf_b, next);
+  });
 }
 #endif
 
@@ -1568,6 +1651,17 @@ void panel(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, at::T
 #endif
 #ifdef PQ_AVX2
       if (avx2) {
+        if (pair_avx2(qtypes[seg]) && cols == NR2 && pi + 1 < p1 && panels[pi + 1].first == seg) {  // two at a time
+          const int64_t n1 = panels[pi + 1].second, cols_b = std::min<int64_t>(nr, w.size(0) - n1);
+          const uint8_t* rows_b[NR];
+          rows_from(n1, cols_b, rows_b);
+          ahead::Ranges next;
+          if (pi + 2 < p1) ahead_of(ws, panels[pi + 2], nr, next);
+          if (pi + 3 < p1) ahead_of(ws, panels[pi + 3], nr, next);
+          panel_avx2x2(qtypes[seg], rows, rows_b, T, acts, o, op + first[seg] + n1, N, cols_b, bufs.a, bufs.b, next);
+          ++pi;
+          continue;
+        }
         ahead::Ranges next;  // from memory while this one computes
         if (pi + 1 < p1) ahead_of(ws, panels[pi + 1], nr, next);
         panel_avx2(qtypes[seg], rows, T, acts, o, N, cols, buf, next);
