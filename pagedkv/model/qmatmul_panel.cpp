@@ -462,17 +462,68 @@ inline void scale_pairs_avx2(int64_t sb, Buf& p) {
   }
 }
 
+// Q4_K / Q5_K super-block sb of 8 rows -> buf's d of its 8 chunks (half(d) * sc, as
+// chunk_scalar), its mins in int16 pairs (mn, as mins_km) and -dmin (dm), 8 rows per instruction:
+// each row's first 16 bytes (d, dmin, scales[0..11]) transposed by dwords, so that lane n of t[0]
+// is d | dmin << 16 of row n and of t[1..3] scales[0..3], [4..7], [8..11]
+template <int64_t QT>
+void header_k4_avx2(const uint8_t* const* rows, int64_t sb, Buf& buf) {
+  constexpr int64_t B = QT == Q4_K ? sizeof(BlockQ4_K) : sizeof(BlockQ5_K);
+  __m256i t[4];
+  for (int k = 0; k < 4; ++k) {  // rows k and k + 4 in one register, then a 4 x 4 dword transpose per lane
+    const auto* lo = reinterpret_cast<const __m128i*>(rows[k] + B * sb);
+    const auto* hi = reinterpret_cast<const __m128i*>(rows[k + 4] + B * sb);
+    t[k] = _mm256_setr_m128i(_mm_loadu_si128(lo), _mm_loadu_si128(hi));
+  }
+  const __m256i a0 = _mm256_unpacklo_epi32(t[0], t[1]), a1 = _mm256_unpackhi_epi32(t[0], t[1]);
+  const __m256i a2 = _mm256_unpacklo_epi32(t[2], t[3]), a3 = _mm256_unpackhi_epi32(t[2], t[3]);
+  const __m256i h = _mm256_unpacklo_epi64(a0, a2), s0 = _mm256_unpackhi_epi64(a0, a2);
+  const __m256i s1 = _mm256_unpacklo_epi64(a1, a3), s2 = _mm256_unpackhi_epi64(a1, a3);
+  // (lane order: rows 0, 1, 2, 3 | 4, 5, 6, 7: each 128-bit half transposed in place)
+  const __m256i m6 = _mm256_set1_epi32(0x3F), m4 = _mm256_set1_epi32(0x0F);
+  auto byte = [](__m256i v, int k) { return _mm256_and_si256(_mm256_srli_epi32(v, 8 * k), _mm256_set1_epi32(0xFF)); };
+  __m256i sc[8], mn[8];
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = _mm256_and_si256(byte(s0, j), m6);
+    mn[j] = _mm256_and_si256(byte(s1, j), m6);
+    sc[j + 4] = _mm256_or_si256(_mm256_and_si256(byte(s2, j), m4), _mm256_slli_epi32(_mm256_srli_epi32(byte(s0, j), 6), 4));
+    mn[j + 4] = _mm256_or_si256(_mm256_srli_epi32(byte(s2, j), 4), _mm256_slli_epi32(_mm256_srli_epi32(byte(s1, j), 6), 4));
+  }
+  const __m256 dd = _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permutevar8x32_epi32(
+      _mm256_packus_epi32(_mm256_and_si256(h, _mm256_set1_epi32(0xFFFF)), _mm256_setzero_si256()),
+      _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7))));
+  const __m256 dmin = _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permutevar8x32_epi32(
+      _mm256_packus_epi32(_mm256_srli_epi32(h, 16), _mm256_setzero_si256()), _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7))));
+  for (int j = 0; j < 8; ++j) _mm256_storeu_ps(buf.d.data() + (sb * 8 + j) * NR2, _mm256_mul_ps(dd, _mm256_cvtepi32_ps(sc[j])));
+  for (int k = 0; k < 4; ++k)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf.mn.data() + (sb * 4 + k) * NR2),
+                        _mm256_or_si256(mn[2 * k], _mm256_slli_epi32(mn[2 * k + 1], 16)));
+  _mm256_storeu_ps(buf.dm.data() + sb * NR2, _mm256_xor_ps(dmin, _mm256_set1_ps(-0.f)));  // -dmin, exactly
+}
+
 // rows[n] (n < NR2) -> buf: u [nb][8][NR2][4], d [nb][NR2], m [nb][NR2] (unpack_scalar's layout, 8 rows)
 template <int64_t QT>
 void unpack_avx2(const uint8_t* const* rows, int64_t nb, Buf& buf) {
+  constexpr bool k4 = QT == Q4_K || QT == Q5_K;  // (their scales: header_k4_avx2, 8 rows at a time)
   for (int64_t c = 0; c < nb; ++c) {
+    if constexpr (k4)
+      if (c % 8 == 0) header_k4_avx2<QT>(rows, c / 8, buf);
     __m256 r[8];
-    for (int n = 0; n < NR2; ++n)
-      r[n] = _mm256_castsi256_ps(chunk_avx2<QT>(rows[n], c, buf.d[c * NR2 + n], buf.m[c * NR2 + n]));
+    for (int n = 0; n < NR2; ++n) {
+      if constexpr (k4) {
+        const auto& b = reinterpret_cast<const std::conditional_t<QT == Q4_K, BlockQ4_K, BlockQ5_K>*>(rows[n])[c / 8];
+        const int j = static_cast<int>(c % 8);
+        __m256i u = vec::bits(b.qs + 32 * (j / 2), 4 * (j % 2), 0x0F);
+        if constexpr (QT == Q5_K) u = _mm256_or_si256(u, vec::bit_at(b.qh, j, 4));
+        r[n] = _mm256_castsi256_ps(u);
+      } else {
+        r[n] = _mm256_castsi256_ps(chunk_avx2<QT>(rows[n], c, buf.d[c * NR2 + n], buf.m[c * NR2 + n]));
+      }
+    }
     vec::V8::transpose(r);  // r[j] lane n = quad j of row n
     auto* u = reinterpret_cast<__m256*>(buf.u.data() + c * 8 * NR2 * 4);
     for (int j = 0; j < 8; ++j) _mm256_storeu_ps(reinterpret_cast<float*>(u + j), r[j]);
-    if constexpr (km(QT))
+    if constexpr (km(QT) && !k4)
       if (c % 8 == 0) {
         for (int n = 0; n < NR2; ++n) mins_km(rows[n], QT, c / 8, n, NR2, buf);
         if constexpr (halved(QT)) scale_pairs_avx2(c / 8, buf);
