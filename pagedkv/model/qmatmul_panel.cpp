@@ -40,6 +40,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -501,6 +502,30 @@ void header_k4_avx2(const uint8_t* const* rows, int64_t sb, Buf& buf) {
   _mm256_storeu_ps(buf.dm.data() + sb * NR2, _mm256_xor_ps(dmin, _mm256_set1_ps(-0.f)));  // -dmin, exactly
 }
 
+// Q6_K super-block sb of 8 rows -> buf's scales as rows_avx2_km takes them (scale_pairs_avx2's
+// sc and mn) and d (dm), its 16 signed scales decoded 8 rows per instruction: each row's 16
+// scale bytes transposed by dwords (lane n of t[i] = scales[4i..4i+3] of row n)
+inline void header_q6k_avx2(const uint8_t* const* rows, int64_t sb, Buf& buf) {
+  constexpr int64_t at = offsetof(BlockQ6_K, scales);
+  __m256i t[4];
+  for (int k = 0; k < 4; ++k)
+    t[k] = _mm256_setr_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[k] + sizeof(BlockQ6_K) * sb + at)),
+                             _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[k + 4] + sizeof(BlockQ6_K) * sb + at)));
+  const __m256i a0 = _mm256_unpacklo_epi32(t[0], t[1]), a1 = _mm256_unpackhi_epi32(t[0], t[1]);
+  const __m256i a2 = _mm256_unpacklo_epi32(t[2], t[3]), a3 = _mm256_unpackhi_epi32(t[2], t[3]);
+  const __m256i s[4] = {_mm256_unpacklo_epi64(a0, a2), _mm256_unpackhi_epi64(a0, a2), _mm256_unpacklo_epi64(a1, a3),
+                        _mm256_unpackhi_epi64(a1, a3)};
+  __m256i sc[16];  // sign-extended scale h of each row
+  for (int h = 0; h < 16; ++h) sc[h] = _mm256_srai_epi32(_mm256_slli_epi32(s[h / 4], 24 - 8 * (h % 4)), 24);
+  const __m256i lo = _mm256_set1_epi32(0xFFFF);
+  auto* scp = reinterpret_cast<__m256i*>(buf.sc.data() + sb * 16 * NR2);
+  auto* mn = reinterpret_cast<__m256i*>(buf.mn.data() + sb * 8 * NR2);
+  for (int h = 0; h < 16; ++h) _mm256_storeu_si256(scp + h, _mm256_or_si256(_mm256_and_si256(sc[h], lo), _mm256_slli_epi32(sc[h], 16)));
+  for (int k = 0; k < 8; ++k)
+    _mm256_storeu_si256(mn + k, _mm256_or_si256(_mm256_and_si256(sc[2 * k], lo), _mm256_slli_epi32(sc[2 * k + 1], 16)));
+  for (int n = 0; n < NR2; ++n) buf.dm[sb * NR2 + n] = half(reinterpret_cast<const BlockQ6_K*>(rows[n])[sb].d);
+}
+
 // rows[n] (n < NR2) -> buf: u [nb][8][NR2][4], d [nb][NR2], m [nb][NR2] (unpack_scalar's layout, 8 rows)
 template <int64_t QT>
 void unpack_avx2(const uint8_t* const* rows, int64_t nb, Buf& buf) {
@@ -508,6 +533,8 @@ void unpack_avx2(const uint8_t* const* rows, int64_t nb, Buf& buf) {
   for (int64_t c = 0; c < nb; ++c) {
     if constexpr (k4)
       if (c % 8 == 0) header_k4_avx2<QT>(rows, c / 8, buf);
+    if constexpr (QT == Q6_K)
+      if (c % 8 == 0) header_q6k_avx2(rows, c / 8, buf);
     __m256 r[8];
     for (int n = 0; n < NR2; ++n) {
       if constexpr (k4) {
@@ -523,7 +550,7 @@ void unpack_avx2(const uint8_t* const* rows, int64_t nb, Buf& buf) {
     vec::V8::transpose(r);  // r[j] lane n = quad j of row n
     auto* u = reinterpret_cast<__m256*>(buf.u.data() + c * 8 * NR2 * 4);
     for (int j = 0; j < 8; ++j) _mm256_storeu_ps(reinterpret_cast<float*>(u + j), r[j]);
-    if constexpr (km(QT) && !k4)
+    if constexpr (km(QT) && !k4 && QT != Q6_K)
       if (c % 8 == 0) {
         for (int n = 0; n < NR2; ++n) mins_km(rows[n], QT, c / 8, n, NR2, buf);
         if constexpr (halved(QT)) scale_pairs_avx2(c / 8, buf);

@@ -208,7 +208,7 @@ PANEL_Q6_K_ROWS = 16 if _zen5_cpu() else 12
 # 0.026 (VNNI: 0.007-0.008). A step's matmuls of the Qwen2.5-0.5B Q4_K_M mix, 2 threads, ms,
 # row kernel -> panel: 349 -> 200 at 40 rows, 2,176 (the tiles) -> 1,285 at 256.
 PANEL_AVX2_ROWS = 4
-PANEL_AVX2_SB_ROWS = 12
+PANEL_AVX2_SB_ROWS = 10
 PANEL_AVX2_CHEAP = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1})
 # Q4_K weights (beside those types) from PANEL_AVX2_K4_ROWS: the AVX2 unpacking decodes their
 # super-blocks' scales 8 rows per instruction (header_k4_avx2), half the cost of a call's
@@ -218,6 +218,13 @@ PANEL_AVX2_CHEAP = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1})
 # 97.0 -> 99.6 (not taken); the 0.5B Q4_K_M mix at 8 rows 66.4 -> 62.3.
 PANEL_AVX2_K4_ROWS = 6
 PANEL_AVX2_K4 = PANEL_AVX2_CHEAP | {Q.Q4_K}
+# Q8_0 beside those from PANEL_AVX2_Q8_ROWS (two panels at a time), any other type (Q6_K, Q5_K,
+# IQ4_NL, IQ4_XS) from PANEL_AVX2_SB_ROWS (Q6_K's scales decoded 8 rows at a time too). The same
+# Zen 2, alternated step medians, ms: 0.5B mix at 8 rows, its Q8_0 weights from 8 instead of 12
+# 65.6 -> 62.6; every weight from 10 at 10 rows 80.7 -> 75.1; the 1.5B at 10 rows (its Q6_K
+# weights from 10) 192.7 -> 185.8, at 8 rows from 8 163.9 -> 166.0 (not taken).
+PANEL_AVX2_Q8_ROWS = 8
+PANEL_AVX2_Q8 = PANEL_AVX2_K4 | {Q.Q8_0}
 
 
 def panel_rows(qtypes: Iterable[Q]) -> int:
@@ -229,7 +236,9 @@ def panel_rows(qtypes: Iterable[Q]) -> int:
             return A8_SB_ROWS + 1
         if qtypes <= PANEL_AVX2_CHEAP:
             return PANEL_AVX2_ROWS
-        return PANEL_AVX2_K4_ROWS if qtypes <= PANEL_AVX2_K4 else PANEL_AVX2_SB_ROWS
+        if qtypes <= PANEL_AVX2_K4:
+            return PANEL_AVX2_K4_ROWS
+        return PANEL_AVX2_Q8_ROWS if qtypes <= PANEL_AVX2_Q8 else PANEL_AVX2_SB_ROWS
     if Q.Q6_K in qtypes:
         return PANEL_Q6_K_ROWS
     return PANEL_SB_ROWS if qtypes & A8_SB_TYPES else PANEL_ROWS
