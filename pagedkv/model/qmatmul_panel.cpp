@@ -84,6 +84,12 @@ constexpr bool halved(int64_t qt) { return qt == Q6_K || qt == Q3_K; }
 constexpr int32_t hbias(int64_t qt) { return qt == Q6_K ? 32 : 4; }
 // the types whose u reach 255 (the AVX2 code takes them as two nibbles)
 constexpr bool wide_u(int64_t qt) { return qt == Q8_0 || qt == IQ4_NL || qt == IQ4_XS; }
+// The types whose panels go two at a time, and (RB2X2) their rows per register block: Q4_K 3 rows, those
+// whose u reaches 255 2 (their lo / hi sums take twice the registers). The others lost: 1 thread,
+// Zen 2 EPYC, 40 rows, per-row cost of a call (fit over 8-40 rows), multiply-adds per cycle, one
+// panel -> two: Q4_K 896 x 4864 20.6 -> 21.9-22.1, Q8_0 32768 x 896 10.9 -> 11.7-12.3; Q4_0 4864
+// x 896 21.6 -> 14.6 (3 rows), Q5_0 19.8 -> 19.4-19.7, Q6_K 896 x 4864 16.4-16.7 -> 15.2-16.4.
+constexpr bool pair_avx2(int64_t qt) { return qt == Q4_K || wide_u(qt); }
 constexpr bool km(int64_t qt) { return qt == Q4_K || qt == Q5_K || qt == Q2_K || halved(qt); }
 // a km type's mins per super-block in int16 pairs (Buf::mn; Acts::ks or ks16): Q2_K 16, else 8
 constexpr int64_t mpairs(int64_t qt) { return qt == Q2_K ? 8 : 4; }
@@ -754,12 +760,7 @@ void rows_avx2_km(const Panels<P>& ps, int64_t nb, const Acts& a, int64_t ldo, a
 }
 
 constexpr int RB2 = 4;  // activation rows per register block, one panel at a time
-// The types whose panels go two at a time, and their rows per register block: Q4_K 3 rows, those
-// whose u reaches 255 2 (their lo / hi sums take twice the registers). The others lost: 1 thread,
-// Zen 2 EPYC, 40 rows, per-row cost of a call (fit over 8-40 rows), multiply-adds per cycle, one
-// panel -> two: Q4_K 896 x 4864 20.6 -> 21.9-22.1, Q8_0 32768 x 896 10.9 -> 11.7-12.3; Q4_0 4864
-// x 896 21.6 -> 14.6 (3 rows), Q5_0 19.8 -> 19.4-19.7, Q6_K 896 x 4864 16.4-16.7 -> 15.2-16.4.
-constexpr bool pair_avx2(int64_t qt) { return qt == Q4_K || wide_u(qt); }
+// (pair_avx2, above: the types whose panels go two at a time)
 template <int64_t QT>
 constexpr int RB2X2 = wide_u(QT) ? 2 : 3;
 
@@ -1708,41 +1709,29 @@ void panel(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, at::T
       };
       const uint8_t* rows[NR];
       rows_from(n0, cols, rows);
+      const bool vnni_ok = fast && NR * rb <= INT32_MAX;  // (Rows' gathers take int32 offsets)
+      // two panels of one segment at once, the first whole: VNNI pairs, the AVX2 pair types
+      const bool two = cols == nr && pi + 1 < p1 && panels[pi + 1].first == seg &&
+                       (vnni_ok ? pairs : avx2 && pair_avx2(qtypes[seg]));
+      const int64_t n1 = two ? panels[pi + 1].second : 0, cols_b = two ? std::min<int64_t>(nr, w.size(0) - n1) : 0;
+      const uint8_t* rows_b[NR];
+      if (two) rows_from(n1, cols_b, rows_b);
+      float* o_b = op + first[seg] + n1;
+      ahead::Ranges next;  // the next panel (two) from memory while this one (two) compute
+      for (int64_t k = pi + 1 + two; k < std::min(p1, pi + 2 + 2 * two); ++k) ahead_of(ws, panels[k], nr, next);
 #ifdef PANEL_X86
-      if (fast && NR * rb <= INT32_MAX) {  // (Rows' gathers take int32 offsets)
-        if (pairs && cols == NR && pi + 1 < p1 && panels[pi + 1].first == seg) {
-          const int64_t n1 = panels[pi + 1].second, cols_b = std::min<int64_t>(nr, w.size(0) - n1);
-          const uint8_t* rows_b[NR];
-          rows_from(n1, cols_b, rows_b);
-          ahead::Ranges next;
-          if (pi + 2 < p1) ahead_of(ws, panels[pi + 2], nr, next);
-          if (pi + 3 < p1) ahead_of(ws, panels[pi + 3], nr, next);
-          panel_vnni2(qtypes[seg], rows, rows_b, T, acts, o, op + first[seg] + n1, N, cols_b, bufs.a, bufs.b, next);
-          ++pi;
-          continue;
-        }
-        ahead::Ranges next;  // from memory while this one computes
-        if (pi + 1 < p1) ahead_of(ws, panels[pi + 1], nr, next);
-        panel_vnni(qtypes[seg], rows, T, acts, o, N, cols, buf, next);
+      if (vnni_ok) {
+        if (two) panel_vnni2(qtypes[seg], rows, rows_b, T, acts, o, o_b, N, cols_b, bufs.a, bufs.b, next);
+        else panel_vnni(qtypes[seg], rows, T, acts, o, N, cols, buf, next);
+        pi += two;
         continue;
       }
 #endif
 #ifdef PQ_AVX2
       if (avx2) {
-        if (pair_avx2(qtypes[seg]) && cols == NR2 && pi + 1 < p1 && panels[pi + 1].first == seg) {  // two at a time
-          const int64_t n1 = panels[pi + 1].second, cols_b = std::min<int64_t>(nr, w.size(0) - n1);
-          const uint8_t* rows_b[NR];
-          rows_from(n1, cols_b, rows_b);
-          ahead::Ranges next;
-          if (pi + 2 < p1) ahead_of(ws, panels[pi + 2], nr, next);
-          if (pi + 3 < p1) ahead_of(ws, panels[pi + 3], nr, next);
-          panel_avx2x2(qtypes[seg], rows, rows_b, T, acts, o, op + first[seg] + n1, N, cols_b, bufs.a, bufs.b, next);
-          ++pi;
-          continue;
-        }
-        ahead::Ranges next;  // from memory while this one computes
-        if (pi + 1 < p1) ahead_of(ws, panels[pi + 1], nr, next);
-        panel_avx2(qtypes[seg], rows, T, acts, o, N, cols, buf, next);
+        if (two) panel_avx2x2(qtypes[seg], rows, rows_b, T, acts, o, o_b, N, cols_b, bufs.a, bufs.b, next);
+        else panel_avx2(qtypes[seg], rows, T, acts, o, N, cols, buf, next);
+        pi += two;
         continue;
       }
 #endif
