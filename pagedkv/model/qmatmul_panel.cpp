@@ -82,10 +82,11 @@ constexpr bool has_m(int64_t qt) { return qt == Q4_1 || qt == Q5_1; }  // (the K
 // the scales applied in integers (HALVES below)
 constexpr bool halved(int64_t qt) { return qt == Q6_K || qt == Q3_K; }
 constexpr int32_t hbias(int64_t qt) { return qt == Q6_K ? 32 : 4; }
-// the types whose u reach 255 (the AVX2 code takes them as two nibbles)
+// the types whose u reach 255 (the AVX2 code holds their w = u - 128 and dots them by the sign trick)
 constexpr bool wide_u(int64_t qt) { return qt == Q8_0 || qt == IQ4_NL || qt == IQ4_XS; }
 // The types whose panels go two at a time, and (RB2X2) their rows per register block: Q4_K 3 rows, those
-// whose u reaches 255 2 (their lo / hi sums take twice the registers). The others lost: 1 thread,
+// whose u reaches 255 2 (with the sign trick, 3 rows: Q8_0 T40 28.7 -> 30.4 ms; one panel at a time:
+// T40 28.7 -> 29.4-29.7, T8 7.25 -> 7.0-7.1, 32768 x 896, 1 thread). The others lost: 1 thread,
 // Zen 2 EPYC, 40 rows, per-row cost of a call (fit over 8-40 rows), multiply-adds per cycle, one
 // panel -> two: Q4_K 896 x 4864 20.6 -> 21.9-22.1, Q8_0 32768 x 896 10.9 -> 11.7-12.3; Q4_0 4864
 // x 896 21.6 -> 14.6 (3 rows), Q5_0 19.8 -> 19.4-19.7, Q6_K 896 x 4864 16.4-16.7 -> 15.2-16.4.
@@ -384,22 +385,22 @@ void by_groups(int64_t T, const Fn& f, int64_t t = 0) {
 // The same arithmetic with 8 weight rows per panel (a ymm lane each, NR2) and the products by
 // maddubs (u8 x s8 -> pairs in int16) and madd (-> int32 lanes): the int16 pairs of several quads
 // are added first, as many as cannot overflow (|x| <= 127: u <= 15 all 8 quads of a block, u <= 31
-// four, Q6_K's u <= 63 two), and types whose u reaches 255 (Q8_0, IQ4_NL, IQ4_XS) take their u
-// as two nibbles (u = 16 hi + lo, each summed over the block). Each block's int32 sums are
+// four, Q6_K's u <= 63 two), and types whose u reaches 255 (Q8_0, IQ4_NL, IQ4_XS) are held as
+// their signed w = u - 128 and dotted by the sign trick (rows_avx2). Each block's int32 sums are
 // those of the scalar path, and the float steps the same, so the results are bit-identical.
 // Unpacking: each row's 32 values of a chunk decoded in element order (one ymm), then 8 rows
 // transposed by dwords.
 #ifdef PQ_AVX2
 
-// chunk c of one row -> its 32 u (element order), d, m: chunk_scalar's values
+// chunk c of one row -> its 32 u (element order), d, m: chunk_scalar's values; the wide types
+// (wide_u) their signed w = u - 128 instead (rows_avx2's sign trick)
 template <int64_t QT>
 inline __m256i chunk_avx2(const uint8_t* row, int64_t c, float& d, float& m) {
   m = 0.f;
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
   if constexpr (QT == Q8_0) {
     const uint8_t* b = row + sizeof(BlockQ8_0) * c;
     d = half(b);
-    return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)), flip);
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
   } else if constexpr (QT == Q4_0 || QT == Q4_1) {
     const uint8_t* b = row + (QT == Q4_0 ? sizeof(BlockQ4_0) : sizeof(BlockQ4_1)) * c;
     d = half(b);
@@ -415,7 +416,7 @@ inline __m256i chunk_avx2(const uint8_t* row, int64_t c, float& d, float& m) {
   } else if constexpr (QT == IQ4_NL) {
     const uint8_t* b = row + sizeof(BlockIQ4_NL) * c;
     d = half(b);
-    return _mm256_xor_si256(vec::lookup16(IQ4_LEVELS, vec::nibbles(b + 2)), flip);
+    return vec::lookup16(IQ4_LEVELS, vec::nibbles(b + 2));
   } else if constexpr (QT == Q4_K || QT == Q5_K) {
     using B = std::conditional_t<QT == Q4_K, BlockQ4_K, BlockQ5_K>;
     const auto& b = reinterpret_cast<const B*>(row)[c / 8];
@@ -449,7 +450,7 @@ inline __m256i chunk_avx2(const uint8_t* row, int64_t c, float& d, float& m) {
     const auto& b = reinterpret_cast<const BlockIQ4_XS*>(row)[c / 8];
     const int j = static_cast<int>(c % 8);
     d = half(b.d) * static_cast<float>(scale_iq4_xs(b, j));
-    return _mm256_xor_si256(vec::lookup16(IQ4_LEVELS, vec::nibbles(b.qs + 16 * j)), flip);
+    return vec::lookup16(IQ4_LEVELS, vec::nibbles(b.qs + 16 * j));
   }
 }
 
@@ -623,7 +624,7 @@ struct Panels {
 template <int64_t QT, int R, int P>
 void rows_avx2(const Panels<P>& ps, int64_t nb, const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum,
                int64_t K, int64_t ldo, ahead::Cursor& next) {
-  constexpr bool wide = wide_u(QT);  // u up to 255
+  constexpr bool wide = wide_u(QT);  // u up to 255: the panel holds w = u - 128 (signed)
   constexpr int G = QT == Q4_0 || QT == Q4_1 || QT == Q4_K ? 8 : 4;  // quads summed in int16 (u <= 15 / 31)
   const int32_t bi = bias(QT);
   const __m256i ones = _mm256_set1_epi16(1);
@@ -637,30 +638,25 @@ void rows_avx2(const Panels<P>& ps, int64_t nb, const int8_t* xq, const float* x
     for (int q = 0; q < P; ++q) u[q] = ps.u(q, b);
     const int8_t* x = xq + QK * b;
     __m256i i[P * R];
-    if constexpr (wide) {  // u = 16 hi + lo: two nibble sums over the block's 8 quads
-      const __m256i lo4 = _mm256_set1_epi8(0x0F);
-      __m256i lo[P * R], hi[P * R];
-      for (int k = 0; k < P * R; ++k) lo[k] = hi[k] = _mm256_setzero_si256();
+    if constexpr (wide) {  // the sign trick: maddubs(|w|, x * sign w) = the pairs of w x (|pair| <= 2 * 128 *
+      // 127: in int16), each quad's widened by madd; sum_k w x = the scalar path's sum_k u x - 128 sum_k x.
+      // Against u as two nibbles (u = 16 hi + lo: two maddubs a quad, each summed over the block):
+      // 1 thread, Zen 2 EPYC, Q8_0 32768 x 896, per-row cost of a call (fit over 8-40 rows) 11.6 ->
+      // 13.2 multiply-adds per cycle, T8 8.05 -> 7.25 ms, T40 32.4 -> 28.7; held as int16 pairs and
+      // dotted by madd alone (a panel twice the bytes): 12.1, T8 8.4.
+      for (int k = 0; k < P * R; ++k) i[k] = _mm256_setzero_si256();
       for (int j = 0; j < 8; ++j) {
-        __m256i vl[P], vh[P];
-        for (int q = 0; q < P; ++q) {
-          const __m256i v = _mm256_loadu_si256(u[q] + j);
-          vl[q] = _mm256_and_si256(v, lo4), vh[q] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
-        }
+        __m256i w[P], aw[P];
+        for (int q = 0; q < P; ++q) w[q] = _mm256_loadu_si256(u[q] + j), aw[q] = _mm256_abs_epi8(w[q]);
         for (int r = 0; r < R; ++r) {
           const __m256i x4 = quad(x + r * K + 4 * j);
           for (int q = 0; q < P; ++q) {
-            lo[q * R + r] = _mm256_add_epi16(lo[q * R + r], _mm256_maddubs_epi16(vl[q], x4));
-            hi[q * R + r] = _mm256_add_epi16(hi[q * R + r], _mm256_maddubs_epi16(vh[q], x4));
-            asm("" : "+x"(lo[q * R + r]), "+x"(hi[q * R + r]));  // as in dot_rows
+            const __m256i p = _mm256_maddubs_epi16(aw[q], _mm256_sign_epi8(x4, w[q]));
+            i[q * R + r] = _mm256_add_epi32(i[q * R + r], _mm256_madd_epi16(p, ones));
+            asm("" : "+x"(i[q * R + r]));  // as in dot_rows
           }
         }
       }
-      for (int q = 0; q < P; ++q)
-        for (int r = 0; r < R; ++r)
-          i[q * R + r] = _mm256_add_epi32(_mm256_set1_epi32(-bi * xsum[r * nb + b]),
-                                          _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(hi[q * R + r], ones), 4),
-                                                           _mm256_madd_epi16(lo[q * R + r], ones)));
     } else {
       for (int q = 0; q < P; ++q)
         for (int r = 0; r < R; ++r) i[q * R + r] = _mm256_set1_epi32(-bi * xsum[r * nb + b]);
