@@ -331,14 +331,19 @@ def test_without_the_kernel_int8_mode_is_the_exact_fallback(monkeypatch: pytest.
 
 
 @needs_kernel
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0, Q.IQ4_NL, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
 def test_odd_activation_blocks_give_the_same_bits_on_every_path(qtype: Q) -> None:
     """Activation blocks whose scale max|x| / 127 is subnormal (they quantize to zeros: 1 / d
-    would overflow), or that hold an inf or a NaN (carried into the outputs): the scalar and
-    vector quantizers take the same steps, so the row kernel (impl 0, 2, 1) and the panel (0, 3,
-    2, 1) each give one set of bits, NaNs in the same places; finite rows stay finite."""
+    would overflow), or that hold an inf or a NaN (such a block quantizes to zeros with a NaN
+    scale): the scalar and vector quantizers take the same steps, so the row kernel (impl 0, 2,
+    1) and the panel (0, 3, 2, 1) each give one set of bits, NaNs in the same places; finite
+    rows stay finite. Q8_0's weights at the non-finite inputs are 0 and -128 in turn (where the
+    sign trick's sign(x, w) and the offset form u x - 128 x parted when inf * 0 cast to -128)."""
     k, n = 512, 21
     data = _blocks(qtype, n, k, 5)
+    if qtype == Q.Q8_0:
+        for e in (40, 300, 7, 400):  # element e: block e // 32, byte 2 + e % 32 of its 34
+            data[:, 34 * (e // 32) + 2 + e % 32] = np.where(np.arange(n) % 2 == 0, 0x00, 0x80)
     x = _acts(6, k, seed=2)
     x[1] *= np.float32(1e-38)  # every block's scale subnormal
     x[2, 40] = np.inf

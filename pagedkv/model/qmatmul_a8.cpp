@@ -82,11 +82,21 @@ int64_t row_bytes(int64_t t, int64_t K) {
 
 // --- activation quantization -------------------------------------------------------------------
 
+// a block holding an inf or a NaN: zeros, its d and s NaN (so every path's products are 0 and its
+// outputs NaN alike; the cast of inf * 0 would give -128, which the sign trick reads as +128)
+static void non_finite_block(int8_t* q, int n, float* d, float* s, int32_t* isum) {
+  std::memset(q, 0, n);
+  *d = NAN;
+  if (s) *s = NAN;
+  if (isum) *isum = 0;
+}
+
 void quant_block_scalar(const float* x, int8_t* q, float* d, float* s, int32_t* isum) {
   float amax = 0.f;
   bool nan = false;
   for (int i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(x[i])), nan |= std::isnan(x[i]);
-  const float dd = nan ? NAN : amax / 127.f;
+  if (nan || std::isinf(amax)) return non_finite_block(q, QK, d, s, isum);
+  const float dd = amax / 127.f;
   const float id = inv_scale(dd);  // (qmatmul_a8.h: the same steps as the AVX2 code)
   int32_t sum = 0;
   for (int i = 0; i < QK; ++i) {
@@ -112,7 +122,8 @@ void quant_block_avx2(const float* x, int8_t* q, float* d, float* s, int32_t* is
   __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
   h = _mm_max_ps(h, _mm_movehl_ps(h, h));
   h = _mm_max_ss(h, _mm_movehdup_ps(h));
-  const float dd = _mm256_movemask_ps(un) ? NAN : _mm_cvtss_f32(h) / 127.f;
+  if (_mm256_movemask_ps(un) || std::isinf(_mm_cvtss_f32(h))) return non_finite_block(q, QK, d, s, isum);
+  const float dd = _mm_cvtss_f32(h) / 127.f;
   const __m256 id = _mm256_set1_ps(inv_scale(dd));
   __m256i i[4];
   for (int k = 0; k < 4; ++k)

@@ -62,11 +62,19 @@ namespace {
 
 // --- activations per 256 ------------------------------------------------------------------------
 
+// a super-block holding an inf or a NaN: zeros, its d NaN (as quant_block_scalar's blocks)
+void non_finite_sb(int8_t* q, float* d, int16_t* bs) {
+  std::memset(q, 0, QK_K);
+  std::memset(bs, 0, sizeof(int16_t) * QK_K / 16);
+  *d = NAN;
+}
+
 void quant_sb_scalar(const float* x, int8_t* q, float* d, int16_t* bs) {
   float amax = 0.f;
   bool nan = false;
   for (int i = 0; i < QK_K; ++i) amax = std::max(amax, std::fabs(x[i])), nan |= std::isnan(x[i]);
-  const float dd = nan ? NAN : amax / 127.f;
+  if (nan || std::isinf(amax)) return non_finite_sb(q, d, bs);
+  const float dd = amax / 127.f;
   const float id = inv_scale(dd);
   for (int k = 0; k < QK_K / 16; ++k) {
     int32_t s = 0;
@@ -101,7 +109,8 @@ void quant_sb_avx2(const float* x, int8_t* q, float* d, int16_t* bs) {
   __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
   h = _mm_max_ps(h, _mm_movehl_ps(h, h));
   h = _mm_max_ss(h, _mm_movehdup_ps(h));
-  const float dd = _mm256_movemask_ps(un) ? NAN : _mm_cvtss_f32(h) / 127.f;
+  if (_mm256_movemask_ps(un) || std::isinf(_mm_cvtss_f32(h))) return non_finite_sb(q, d, bs);
+  const float dd = _mm_cvtss_f32(h) / 127.f;
   const __m256 id = _mm256_set1_ps(inv_scale(dd));
   constexpr int R = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   for (int k = 0; k < QK_K / 16; ++k) {
