@@ -217,10 +217,10 @@ def test_k_quant_weights_take_the_panel_from_panel_sb_rows() -> None:
                     reason="needs the kernel built with AVX2")
 def test_avx2_cpu_takes_the_avx2_panel_from_its_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without VNNI (an AVX2 CPU; here the ISA limit at AVX2): Q4_0/Q4_1/Q5_0/Q5_1 weights take
-    the AVX2 panel from PANEL_AVX2_ROWS rows, with Q4_K beside them from PANEL_AVX2_K4_ROWS,
-    with Q8_0 too from PANEL_AVX2_Q8_ROWS, weights with any other panel type (Q5_K, Q6_K) from
-    PANEL_AVX2_SB_ROWS, with a Q2_K or Q3_K segment past the row kernel's cap (A8_SB_ROWS);
-    below, the row kernel."""
+    the AVX2 panel from PANEL_AVX2_ROWS rows, Q8_0 and IQ4_NL from PANEL_AVX2_Q8_ROWS, Q4_K
+    from PANEL_AVX2_K4_ROWS, any other panel type (Q5_K, Q6_K, IQ4_XS) from PANEL_AVX2_SB_ROWS,
+    a weight of several types from the largest of theirs, one with a Q2_K or Q3_K segment past
+    the row kernel's cap (A8_SB_ROWS); below, the row kernel."""
     monkeypatch.setattr(qkernel._kernel, "vnni", False)
     limit = torch.ops.pagedkv_q.limit_isa(1)
     try:
@@ -228,6 +228,9 @@ def test_avx2_cpu_takes_the_avx2_panel_from_its_rows(monkeypatch: pytest.MonkeyP
         k = 512
         cases = [([(Q.Q5_0, _blocks(Q.Q5_0, 21, k, 1))], quant.PANEL_AVX2_ROWS),
                  ([(Q.Q4_1, _weights(Q.Q4_1, 9, k, 2)), (Q.Q8_0, _weights(Q.Q8_0, 5, k, 3))], quant.PANEL_AVX2_Q8_ROWS),
+                 ([(Q.IQ4_NL, _blocks(Q.IQ4_NL, 10, k, 14))], quant.PANEL_AVX2_Q8_ROWS),
+                 ([(Q.Q8_0, _weights(Q.Q8_0, 6, k, 15)), (Q.Q4_K, _blocks(Q.Q4_K, 8, k, 16))], quant.PANEL_AVX2_K4_ROWS),
+                 ([(Q.IQ4_XS, _blocks(Q.IQ4_XS, 9, k, 17))], quant.PANEL_AVX2_SB_ROWS),
                  ([(Q.Q8_0, _weights(Q.Q8_0, 19, k, 12)), (Q.Q6_K, _blocks(Q.Q6_K, 5, k, 13))], quant.PANEL_AVX2_SB_ROWS),
                  ([(Q.Q4_K, _blocks(Q.Q4_K, 11, k, 4))], quant.PANEL_AVX2_K4_ROWS),
                  ([(Q.Q4_K, _blocks(Q.Q4_K, 9, k, 8)), (Q.Q5_0, _blocks(Q.Q5_0, 4, k, 9))], quant.PANEL_AVX2_K4_ROWS),

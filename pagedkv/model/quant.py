@@ -217,14 +217,18 @@ PANEL_AVX2_CHEAP = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1})
 # before): 8 rows 185.1 -> 159.1 ms (every weight from 8: 165.7), 6 rows 142.2 -> 129.1, 4 rows
 # 97.0 -> 99.6 (not taken); the 0.5B Q4_K_M mix at 8 rows 66.4 -> 62.3.
 PANEL_AVX2_K4_ROWS = 6
-PANEL_AVX2_K4 = PANEL_AVX2_CHEAP | {Q.Q4_K}
-# Q8_0 beside those from PANEL_AVX2_Q8_ROWS (two panels at a time), any other type (Q6_K, Q5_K,
-# IQ4_NL, IQ4_XS) from PANEL_AVX2_SB_ROWS (Q6_K's scales decoded 8 rows at a time too). The same
-# Zen 2, alternated step medians, ms: 0.5B mix at 8 rows, its Q8_0 weights from 8 instead of 12
-# 65.6 -> 62.6; every weight from 10 at 10 rows 80.7 -> 75.1; the 1.5B at 10 rows (its Q6_K
-# weights from 10) 192.7 -> 185.8, at 8 rows from 8 163.9 -> 166.0 (not taken).
-PANEL_AVX2_Q8_ROWS = 8
-PANEL_AVX2_Q8 = PANEL_AVX2_K4 | {Q.Q8_0}
+# Q8_0 and IQ4_NL from PANEL_AVX2_Q8_ROWS (their panel by the sign trick, one maddubs a quad, two
+# panels at a time), any other type (Q6_K, Q5_K, IQ4_XS) from PANEL_AVX2_SB_ROWS (Q6_K's scales
+# decoded 8 rows at a time too); a weight of several types from the largest of theirs. The same
+# Zen 2, alternated step medians, ms: every weight from 10 at 10 rows 80.7 -> 75.1; the 1.5B at 10
+# rows (its Q6_K weights from 10) 192.7 -> 185.8, at 8 rows from 8 163.9 -> 166.0 (not taken); the
+# 0.5B mix, its weights with a Q8_0 segment from these rows instead of 8: 6 rows 54.5 -> 51.1, 5
+# rows 48.7 -> 46.3, 4 rows 39.7 -> 39.3, 3 rows 39.2 -> 40.4 (not taken). 4864 x 896, 2 threads,
+# panel / row kernel: Q8_0 1.22 at 4 rows, 0.91 at 5, 0.83 at 8; IQ4_NL 1.02, 0.87, 0.84; IQ4_XS
+# 1.46, 1.19, 1.16 (1.04 at 10).
+PANEL_AVX2_Q8_ROWS = 5
+PANEL_AVX2_FROM = {**dict.fromkeys(PANEL_AVX2_CHEAP, PANEL_AVX2_ROWS), Q.Q4_K: PANEL_AVX2_K4_ROWS,
+                   Q.Q8_0: PANEL_AVX2_Q8_ROWS, Q.IQ4_NL: PANEL_AVX2_Q8_ROWS}
 
 
 def panel_rows(qtypes: Iterable[Q]) -> int:
@@ -234,11 +238,7 @@ def panel_rows(qtypes: Iterable[Q]) -> int:
     if not qkernel.vnni():
         if qtypes & {Q.Q2_K, Q.Q3_K}:  # the row kernel leads up to its cap (A8_SB_ROWS), the panel after
             return A8_SB_ROWS + 1
-        if qtypes <= PANEL_AVX2_CHEAP:
-            return PANEL_AVX2_ROWS
-        if qtypes <= PANEL_AVX2_K4:
-            return PANEL_AVX2_K4_ROWS
-        return PANEL_AVX2_Q8_ROWS if qtypes <= PANEL_AVX2_Q8 else PANEL_AVX2_SB_ROWS
+        return max((PANEL_AVX2_FROM.get(q, PANEL_AVX2_SB_ROWS) for q in qtypes), default=PANEL_AVX2_ROWS)
     if Q.Q6_K in qtypes:
         return PANEL_Q6_K_ROWS
     return PANEL_SB_ROWS if qtypes & A8_SB_TYPES else PANEL_ROWS
