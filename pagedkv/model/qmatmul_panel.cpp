@@ -385,8 +385,12 @@ void by_groups(int64_t T, const Fn& f, int64_t t = 0) {
 // The same arithmetic with 8 weight rows per panel (a ymm lane each, NR2) and the products by
 // maddubs (u8 x s8 -> pairs in int16) and madd (-> int32 lanes): the int16 pairs of several quads
 // are added first, as many as cannot overflow (|x| <= 127: u <= 15 all 8 quads of a block, u <= 31
-// four, Q6_K's u <= 63 two), and types whose u reaches 255 (Q8_0, IQ4_NL, IQ4_XS) are held as
-// their signed w = u - 128 and dotted by the sign trick (rows_avx2). Each block's int32 sums are
+// four, a half's four for Q3_K), and the types whose u reaches 255 (Q8_0, IQ4_NL, IQ4_XS) are held
+// as their signed w = u - 128 and dotted by the sign trick (maddubs(|w|, x * sign w), rows_avx2),
+// Q6_K as its w = q - 32 the same way (|w| <= 32: a half's four quads in int16, and no offsets).
+// Against Q6_K's u = q and two quads, its offsets one min-like term a super-block: 1 thread,
+// Zen 2 EPYC, 896 x 4864, alternated, T40 3.39 / 3.42 -> 3.25 / 3.36 ms; the 1.5B's int8 step at
+// 40 rows, 2 threads, 568 / 570 -> 557 / 563. Each block's int32 sums are
 // those of the scalar path, and the float steps the same, so the results are bit-identical.
 // Unpacking: each row's 32 values of a chunk decoded in element order (one ymm), then 8 rows
 // transposed by dwords.
@@ -427,13 +431,13 @@ inline __m256i chunk_avx2(const uint8_t* row, int64_t c, float& d, float& m) {
     __m256i u = vec::bits(b.qs + 32 * (j / 2), 4 * (j % 2), 0x0F);
     if constexpr (QT == Q5_K) u = _mm256_or_si256(u, vec::bit_at(b.qh, j, 4));
     return u;
-  } else if constexpr (QT == Q6_K) {  // (the scales and d: mins_km)
+  } else if constexpr (QT == Q6_K) {  // w = q - 32, signed (the scales and d: header_q6k_avx2)
     const auto& b = reinterpret_cast<const BlockQ6_K*>(row)[c / 8];
     const int j = static_cast<int>(c % 8), h = j / 4, k = j % 4;
     d = 0.f;
     const __m256i lo = vec::bits(b.ql + 64 * h + 32 * (k % 2), 4 * (k / 2), 0x0F);
     const __m256i hi = vec::bits(b.qh + 32 * h, 2 * k, 0x03);
-    return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+    return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
   } else if constexpr (QT == Q3_K) {  // (the scales and d: mins_km)
     d = 0.f;
     return kq::chunk<Q3_K>(row + sizeof(BlockQ3_K) * (c / 8), static_cast<int>(c % 8));
@@ -510,8 +514,9 @@ void header_k4_avx2(const uint8_t* const* rows, int64_t sb, Buf& buf) {
 }
 
 // Q6_K super-block sb of 8 rows -> buf's scales as rows_avx2_km takes them (scale_pairs_avx2's
-// sc and mn) and d (dm), its 16 signed scales decoded 8 rows per instruction: each row's 16
-// scale bytes transposed by dwords (lane n of t[i] = scales[4i..4i+3] of row n)
+// sc; its w are signed, so no offsets) and d (dm), its 16 signed scales decoded 8 rows per
+// instruction: each row's 16 scale bytes transposed by dwords (lane n of t[i] = scales[4i..4i+3]
+// of row n)
 inline void header_q6k_avx2(const uint8_t* const* rows, int64_t sb, Buf& buf) {
   constexpr int64_t at = offsetof(BlockQ6_K, scales);
   __m256i t[4];
@@ -526,10 +531,7 @@ inline void header_q6k_avx2(const uint8_t* const* rows, int64_t sb, Buf& buf) {
   for (int h = 0; h < 16; ++h) sc[h] = _mm256_srai_epi32(_mm256_slli_epi32(s[h / 4], 24 - 8 * (h % 4)), 24);
   const __m256i lo = _mm256_set1_epi32(0xFFFF);
   auto* scp = reinterpret_cast<__m256i*>(buf.sc.data() + sb * 16 * NR2);
-  auto* mn = reinterpret_cast<__m256i*>(buf.mn.data() + sb * 8 * NR2);
   for (int h = 0; h < 16; ++h) _mm256_storeu_si256(scp + h, _mm256_or_si256(_mm256_and_si256(sc[h], lo), _mm256_slli_epi32(sc[h], 16)));
-  for (int k = 0; k < 8; ++k)
-    _mm256_storeu_si256(mn + k, _mm256_or_si256(_mm256_and_si256(sc[2 * k], lo), _mm256_slli_epi32(sc[2 * k + 1], 16)));
   for (int n = 0; n < NR2; ++n) buf.dm[sb * NR2 + n] = half(reinterpret_cast<const BlockQ6_K*>(rows[n])[sb].d);
 }
 
@@ -576,19 +578,20 @@ inline __m256i quad(const int8_t* p) {
 // acc[p R + r] (int32 lanes): maddubs(u[p][j], x quad j) summed in int16 pairs over G quads at
 // a time, then widened by madd with by[p] (ones: the plain sum; a halves type: its scale pair).
 // Quad outer, row inner: each u[p][j] is loaded once for the R rows, each quad broadcast once
-// for the P panels.
-template <int R, int G, int P>
+// for the P panels. SIGNED: the panel holds signed w (Q6_K's q - 32), dotted by the sign trick
+// (maddubs(|w|, x * sign w)).
+template <int R, int G, int P, bool SIGNED = false>
 PQ_INLINE void dot_rows(const __m256i* const* u, const int8_t* x, int64_t K, int j0, int n, __m256i* acc,
                         const __m256i* by) {
   for (int g = j0; g < j0 + n; g += G) {
     __m256i s[P * R];
     for (int j = g; j < g + G; ++j) {
-      __m256i v[P];
-      for (int q = 0; q < P; ++q) v[q] = _mm256_loadu_si256(u[q] + j);
+      __m256i v[P], a[P];
+      for (int q = 0; q < P; ++q) v[q] = _mm256_loadu_si256(u[q] + j), a[q] = SIGNED ? _mm256_abs_epi8(v[q]) : v[q];
       for (int r = 0; r < R; ++r) {
         const __m256i x4 = quad(x + r * K + 4 * j);
         for (int q = 0; q < P; ++q) {
-          const __m256i prod = _mm256_maddubs_epi16(v[q], x4);
+          const __m256i prod = _mm256_maddubs_epi16(a[q], SIGNED ? _mm256_sign_epi8(x4, v[q]) : x4);
           s[q * R + r] = j == g ? prod : _mm256_add_epi16(s[q * R + r], prod);
           asm("" : "+x"(s[q * R + r]));  // keeps the running sum: without it GCC builds a tree and spills
         }
@@ -689,9 +692,11 @@ void rows_avx2_km(const Panels<P>& ps, int64_t nb, const Acts& a, int64_t ldo, a
   for (int k = 0; k < P * R; ++k) y[k] = _mm256_setzero_ps();
   for (int64_t sb = 0; sb < nsb; ++sb) {
     if constexpr (halved(QT)) {  // HALVES, in integers: madd by each half's scale (no vpmulld)
-      // I = sum_h sc_h (sum_k u x) - hbias M, M = sum_h sc_h s_h (the scales' pairs . the halves' sums)
-      constexpr int GH = QT == Q6_K ? 2 : 4;  // quads summed in int16 within a half (u <= 63 / 7)
-      constexpr int SH = QT == Q6_K ? 5 : 2;  // log2 hbias (32 / 4)
+      // I = sum_h sc_h (sum_k u x) - hbias M, M = sum_h sc_h s_h (the scales' pairs . the halves' sums);
+      // Q6_K's panel holds w = u - 32 instead (signed: the sign trick), so I = sum_h sc_h (sum_k w x), no M
+      constexpr bool SIGNED = QT == Q6_K;
+      constexpr int GH = 4;  // quads summed in int16 within a half (Q6_K |w| <= 32, Q3_K u <= 7: 4 x 2 x 32 x 127 fits)
+      constexpr int SH = 2;  // log2 hbias (Q3_K's 4)
       __m256i I[P * R];
       for (int k = 0; k < P * R; ++k) I[k] = _mm256_setzero_si256();
       for (int64_t b = 8 * sb; b < 8 * sb + 8; ++b) {
@@ -703,17 +708,20 @@ void rows_avx2_km(const Panels<P>& ps, int64_t nb, const Acts& a, int64_t ldo, a
           const __m256i* sc = reinterpret_cast<const __m256i*>(ps.pb[q]->sc.data() + 2 * b * NR2);
           s0[q] = _mm256_loadu_si256(sc), s1[q] = _mm256_loadu_si256(sc + 1);
         }
-        dot_rows<R, GH, P>(u, a.kq + QK * b, a.K, 0, 4, I, s0);
-        dot_rows<R, GH, P>(u, a.kq + QK * b, a.K, 4, 4, I, s1);
+        dot_rows<R, GH, P, SIGNED>(u, a.kq + QK * b, a.K, 0, 4, I, s0);
+        dot_rows<R, GH, P, SIGNED>(u, a.kq + QK * b, a.K, 4, 4, I, s1);
       }
       for (int q = 0; q < P; ++q) {
-        const __m256i* mn = reinterpret_cast<const __m256i*>(ps.pb[q]->mn.data() + sb * 8 * NR2);
         const __m256 d = _mm256_loadu_ps(ps.pb[q]->dm.data() + sb * NR2);
         for (int r = 0; r < R; ++r) {
-          const int32_t* hs = a.halves(r, sb);
-          __m256i M = _mm256_madd_epi16(_mm256_loadu_si256(mn), _mm256_set1_epi32(hs[0]));
-          for (int k = 1; k < 8; ++k) M = _mm256_add_epi32(M, _mm256_madd_epi16(_mm256_loadu_si256(mn + k), _mm256_set1_epi32(hs[k])));
-          const __m256i i = _mm256_sub_epi32(I[q * R + r], _mm256_slli_epi32(M, SH));
+          __m256i i = I[q * R + r];
+          if constexpr (!SIGNED) {
+            const __m256i* mn = reinterpret_cast<const __m256i*>(ps.pb[q]->mn.data() + sb * 8 * NR2);
+            const int32_t* hs = a.halves(r, sb);
+            __m256i M = _mm256_madd_epi16(_mm256_loadu_si256(mn), _mm256_set1_epi32(hs[0]));
+            for (int k = 1; k < 8; ++k) M = _mm256_add_epi32(M, _mm256_madd_epi16(_mm256_loadu_si256(mn + k), _mm256_set1_epi32(hs[k])));
+            i = _mm256_sub_epi32(i, _mm256_slli_epi32(M, SH));
+          }
           y[q * R + r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(i), d), _mm256_set1_ps(a.kd[r * nsb + sb]), y[q * R + r]);
         }
       }
