@@ -195,7 +195,7 @@ struct Buf {
 
 // the activations' quantized blocks and sums, T rows; for the km types also quantized per 256:
 // kq, kd (one per super-block), ks (each 32 elements' integer sum, in int16 pairs as Buf::mn:
-// [nb / 8][4] per row), ks16 (each 16's, [nb / 8][8]: Q2_K's mins, the AVX2 halves' offsets)
+// [nb / 8][4] per row), ks16 (each 16's, [nb / 8][8]: Q2_K's mins, Q3_K's AVX2 offsets)
 // and hb (the halves types: each 16's times -hbias, [2 nb] per row: hb[0] Q6_K's, hb[1] Q3_K's)
 struct Acts {
   const int8_t* q;
@@ -1659,8 +1659,8 @@ struct Prep {
           hb[h].resize(2 * T * nb);
           for (int64_t i = 0; i < 2 * T * nb; ++i) hb[h][i] = -hbias(h ? Q3_K : Q6_K) * bs[i];
         }
-      if (std::any_of(qtypes.begin(), qtypes.end(), [](int64_t q) { return q == Q2_K || halved(q); })) {
-        ks16.resize(8 * T * nsb);  // each 16 elements' sum, paired (Q2_K; the AVX2 halves' offsets)
+      if (std::any_of(qtypes.begin(), qtypes.end(), [](int64_t q) { return q == Q2_K || q == Q3_K; })) {
+        ks16.resize(8 * T * nsb);  // each 16 elements' sum, paired (Q2_K; Q3_K's AVX2 offsets)
         for (int64_t i = 0; i < 8 * T * nsb; ++i) ks16[i] = pair(bs[2 * i], bs[2 * i + 1]);
       }
     }
