@@ -598,7 +598,10 @@ PQ_INLINE void dot_rows(const __m256i* const* u, const int8_t* x, int64_t K, int
       }
     }
     for (int q = 0; q < P; ++q)
-      for (int r = 0; r < R; ++r) acc[q * R + r] = _mm256_add_epi32(acc[q * R + r], _mm256_madd_epi16(s[q * R + r], by[q]));
+      for (int r = 0; r < R; ++r) {
+        acc[q * R + r] = _mm256_add_epi32(acc[q * R + r], _mm256_madd_epi16(s[q * R + r], by[q]));
+        asm("" : "+x"(acc[q * R + r]));  // (the same: a chain, where G = 1 gives 8 of them a block)
+      }
   }
 }
 
@@ -648,18 +651,7 @@ void rows_avx2(const Panels<P>& ps, int64_t nb, const int8_t* xq, const float* x
       // 13.2 multiply-adds per cycle, T8 8.05 -> 7.25 ms, T40 32.4 -> 28.7; held as int16 pairs and
       // dotted by madd alone (a panel twice the bytes): 12.1, T8 8.4.
       for (int k = 0; k < P * R; ++k) i[k] = _mm256_setzero_si256();
-      for (int j = 0; j < 8; ++j) {
-        __m256i w[P], aw[P];
-        for (int q = 0; q < P; ++q) w[q] = _mm256_loadu_si256(u[q] + j), aw[q] = _mm256_abs_epi8(w[q]);
-        for (int r = 0; r < R; ++r) {
-          const __m256i x4 = quad(x + r * K + 4 * j);
-          for (int q = 0; q < P; ++q) {
-            const __m256i p = _mm256_maddubs_epi16(aw[q], _mm256_sign_epi8(x4, w[q]));
-            i[q * R + r] = _mm256_add_epi32(i[q * R + r], _mm256_madd_epi16(p, ones));
-            asm("" : "+x"(i[q * R + r]));  // as in dot_rows
-          }
-        }
-      }
+      dot_rows<R, 1, P, true>(u, x, K, 0, 8, i, by);
     } else {
       for (int q = 0; q < P; ++q)
         for (int r = 0; r < R; ++r) i[q * R + r] = _mm256_set1_epi32(-bi * xsum[r * nb + b]);
