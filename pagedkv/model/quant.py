@@ -225,7 +225,9 @@ PANEL_AVX2_K4_ROWS = 6
 # 0.5B mix, its weights with a Q8_0 segment from these rows instead of 8: 6 rows 54.5 -> 51.1, 5
 # rows 48.7 -> 46.3, 4 rows 39.7 -> 39.3, 3 rows 39.2 -> 40.4 (not taken). 4864 x 896, 2 threads,
 # panel / row kernel: Q8_0 1.22 at 4 rows, 0.91 at 5, 0.83 at 8; IQ4_NL 1.02, 0.87, 0.84; IQ4_XS
-# 1.46, 1.19, 1.16 (1.04 at 10).
+# 1.46, 1.19, 1.16 (1.04 at 10); with its scales decoded 8 rows at a time (header_xs_avx2), 4864 x
+# 1024: 1.26 at 4, 1.12 at 5, 1.05 at 8, 0.96 at 10 (its row kernel, per 256, is the faster one),
+# so IQ4_XS stays at PANEL_AVX2_SB_ROWS.
 PANEL_AVX2_Q8_ROWS = 5
 PANEL_AVX2_FROM = {**dict.fromkeys(PANEL_AVX2_CHEAP, PANEL_AVX2_ROWS), Q.Q4_K: PANEL_AVX2_K4_ROWS,
                    Q.Q8_0: PANEL_AVX2_Q8_ROWS, Q.IQ4_NL: PANEL_AVX2_Q8_ROWS}
