@@ -396,8 +396,12 @@ void by_groups(int64_t T, const Fn& f, int64_t t = 0) {
 // transposed by dwords.
 #ifdef PQ_AVX2
 
+// the types whose chunks' d unpack_rows_avx2 decodes 8 rows at a time (header_k4_avx2,
+// header_xs_avx2; chunk_avx2 gives them d = 0, as Q6_K and Q3_K, whose scales are elsewhere)
+constexpr bool header_avx2(int64_t qt) { return qt == Q4_K || qt == Q5_K || qt == IQ4_XS; }
+
 // chunk c of one row -> its 32 u (element order), d, m: chunk_scalar's values; the wide types
-// (wide_u) their signed w = u - 128 instead (rows_avx2's sign trick)
+// (wide_u) their signed w = u - 128 instead (rows_avx2's sign trick). (Q5_0 / Q5_1: unpack_q5_avx2.)
 template <int64_t QT>
 inline __m256i chunk_avx2(const uint8_t* row, int64_t c, float& d, float& m) {
   m = 0.f;
@@ -410,24 +414,15 @@ inline __m256i chunk_avx2(const uint8_t* row, int64_t c, float& d, float& m) {
     d = half(b);
     if constexpr (QT == Q4_1) m = half(b + 2);
     return vec::nibbles(b + (QT == Q4_1 ? 4 : 2));
-  } else if constexpr (QT == Q5_0 || QT == Q5_1) {
-    const uint8_t* b = row + (QT == Q5_0 ? sizeof(BlockQ5_0) : sizeof(BlockQ5_1)) * c;
-    const int o = QT == Q5_0 ? 2 : 4;
-    d = half(b);
-    if constexpr (QT == Q5_1) m = half(b + 2);
-    const __m256i hi = _mm256_and_si256(vec::bit_bytes(u32(b + o)), _mm256_set1_epi8(0x10));
-    return _mm256_or_si256(vec::nibbles(b + o + 4), hi);
   } else if constexpr (QT == IQ4_NL) {
     const uint8_t* b = row + sizeof(BlockIQ4_NL) * c;
     d = half(b);
     return vec::lookup16(IQ4_LEVELS, vec::nibbles(b + 2));
-  } else if constexpr (QT == Q4_K || QT == Q5_K) {
+  } else if constexpr (QT == Q4_K || QT == Q5_K) {  // (the scales and mins: header_k4_avx2)
     using B = std::conditional_t<QT == Q4_K, BlockQ4_K, BlockQ5_K>;
     const auto& b = reinterpret_cast<const B*>(row)[c / 8];
     const int j = static_cast<int>(c % 8);
-    int sc, mn;  // (the mins: mins_km)
-    scale_min_k4(b.scales, j, sc, mn);
-    d = half(b.d) * static_cast<float>(sc);
+    d = 0.f;
     __m256i u = vec::bits(b.qs + 32 * (j / 2), 4 * (j % 2), 0x0F);
     if constexpr (QT == Q5_K) u = _mm256_or_si256(u, vec::bit_at(b.qh, j, 4));
     return u;
@@ -449,12 +444,10 @@ inline __m256i chunk_avx2(const uint8_t* row, int64_t c, float& d, float& m) {
     const __m256i sc = _mm256_setr_m128i(_mm_set1_epi16(static_cast<int16_t>(h.scales[2 * j] & 0x0F)),
                                          _mm_set1_epi16(static_cast<int16_t>(h.scales[2 * j + 1] & 0x0F)));
     return _mm256_mullo_epi16(kq::chunk<Q2_K>(b, j), sc);
-  } else {
+  } else {  // (the scales: header_xs_avx2)
     static_assert(QT == IQ4_XS, "not a panel type");
-    const auto& b = reinterpret_cast<const BlockIQ4_XS*>(row)[c / 8];
-    const int j = static_cast<int>(c % 8);
-    d = half(b.d) * static_cast<float>(scale_iq4_xs(b, j));
-    return vec::lookup16(IQ4_LEVELS, vec::nibbles(b.qs + 16 * j));
+    d = 0.f;
+    return vec::lookup16(IQ4_LEVELS, vec::nibbles(reinterpret_cast<const BlockIQ4_XS*>(row)[c / 8].qs + 16 * (c % 8)));
   }
 }
 
@@ -474,24 +467,48 @@ inline void scale_pairs_avx2(int64_t sb, Buf& p) {
   }
 }
 
+// 8 rows' bytes at byte o, transposed by dwords (lane n = row n): rows k and k + 4 share a
+// register, then each 128-bit half is transposed in place, so the lanes come out in row order
+
+// the 8 bytes at o -> h (bytes o..o+3 of each row), l (o+4..o+7)
+PQ_INLINE void rows8x8(const uint8_t* const* rows, int64_t o, __m256i& h, __m256i& l) {
+  __m256i t[4];
+  for (int k = 0; k < 4; ++k)
+    t[k] = _mm256_setr_m128i(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(rows[k] + o)),
+                             _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rows[k + 4] + o)));
+  const __m256i a0 = _mm256_unpacklo_epi32(t[0], t[1]), a1 = _mm256_unpacklo_epi32(t[2], t[3]);
+  h = _mm256_unpacklo_epi64(a0, a1), l = _mm256_unpackhi_epi64(a0, a1);
+}
+
+// the 16 bytes at o -> q[j] (bytes o+4j..o+4j+3 of each row)
+PQ_INLINE void rows8x16(const uint8_t* const* rows, int64_t o, __m256i q[4]) {
+  __m256i t[4];
+  for (int k = 0; k < 4; ++k)
+    t[k] = _mm256_setr_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[k] + o)),
+                             _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[k + 4] + o)));
+  const __m256i a0 = _mm256_unpacklo_epi32(t[0], t[1]), a1 = _mm256_unpackhi_epi32(t[0], t[1]);
+  const __m256i a2 = _mm256_unpacklo_epi32(t[2], t[3]), a3 = _mm256_unpackhi_epi32(t[2], t[3]);
+  q[0] = _mm256_unpacklo_epi64(a0, a2), q[1] = _mm256_unpackhi_epi64(a0, a2);
+  q[2] = _mm256_unpacklo_epi64(a1, a3), q[3] = _mm256_unpackhi_epi64(a1, a3);
+}
+
+// the fp16 value in the low 16 bits of each dword lane -> 8 floats (exact)
+PQ_INLINE __m256 halves8(__m256i v) {
+  return _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permutevar8x32_epi32(
+      _mm256_packus_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_setzero_si256()),
+      _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7))));
+}
+
 // Q4_K / Q5_K super-block sb of 8 rows -> buf's d of its 8 chunks (half(d) * sc, as
 // chunk_scalar), its mins in int16 pairs (mn, as mins_km) and -dmin (dm), 8 rows per instruction:
-// each row's first 16 bytes (d, dmin, scales[0..11]) transposed by dwords, so that lane n of t[0]
-// is d | dmin << 16 of row n and of t[1..3] scales[0..3], [4..7], [8..11]
+// each row's first 16 bytes (d, dmin, scales[0..11]) transposed (lane n of t[0] is d | dmin << 16
+// of row n, of t[1..3] scales[0..3], [4..7], [8..11])
 template <int64_t QT>
 void header_k4_avx2(const uint8_t* const* rows, int64_t sb, Buf& buf) {
   constexpr int64_t B = QT == Q4_K ? sizeof(BlockQ4_K) : sizeof(BlockQ5_K);
   __m256i t[4];
-  for (int k = 0; k < 4; ++k) {  // rows k and k + 4 in one register, then a 4 x 4 dword transpose per lane
-    const auto* lo = reinterpret_cast<const __m128i*>(rows[k] + B * sb);
-    const auto* hi = reinterpret_cast<const __m128i*>(rows[k + 4] + B * sb);
-    t[k] = _mm256_setr_m128i(_mm_loadu_si128(lo), _mm_loadu_si128(hi));
-  }
-  const __m256i a0 = _mm256_unpacklo_epi32(t[0], t[1]), a1 = _mm256_unpackhi_epi32(t[0], t[1]);
-  const __m256i a2 = _mm256_unpacklo_epi32(t[2], t[3]), a3 = _mm256_unpackhi_epi32(t[2], t[3]);
-  const __m256i h = _mm256_unpacklo_epi64(a0, a2), s0 = _mm256_unpackhi_epi64(a0, a2);
-  const __m256i s1 = _mm256_unpacklo_epi64(a1, a3), s2 = _mm256_unpackhi_epi64(a1, a3);
-  // (lane order: rows 0, 1, 2, 3 | 4, 5, 6, 7: each 128-bit half transposed in place)
+  rows8x16(rows, B * sb, t);
+  const __m256i h = t[0], s0 = t[1], s1 = t[2], s2 = t[3];
   const __m256i m6 = _mm256_set1_epi32(0x3F), m4 = _mm256_set1_epi32(0x0F);
   auto byte = [](__m256i v, int k) { return _mm256_and_si256(_mm256_srli_epi32(v, 8 * k), _mm256_set1_epi32(0xFF)); };
   __m256i sc[8], mn[8];
@@ -501,11 +518,7 @@ void header_k4_avx2(const uint8_t* const* rows, int64_t sb, Buf& buf) {
     sc[j + 4] = _mm256_or_si256(_mm256_and_si256(byte(s2, j), m4), _mm256_slli_epi32(_mm256_srli_epi32(byte(s0, j), 6), 4));
     mn[j + 4] = _mm256_or_si256(_mm256_srli_epi32(byte(s2, j), 4), _mm256_slli_epi32(_mm256_srli_epi32(byte(s1, j), 6), 4));
   }
-  const __m256 dd = _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permutevar8x32_epi32(
-      _mm256_packus_epi32(_mm256_and_si256(h, _mm256_set1_epi32(0xFFFF)), _mm256_setzero_si256()),
-      _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7))));
-  const __m256 dmin = _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permutevar8x32_epi32(
-      _mm256_packus_epi32(_mm256_srli_epi32(h, 16), _mm256_setzero_si256()), _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7))));
+  const __m256 dd = halves8(h), dmin = halves8(_mm256_srli_epi32(h, 16));
   for (int j = 0; j < 8; ++j) _mm256_storeu_ps(buf.d.data() + (sb * 8 + j) * NR2, _mm256_mul_ps(dd, _mm256_cvtepi32_ps(sc[j])));
   for (int k = 0; k < 4; ++k)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf.mn.data() + (sb * 4 + k) * NR2),
@@ -515,18 +528,10 @@ void header_k4_avx2(const uint8_t* const* rows, int64_t sb, Buf& buf) {
 
 // Q6_K super-block sb of 8 rows -> buf's scales as rows_avx2_km takes them (scale_pairs_avx2's
 // sc; its w are signed, so no offsets) and d (dm), its 16 signed scales decoded 8 rows per
-// instruction: each row's 16 scale bytes transposed by dwords (lane n of t[i] = scales[4i..4i+3]
-// of row n)
+// instruction from the 16 scale bytes transposed (lane n of s[i] = scales[4i..4i+3] of row n)
 inline void header_q6k_avx2(const uint8_t* const* rows, int64_t sb, Buf& buf) {
-  constexpr int64_t at = offsetof(BlockQ6_K, scales);
-  __m256i t[4];
-  for (int k = 0; k < 4; ++k)
-    t[k] = _mm256_setr_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[k] + sizeof(BlockQ6_K) * sb + at)),
-                             _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[k + 4] + sizeof(BlockQ6_K) * sb + at)));
-  const __m256i a0 = _mm256_unpacklo_epi32(t[0], t[1]), a1 = _mm256_unpackhi_epi32(t[0], t[1]);
-  const __m256i a2 = _mm256_unpacklo_epi32(t[2], t[3]), a3 = _mm256_unpackhi_epi32(t[2], t[3]);
-  const __m256i s[4] = {_mm256_unpacklo_epi64(a0, a2), _mm256_unpackhi_epi64(a0, a2), _mm256_unpacklo_epi64(a1, a3),
-                        _mm256_unpackhi_epi64(a1, a3)};
+  __m256i s[4];
+  rows8x16(rows, sizeof(BlockQ6_K) * sb + offsetof(BlockQ6_K, scales), s);
   __m256i sc[16];  // sign-extended scale h of each row
   for (int h = 0; h < 16; ++h) sc[h] = _mm256_srai_epi32(_mm256_slli_epi32(s[h / 4], 24 - 8 * (h % 4)), 24);
   const __m256i lo = _mm256_set1_epi32(0xFFFF);
@@ -536,20 +541,14 @@ inline void header_q6k_avx2(const uint8_t* const* rows, int64_t sb, Buf& buf) {
 }
 
 // IQ4_XS super-block sb of 8 rows -> buf's d of its 8 chunks (half(d) * (ls - 32), as chunk_scalar),
-// 8 rows per instruction: each row's first 8 bytes (d, scales_h, scales_l) transposed by dwords,
-// so that lane n of h is d | scales_h << 16 of row n and of l its scales_l. Against each row's
-// scales decoded apart (chunk_avx2), Zen 2 EPYC, 2048 x 1536, 1 thread, alternated, ms: 10 rows
-// 0.958-0.969 -> 0.883-0.893, 40 rows 3.13-3.19 -> 3.05-3.10 (the crossover: PANEL_AVX2_FROM).
+// 8 rows per instruction from each row's first 8 bytes transposed (lane n of h is d | scales_h <<
+// 16 of row n, of l its scales_l). Against each row's scales decoded apart (chunk_avx2), Zen 2
+// EPYC, 2048 x 1536, 1 thread, alternated, ms: 10 rows 0.958-0.969 -> 0.883-0.893, 40 rows
+// 3.13-3.19 -> 3.05-3.10 (the crossover: PANEL_AVX2_FROM).
 inline void header_xs_avx2(const uint8_t* const* rows, int64_t sb, Buf& buf) {
-  __m256i t[4];
-  for (int k = 0; k < 4; ++k)  // rows k and k + 4: their 8 bytes in the low half of each lane
-    t[k] = _mm256_setr_m128i(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(rows[k] + sizeof(BlockIQ4_XS) * sb)),
-                             _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rows[k + 4] + sizeof(BlockIQ4_XS) * sb)));
-  const __m256i a0 = _mm256_unpacklo_epi32(t[0], t[1]), a1 = _mm256_unpacklo_epi32(t[2], t[3]);
-  const __m256i h = _mm256_unpacklo_epi64(a0, a1), l = _mm256_unpackhi_epi64(a0, a1);  // lanes: rows 0..7
-  const __m256 dd = _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permutevar8x32_epi32(
-      _mm256_packus_epi32(_mm256_and_si256(h, _mm256_set1_epi32(0xFFFF)), _mm256_setzero_si256()),
-      _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7))));
+  __m256i h, l;
+  rows8x8(rows, sizeof(BlockIQ4_XS) * sb, h, l);
+  const __m256 dd = halves8(h);
   const __m256i m4 = _mm256_set1_epi32(0x0F), m2 = _mm256_set1_epi32(0x30), b32 = _mm256_set1_epi32(32);
   for (int j = 0; j < 8; ++j) {  // scale_iq4_xs: (scales_l nibble j | scales_h bits 2j, 2j + 1 << 4) - 32
     const __m256i lo = _mm256_and_si256(_mm256_srli_epi32(l, 4 * j), m4);
@@ -559,9 +558,42 @@ inline void header_xs_avx2(const uint8_t* const* rows, int64_t sb, Buf& buf) {
   }
 }
 
-// rows[n] (n < NR2) -> buf: u [nb][8][NR2][4], d [nb][NR2], m [nb][NR2] (unpack_scalar's layout, 8 rows)
+// Q5_0 / Q5_1 blocks c of 8 rows -> buf (unpack_avx2's layout), decoded after the transpose, 8 rows
+// per instruction: the quants' 16 bytes (q[j] lane n = qs[4j..4j+3] of row n: quad j in their low
+// nibbles, quad j + 4 in the high ones) and the first 8 bytes (d, qh; Q5_1 d, m, qh). Element
+// 4j + e's fifth bit is bit 4(j % 2) + e of byte j / 2 of qh: that byte copied into the quad's 4
+// bytes, masked by byte, each nonzero mask to 0x10 (a table lookup for bits 0-3, a min for 4-7).
 template <int64_t QT>
-void unpack_avx2(const uint8_t* const* rows, int64_t nb, Buf& buf) {
+void unpack_q5_avx2(const uint8_t* const* rows, int64_t nb, Buf& buf) {
+  constexpr int64_t B = QT == Q5_0 ? sizeof(BlockQ5_0) : sizeof(BlockQ5_1);
+  const __m256i lo4 = _mm256_set1_epi8(0x0F), b4 = _mm256_set1_epi8(0x10);
+  const __m256i any = _mm256_setr_epi8(0, 16, 16, 0, 16, 0, 0, 0, 16, 0, 0, 0, 0, 0, 0, 0,  // (v = 0, 1, 2, 4, 8)
+                                       0, 16, 16, 0, 16, 0, 0, 0, 16, 0, 0, 0, 0, 0, 0, 0);
+  const __m256i mask[2] = {_mm256_set1_epi32(0x08040201), _mm256_set1_epi32(static_cast<int32_t>(0x80402010u))};
+  for (int64_t c = 0; c < nb; ++c) {
+    __m256i h, l, q[4];
+    rows8x8(rows, B * c, h, l);
+    rows8x16(rows, B * c + (QT == Q5_0 ? 6 : 8), q);
+    const __m256i qh = QT == Q5_0 ? _mm256_or_si256(_mm256_srli_epi32(h, 16), _mm256_slli_epi32(l, 16)) : l;
+    _mm256_storeu_ps(buf.d.data() + c * NR2, halves8(h));
+    if constexpr (QT == Q5_1) _mm256_storeu_ps(buf.m.data() + c * NR2, halves8(_mm256_srli_epi32(h, 16)));
+    auto* u = reinterpret_cast<__m256i*>(buf.u.data() + c * 8 * NR2 * 4);
+    for (int j = 0; j < 8; ++j) {
+      const __m256i nib = _mm256_and_si256(j < 4 ? q[j] : _mm256_srli_epi16(q[j - 4], 4), lo4);
+      const __m256i rep = _mm256_shuffle_epi8(qh, _mm256_add_epi32(_mm256_set1_epi32(0x01010101 * (j / 2)),
+                                                                   _mm256_setr_epi32(0, 0x04040404, 0x08080808, 0x0C0C0C0C,
+                                                                                     0, 0x04040404, 0x08080808, 0x0C0C0C0C)));
+      const __m256i bit = _mm256_and_si256(rep, mask[j % 2]);
+      const __m256i hb = j % 2 ? _mm256_min_epu8(bit, b4) : _mm256_shuffle_epi8(any, bit);
+      _mm256_storeu_si256(u + j, _mm256_or_si256(nib, hb));
+    }
+  }
+}
+
+// rows[n] (n < NR2) -> buf: u [nb][8][NR2][4], d [nb][NR2], m [nb][NR2] (unpack_scalar's layout, 8 rows),
+// each row's chunk decoded in element order (chunk_avx2), then 8 rows transposed
+template <int64_t QT>
+void unpack_rows_avx2(const uint8_t* const* rows, int64_t nb, Buf& buf) {
   constexpr bool k4 = QT == Q4_K || QT == Q5_K;  // (their scales: header_k4_avx2, 8 rows at a time)
   for (int64_t c = 0; c < nb; ++c) {
     if constexpr (k4)
@@ -572,18 +604,9 @@ void unpack_avx2(const uint8_t* const* rows, int64_t nb, Buf& buf) {
       if (c % 8 == 0) header_xs_avx2(rows, c / 8, buf);
     __m256 r[8];
     for (int n = 0; n < NR2; ++n) {
-      if constexpr (QT == IQ4_XS) {  // (the scales: header_xs_avx2)
-        const auto& b = reinterpret_cast<const BlockIQ4_XS*>(rows[n])[c / 8];
-        r[n] = _mm256_castsi256_ps(vec::lookup16(IQ4_LEVELS, vec::nibbles(b.qs + 16 * (c % 8))));
-      } else if constexpr (k4) {
-        const auto& b = reinterpret_cast<const std::conditional_t<QT == Q4_K, BlockQ4_K, BlockQ5_K>*>(rows[n])[c / 8];
-        const int j = static_cast<int>(c % 8);
-        __m256i u = vec::bits(b.qs + 32 * (j / 2), 4 * (j % 2), 0x0F);
-        if constexpr (QT == Q5_K) u = _mm256_or_si256(u, vec::bit_at(b.qh, j, 4));
-        r[n] = _mm256_castsi256_ps(u);
-      } else {
-        r[n] = _mm256_castsi256_ps(chunk_avx2<QT>(rows[n], c, buf.d[c * NR2 + n], buf.m[c * NR2 + n]));
-      }
+      float d, m;
+      r[n] = _mm256_castsi256_ps(chunk_avx2<QT>(rows[n], c, d, m));
+      if constexpr (!header_avx2(QT)) buf.d[c * NR2 + n] = d, buf.m[c * NR2 + n] = m;
     }
     vec::V8::transpose(r);  // r[j] lane n = quad j of row n
     auto* u = reinterpret_cast<__m256*>(buf.u.data() + c * 8 * NR2 * 4);
@@ -594,6 +617,13 @@ void unpack_avx2(const uint8_t* const* rows, int64_t nb, Buf& buf) {
         if constexpr (halved(QT)) scale_pairs_avx2(c / 8, buf);
       }
   }
+}
+
+// unpack_rows_avx2's layout: Q5_0 / Q5_1 decoded after the transpose, the others before it
+template <int64_t QT>
+void unpack_avx2(const uint8_t* const* rows, int64_t nb, Buf& buf) {
+  if constexpr (QT == Q5_0 || QT == Q5_1) unpack_q5_avx2<QT>(rows, nb, buf);
+  else unpack_rows_avx2<QT>(rows, nb, buf);
 }
 
 // the 4 activation bytes at p in every lane
