@@ -210,6 +210,15 @@ PANEL_Q6_K_ROWS = 16 if _zen5_cpu() else 12
 PANEL_AVX2_ROWS = 4
 PANEL_AVX2_SB_ROWS = 10
 PANEL_AVX2_CHEAP = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1})
+# Of those, Q5_0 / Q5_1 from PANEL_AVX2_Q5_ROWS (their row kernel pays for the fifth bits per
+# block and row; the panel, once per call, decodes them 8 rows per instruction: unpack_q5_avx2)
+# and Q4_0 from PANEL_AVX2_Q4_0_ROWS. Zen 2 EPYC, 2 threads, int8 step, alternated, ms, the row
+# kernel -> the panel for those weights: the 0.5B Q4_K_M mix (Q5_0) 2 rows 30.4 -> 28.5, 3 rows
+# 40.4 -> 33.9; the same shapes in Q5_1 29.9 -> 28.8, 38.7 -> 32.8; in Q4_0 27.4 -> 27.2, 37.7
+# -> 31.0; in Q4_1 27.3 -> 31.6, 37.4 -> 36.2, and SmolLM2-135M's Q4_1 file 9.7 -> 11.3, 14.3 ->
+# 14.7 (so Q4_1 stays at 4). Q8_0 weights from 4 rows instead of 5: the all-Q8_0 0.5B 42.5 -> 45.2.
+PANEL_AVX2_Q5_ROWS = 2
+PANEL_AVX2_Q4_0_ROWS = 3
 # Q4_K weights (beside those types) from PANEL_AVX2_K4_ROWS: the AVX2 unpacking decodes their
 # super-blocks' scales 8 rows per instruction (header_k4_avx2), half the cost of a call's
 # unpacking before. The 1.5B K-quant file's int8 step on a Zen 2 EPYC (AVX2 only; 2 threads, one
@@ -229,7 +238,8 @@ PANEL_AVX2_K4_ROWS = 6
 # 1024: 1.26 at 4, 1.12 at 5, 1.05 at 8, 0.96 at 10 (its row kernel, per 256, is the faster one),
 # so IQ4_XS stays at PANEL_AVX2_SB_ROWS.
 PANEL_AVX2_Q8_ROWS = 5
-PANEL_AVX2_FROM = {**dict.fromkeys(PANEL_AVX2_CHEAP, PANEL_AVX2_ROWS), Q.Q4_K: PANEL_AVX2_K4_ROWS,
+PANEL_AVX2_FROM = {**dict.fromkeys(PANEL_AVX2_CHEAP, PANEL_AVX2_ROWS), Q.Q5_0: PANEL_AVX2_Q5_ROWS,
+                   Q.Q5_1: PANEL_AVX2_Q5_ROWS, Q.Q4_0: PANEL_AVX2_Q4_0_ROWS, Q.Q4_K: PANEL_AVX2_K4_ROWS,
                    Q.Q8_0: PANEL_AVX2_Q8_ROWS, Q.IQ4_NL: PANEL_AVX2_Q8_ROWS}
 
 
