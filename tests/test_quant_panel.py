@@ -217,7 +217,7 @@ def test_k_quant_weights_take_the_panel_from_panel_sb_rows() -> None:
                     reason="needs the kernel built with AVX2")
 def test_avx2_cpu_takes_the_avx2_panel_from_its_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without VNNI (an AVX2 CPU; here the ISA limit at AVX2): Q5_0/Q5_1 weights take the AVX2
-    panel from PANEL_AVX2_Q5_ROWS rows, Q4_0 from PANEL_AVX2_Q4_0_ROWS, Q4_1 from PANEL_AVX2_ROWS,
+    panel from PANEL_AVX2_Q5_ROWS rows (Q4_0 too), Q4_1 from PANEL_AVX2_Q4_1_ROWS,
     Q8_0 and IQ4_NL from PANEL_AVX2_Q8_ROWS, Q4_K
     from PANEL_AVX2_K4_ROWS, any other panel type (Q5_K, Q6_K, IQ4_XS) from PANEL_AVX2_SB_ROWS,
     a weight of several types from the largest of theirs, one with a Q2_K or Q3_K segment past
@@ -228,8 +228,8 @@ def test_avx2_cpu_takes_the_avx2_panel_from_its_rows(monkeypatch: pytest.MonkeyP
         assert qkernel.panel() is not None and torch.ops.pagedkv_a8.panel_avx2()
         k = 512
         cases = [([(Q.Q5_0, _blocks(Q.Q5_0, 21, k, 1))], quant.PANEL_AVX2_Q5_ROWS),
-                 ([(Q.Q5_1, _blocks(Q.Q5_1, 9, k, 18)), (Q.Q4_0, _blocks(Q.Q4_0, 7, k, 19))], quant.PANEL_AVX2_Q4_0_ROWS),
-                 ([(Q.Q4_1, _blocks(Q.Q4_1, 11, k, 20)), (Q.Q5_0, _blocks(Q.Q5_0, 3, k, 21))], quant.PANEL_AVX2_ROWS),
+                 ([(Q.Q5_1, _blocks(Q.Q5_1, 9, k, 18)), (Q.Q4_0, _blocks(Q.Q4_0, 7, k, 19))], quant.PANEL_AVX2_Q5_ROWS),
+                 ([(Q.Q4_1, _blocks(Q.Q4_1, 11, k, 20)), (Q.Q5_0, _blocks(Q.Q5_0, 3, k, 21))], quant.PANEL_AVX2_Q4_1_ROWS),
                  ([(Q.Q4_1, _weights(Q.Q4_1, 9, k, 2)), (Q.Q8_0, _weights(Q.Q8_0, 5, k, 3))], quant.PANEL_AVX2_Q8_ROWS),
                  ([(Q.IQ4_NL, _blocks(Q.IQ4_NL, 10, k, 14))], quant.PANEL_AVX2_Q8_ROWS),
                  ([(Q.Q8_0, _weights(Q.Q8_0, 6, k, 15)), (Q.Q4_K, _blocks(Q.Q4_K, 8, k, 16))], quant.PANEL_AVX2_K4_ROWS),

@@ -198,27 +198,26 @@ PANEL_Q6_K_ROWS = 16 if _zen5_cpu() else 12
 # rows: 11.2 -> 6.4, 11.1 -> 7.9): from A8_SB_ROWS + 1 rows there
 # Without VNNI (an AVX2 CPU: the panel's maddubs code, 8 weight rows a panel) the AVX2 row kernel
 # holds out longer where a type's products cost more there (Q8_0 / IQ4_NL / IQ4_XS: two maddubs
-# a quad; the K-quants: scales unpacked per row): PANEL_AVX2_ROWS for weights of only Q4_0 / Q4_1
-# / Q5_0 / Q5_1, PANEL_AVX2_SB_ROWS with any other type. 1 thread, PAGEDKV_MAX_ISA=avx2 on the
-# Zen 4, 2048 x 1536, ns per multiply-add, panel / row kernel, interleaved min of 5: Q5_0 0.022 /
+# a quad; the K-quants: scales unpacked per row): the rows below for weights of only Q4_0 / Q4_1 /
+# Q5_0 / Q5_1 (4 before unpack_q45_avx2), PANEL_AVX2_SB_ROWS with any other type. 1 thread,
+# PAGEDKV_MAX_ISA=avx2 on the Zen 4, 2048 x 1536, ns per multiply-add, panel / row kernel, interleaved min of 5: Q5_0 0.022 /
 # 0.032 at 4 rows, 0.016 / 0.031 at 8; Q8_0 0.034 / 0.027 at 4, 0.028 / 0.027 at 8, 0.026 /
 # 0.028 at 16; Q4_K 0.032 / 0.022 at 4, 0.022 / 0.021 at 8, 0.018 / 0.021 at 16; Q6_K 0.024 /
 # 0.022 at 8, 0.020 / 0.021 at 16 (and the row kernel's Q6_K stops at A8_SB_ROWS); IQ4_NL 0.027
 # / 0.028 at 8. At 40 rows the panel: Q4_0 / Q4_1 / Q5_0 0.013, Q4_K 0.015, Q6_K 0.017, Q8_0
 # 0.026 (VNNI: 0.007-0.008). A step's matmuls of the Qwen2.5-0.5B Q4_K_M mix, 2 threads, ms,
 # row kernel -> panel: 349 -> 200 at 40 rows, 2,176 (the tiles) -> 1,285 at 256.
-PANEL_AVX2_ROWS = 4
 PANEL_AVX2_SB_ROWS = 10
-PANEL_AVX2_CHEAP = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1})
-# Of those, Q5_0 / Q5_1 from PANEL_AVX2_Q5_ROWS (their row kernel pays for the fifth bits per
-# block and row; the panel, once per call, decodes them 8 rows per instruction: unpack_q5_avx2)
-# and Q4_0 from PANEL_AVX2_Q4_0_ROWS. Zen 2 EPYC, 2 threads, int8 step, alternated, ms, the row
-# kernel -> the panel for those weights: the 0.5B Q4_K_M mix (Q5_0) 2 rows 30.4 -> 28.5, 3 rows
-# 40.4 -> 33.9; the same shapes in Q5_1 29.9 -> 28.8, 38.7 -> 32.8; in Q4_0 27.4 -> 27.2, 37.7
-# -> 31.0; in Q4_1 27.3 -> 31.6, 37.4 -> 36.2, and SmolLM2-135M's Q4_1 file 9.7 -> 11.3, 14.3 ->
-# 14.7 (so Q4_1 stays at 4). Q8_0 weights from 4 rows instead of 5: the all-Q8_0 0.5B 42.5 -> 45.2.
+# Q5_0 / Q5_1 / Q4_0 weights from PANEL_AVX2_Q5_ROWS and Q4_1 from PANEL_AVX2_Q4_1_ROWS: their
+# row kernel decodes each block per call and row (Q5's fifth bits the most), the panel once per call,
+# 8 rows per instruction after the transpose (unpack_q45_avx2). Zen 2 EPYC, 2 threads, int8 step,
+# alternated, ms, the row kernel -> the panel for those weights: the 0.5B Q4_K_M mix (Q5_0) 2 rows
+# 30.4 -> 28.5, 3 rows 40.4 -> 33.9; the same shapes in Q5_1 29.9 -> 28.8, 38.7 -> 32.8; in Q4_0
+# 28.7 -> 27.2, 37.7 -> 31.0; in Q4_1 25.7 -> 27.1 (so not 2), 35.6 -> 31.2, and SmolLM2-135M's
+# Q4_1 file 9.7 -> 10.8, 14.0 -> 13.5. Q8_0 weights from 4 rows instead of 5: the all-Q8_0 0.5B
+# 42.5 -> 45.2 (so not).
 PANEL_AVX2_Q5_ROWS = 2
-PANEL_AVX2_Q4_0_ROWS = 3
+PANEL_AVX2_Q4_1_ROWS = 3
 # Q4_K weights (beside those types) from PANEL_AVX2_K4_ROWS: the AVX2 unpacking decodes their
 # super-blocks' scales 8 rows per instruction (header_k4_avx2), half the cost of a call's
 # unpacking before. The 1.5B K-quant file's int8 step on a Zen 2 EPYC (AVX2 only; 2 threads, one
@@ -238,9 +237,9 @@ PANEL_AVX2_K4_ROWS = 6
 # 1024: 1.26 at 4, 1.12 at 5, 1.05 at 8, 0.96 at 10 (its row kernel, per 256, is the faster one),
 # so IQ4_XS stays at PANEL_AVX2_SB_ROWS.
 PANEL_AVX2_Q8_ROWS = 5
-PANEL_AVX2_FROM = {**dict.fromkeys(PANEL_AVX2_CHEAP, PANEL_AVX2_ROWS), Q.Q5_0: PANEL_AVX2_Q5_ROWS,
-                   Q.Q5_1: PANEL_AVX2_Q5_ROWS, Q.Q4_0: PANEL_AVX2_Q4_0_ROWS, Q.Q4_K: PANEL_AVX2_K4_ROWS,
-                   Q.Q8_0: PANEL_AVX2_Q8_ROWS, Q.IQ4_NL: PANEL_AVX2_Q8_ROWS}
+PANEL_AVX2_FROM = {Q.Q5_0: PANEL_AVX2_Q5_ROWS, Q.Q5_1: PANEL_AVX2_Q5_ROWS, Q.Q4_0: PANEL_AVX2_Q5_ROWS,
+                   Q.Q4_1: PANEL_AVX2_Q4_1_ROWS, Q.Q4_K: PANEL_AVX2_K4_ROWS, Q.Q8_0: PANEL_AVX2_Q8_ROWS,
+                   Q.IQ4_NL: PANEL_AVX2_Q8_ROWS}
 
 
 def panel_rows(qtypes: Iterable[Q]) -> int:
@@ -250,7 +249,7 @@ def panel_rows(qtypes: Iterable[Q]) -> int:
     if not qkernel.vnni():
         if qtypes & {Q.Q2_K, Q.Q3_K}:  # the row kernel leads up to its cap (A8_SB_ROWS), the panel after
             return A8_SB_ROWS + 1
-        return max((PANEL_AVX2_FROM.get(q, PANEL_AVX2_SB_ROWS) for q in qtypes), default=PANEL_AVX2_ROWS)
+        return max((PANEL_AVX2_FROM.get(q, PANEL_AVX2_SB_ROWS) for q in qtypes), default=PANEL_AVX2_Q5_ROWS)
     if Q.Q6_K in qtypes:
         return PANEL_Q6_K_ROWS
     return PANEL_SB_ROWS if qtypes & A8_SB_TYPES else PANEL_ROWS
