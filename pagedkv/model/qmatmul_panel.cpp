@@ -396,12 +396,12 @@ void by_groups(int64_t T, const Fn& f, int64_t t = 0) {
 // transposed by dwords.
 #ifdef PQ_AVX2
 
-// the types whose chunks' d unpack_rows_avx2 decodes 8 rows at a time (header_k4_avx2,
-// header_xs_avx2; chunk_avx2 gives them d = 0, as Q6_K and Q3_K, whose scales are elsewhere)
-constexpr bool header_avx2(int64_t qt) { return qt == Q4_K || qt == Q5_K || qt == IQ4_XS; }
+// the types whose chunks' d unpack_rows_avx2 decodes 8 rows at a time (header_k4_avx2):
+// chunk_avx2 gives them d = 0, as Q6_K and Q3_K, whose scales live elsewhere in Buf
+constexpr bool header_avx2(int64_t qt) { return qt == Q4_K || qt == Q5_K; }
 
 // chunk c of one row -> its 32 u (element order), d, m: chunk_scalar's values; the wide types
-// (wide_u) their signed w = u - 128 instead (rows_avx2's sign trick). (Q4_0 / Q4_1 / Q5_0 / Q5_1: unpack_q45_avx2.)
+// (wide_u) their signed w = u - 128 instead (rows_avx2's sign trick). (The nibble_chunks types: unpack_nibbles_avx2.)
 template <int64_t QT>
 inline __m256i chunk_avx2(const uint8_t* row, int64_t c, float& d, float& m) {
   m = 0.f;
@@ -409,10 +409,6 @@ inline __m256i chunk_avx2(const uint8_t* row, int64_t c, float& d, float& m) {
     const uint8_t* b = row + sizeof(BlockQ8_0) * c;
     d = half(b);
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
-  } else if constexpr (QT == IQ4_NL) {
-    const uint8_t* b = row + sizeof(BlockIQ4_NL) * c;
-    d = half(b);
-    return vec::lookup16(IQ4_LEVELS, vec::nibbles(b + 2));
   } else if constexpr (QT == Q4_K || QT == Q5_K) {  // (the scales and mins: header_k4_avx2)
     using B = std::conditional_t<QT == Q4_K, BlockQ4_K, BlockQ5_K>;
     const auto& b = reinterpret_cast<const B*>(row)[c / 8];
@@ -431,7 +427,8 @@ inline __m256i chunk_avx2(const uint8_t* row, int64_t c, float& d, float& m) {
   } else if constexpr (QT == Q3_K) {  // (the scales and d: mins_km)
     d = 0.f;
     return kq::chunk<Q3_K>(row + sizeof(BlockQ3_K) * (c / 8), static_cast<int>(c % 8));
-  } else if constexpr (QT == Q2_K) {  // q times its half's scale: 16-bit products, each byte's fits
+  } else {  // Q2_K: q times its half's scale: 16-bit products, each byte's fits
+    static_assert(QT == Q2_K, "not a panel type (or a nibble_chunks one: unpack_nibbles_avx2)");
     const uint8_t* b = row + sizeof(BlockQ2_K) * (c / 8);
     const auto& h = *reinterpret_cast<const BlockQ2_K*>(b);
     const int j = static_cast<int>(c % 8);
@@ -439,10 +436,6 @@ inline __m256i chunk_avx2(const uint8_t* row, int64_t c, float& d, float& m) {
     const __m256i sc = _mm256_setr_m128i(_mm_set1_epi16(static_cast<int16_t>(h.scales[2 * j] & 0x0F)),
                                          _mm_set1_epi16(static_cast<int16_t>(h.scales[2 * j + 1] & 0x0F)));
     return _mm256_mullo_epi16(kq::chunk<Q2_K>(b, j), sc);
-  } else {  // (the scales: header_xs_avx2)
-    static_assert(QT == IQ4_XS, "not a panel type");
-    d = 0.f;
-    return vec::lookup16(IQ4_LEVELS, vec::nibbles(reinterpret_cast<const BlockIQ4_XS*>(row)[c / 8].qs + 16 * (c % 8)));
   }
 }
 
@@ -553,30 +546,42 @@ inline void header_xs_avx2(const uint8_t* const* rows, int64_t sb, Buf& buf) {
   }
 }
 
-// Q4_0 / Q4_1 / Q5_0 / Q5_1 blocks of 8 rows -> buf (unpack_rows_avx2's layout), decoded after the
-// transpose, 8 rows per instruction: the quants' 16 bytes (q[j] lane n = qs[4j..4j+3] of row n:
-// quad j in their low nibbles, quad j + 4 in the high ones) and the first 8 bytes (d, m, qh).
-// Q5's element 4j + e takes bit 4(j % 2) + e of byte j / 2 of qh as its 0x10: that byte copied
-// into the quad's 4 bytes, masked by byte, each nonzero mask to 0x10 (a table lookup for bits
-// 0-3, a min for 4-7). Against each row's block decoded in element order and 8 rows transposed:
-// Zen 2 EPYC, 1 thread, 4864 x 896, alternated, a call's fixed cost (fit over 8-40 rows) Q5_0
-// 0.27 -> 0.22 ms, 8 rows 0.81 -> 0.76 ms, 40 rows 2.95 -> 2.89.
+// the types whose chunks hold their 32 quants as 16 bytes of nibbles (element i low, i + 16 high)
+constexpr bool nibble_chunks(int64_t qt) {
+  return qt == Q4_0 || qt == Q4_1 || qt == Q5_0 || qt == Q5_1 || qt == IQ4_NL || qt == IQ4_XS;
+}
+
+// A nibble_chunks type's chunks of 8 rows -> buf (unpack_rows_avx2's layout), decoded after the
+// transpose, 8 rows per instruction: the chunk's 16 quant bytes (q[j] lane n = bytes 4j..4j+3 of
+// row n: quad j in their low nibbles, quad j + 4 in the high ones) and the block's first 8 bytes
+// (d, m, qh; IQ4_XS's scales: header_xs_avx2). Q5's element 4j + e takes bit 4(j % 2) + e of byte
+// j / 2 of qh as its 0x10: that byte copied into the quad's 4 bytes, masked by byte, each nonzero
+// mask to 0x10 (a table lookup for bits 0-3, a min for 4-7); IQ4's nibbles index their levels.
+// Against each row's chunk decoded in element order and 8 rows transposed: Zen 2 EPYC, 1 thread,
+// 4864 x 896, alternated, a call's fixed cost (fit over 8-40 rows) Q5_0 0.27 -> 0.22 ms (8 rows
+// 0.81 -> 0.76 ms), Q4_0 0.24 -> 0.20 (0.74 -> 0.70).
 template <int64_t QT>
-void unpack_q45_avx2(const uint8_t* const* rows, int64_t nb, Buf& buf) {
+void unpack_nibbles_avx2(const uint8_t* const* rows, int64_t nb, Buf& buf) {
   constexpr bool five = QT == Q5_0 || QT == Q5_1;
-  constexpr int64_t B = QT == Q4_0 ? sizeof(BlockQ4_0) : QT == Q4_1 ? sizeof(BlockQ4_1)
-                      : QT == Q5_0 ? sizeof(BlockQ5_0) : sizeof(BlockQ5_1);
-  constexpr int64_t at = QT == Q4_0 ? 2 : QT == Q4_1 ? 4 : QT == Q5_0 ? 6 : 8;  // the quants
+  constexpr int64_t B = QT == Q4_0 ? sizeof(BlockQ4_0) : QT == Q4_1 ? sizeof(BlockQ4_1) : QT == IQ4_NL ? sizeof(BlockIQ4_NL)
+                      : QT == Q5_0 ? sizeof(BlockQ5_0) : QT == Q5_1 ? sizeof(BlockQ5_1) : sizeof(BlockIQ4_XS);
+  constexpr int64_t at = QT == Q4_0 || QT == IQ4_NL ? 2 : QT == Q4_1 ? 4 : QT == Q5_0 ? 6 : 8;  // the quants
   const __m256i lo4 = _mm256_set1_epi8(0x0F), b4 = _mm256_set1_epi8(0x10);
+  const __m256i levels = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_LEVELS)));
   const __m256i any = _mm256_setr_epi8(0, 16, 16, 0, 16, 0, 0, 0, 16, 0, 0, 0, 0, 0, 0, 0,  // (v = 0, 1, 2, 4, 8)
                                        0, 16, 16, 0, 16, 0, 0, 0, 16, 0, 0, 0, 0, 0, 0, 0);
   const __m256i mask[2] = {_mm256_set1_epi32(0x08040201), _mm256_set1_epi32(static_cast<int32_t>(0x80402010u))};
   for (int64_t c = 0; c < nb; ++c) {
     __m256i h, l, q[4];
-    rows8x8(rows, B * c, h, l);
-    rows8x16(rows, B * c + at, q);
-    _mm256_storeu_ps(buf.d.data() + c * NR2, halves8(h));
-    if constexpr (has_m(QT)) _mm256_storeu_ps(buf.m.data() + c * NR2, halves8(_mm256_srli_epi32(h, 16)));
+    if constexpr (QT == IQ4_XS) {
+      if (c % 8 == 0) header_xs_avx2(rows, c / 8, buf);
+      rows8x16(rows, B * (c / 8) + at + 16 * (c % 8), q);
+    } else {
+      rows8x8(rows, B * c, h, l);
+      rows8x16(rows, B * c + at, q);
+      _mm256_storeu_ps(buf.d.data() + c * NR2, halves8(h));
+      if constexpr (has_m(QT)) _mm256_storeu_ps(buf.m.data() + c * NR2, halves8(_mm256_srli_epi32(h, 16)));
+    }
     const __m256i qh = QT == Q5_0 ? _mm256_or_si256(_mm256_srli_epi32(h, 16), _mm256_slli_epi32(l, 16)) : l;
     auto* u = reinterpret_cast<__m256i*>(buf.u.data() + c * 8 * NR2 * 4);
     for (int j = 0; j < 8; ++j) {
@@ -588,6 +593,7 @@ void unpack_q45_avx2(const uint8_t* const* rows, int64_t nb, Buf& buf) {
         const __m256i bit = _mm256_and_si256(rep, mask[j % 2]);
         v = _mm256_or_si256(v, j % 2 ? _mm256_min_epu8(bit, b4) : _mm256_shuffle_epi8(any, bit));
       }
+      if constexpr (QT == IQ4_NL || QT == IQ4_XS) v = _mm256_shuffle_epi8(levels, v);  // (signed: the sign trick's w)
       _mm256_storeu_si256(u + j, v);
     }
   }
@@ -603,8 +609,6 @@ void unpack_rows_avx2(const uint8_t* const* rows, int64_t nb, Buf& buf) {
       if (c % 8 == 0) header_k4_avx2<QT>(rows, c / 8, buf);
     if constexpr (QT == Q6_K)
       if (c % 8 == 0) header_q6k_avx2(rows, c / 8, buf);
-    if constexpr (QT == IQ4_XS)
-      if (c % 8 == 0) header_xs_avx2(rows, c / 8, buf);
     __m256 r[8];
     for (int n = 0; n < NR2; ++n) {
       float d, m;
@@ -622,10 +626,10 @@ void unpack_rows_avx2(const uint8_t* const* rows, int64_t nb, Buf& buf) {
   }
 }
 
-// unpack_rows_avx2's layout: Q4_0 / Q4_1 / Q5_0 / Q5_1 decoded after the transpose, the others before it
+// unpack_rows_avx2's layout: the nibble_chunks types decoded after the transpose, the others before it
 template <int64_t QT>
 void unpack_avx2(const uint8_t* const* rows, int64_t nb, Buf& buf) {
-  if constexpr (QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1) unpack_q45_avx2<QT>(rows, nb, buf);
+  if constexpr (nibble_chunks(QT)) unpack_nibbles_avx2<QT>(rows, nb, buf);
   else unpack_rows_avx2<QT>(rows, nb, buf);
 }
 

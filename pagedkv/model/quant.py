@@ -199,7 +199,7 @@ PANEL_Q6_K_ROWS = 16 if _zen5_cpu() else 12
 # Without VNNI (an AVX2 CPU: the panel's maddubs code, 8 weight rows a panel) the AVX2 row kernel
 # holds out longer where a type's products cost more there (Q8_0 / IQ4_NL / IQ4_XS: two maddubs
 # a quad; the K-quants: scales unpacked per row): the rows below for weights of only Q4_0 / Q4_1 /
-# Q5_0 / Q5_1 (4 before unpack_q45_avx2), PANEL_AVX2_SB_ROWS with any other type. 1 thread,
+# Q5_0 / Q5_1 (4 before unpack_nibbles_avx2), PANEL_AVX2_SB_ROWS with any other type. 1 thread,
 # PAGEDKV_MAX_ISA=avx2 on the Zen 4, 2048 x 1536, ns per multiply-add, panel / row kernel, interleaved min of 5: Q5_0 0.022 /
 # 0.032 at 4 rows, 0.016 / 0.031 at 8; Q8_0 0.034 / 0.027 at 4, 0.028 / 0.027 at 8, 0.026 /
 # 0.028 at 16; Q4_K 0.032 / 0.022 at 4, 0.022 / 0.021 at 8, 0.018 / 0.021 at 16; Q6_K 0.024 /
@@ -210,7 +210,7 @@ PANEL_Q6_K_ROWS = 16 if _zen5_cpu() else 12
 PANEL_AVX2_SB_ROWS = 10
 # Q5_0 / Q5_1 / Q4_0 weights from PANEL_AVX2_Q5_ROWS and Q4_1 from PANEL_AVX2_Q4_1_ROWS: their
 # row kernel decodes each block per call and row (Q5's fifth bits the most), the panel once per call,
-# 8 rows per instruction after the transpose (unpack_q45_avx2). Zen 2 EPYC, 2 threads, int8 step,
+# 8 rows per instruction after the transpose (unpack_nibbles_avx2). Zen 2 EPYC, 2 threads, int8 step,
 # alternated, ms, the row kernel -> the panel for those weights: the 0.5B Q4_K_M mix (Q5_0) 2 rows
 # 30.4 -> 28.5, 3 rows 40.4 -> 33.9; the same shapes in Q5_1 29.9 -> 28.8, 38.7 -> 32.8; in Q4_0
 # 28.7 -> 27.2, 37.7 -> 31.0; in Q4_1 25.7 -> 27.1 (so not 2), 35.6 -> 31.2, and SmolLM2-135M's
