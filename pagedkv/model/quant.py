@@ -223,8 +223,10 @@ PANEL_AVX2_Q4_1_ROWS = 3
 # unpacking before. The 1.5B K-quant file's int8 step on a Zen 2 EPYC (AVX2 only; 2 threads, one
 # engine, alternated, medians), Q4_K-only weights from these rows instead of 12 (its Q6_K ones as
 # before): 8 rows 185.1 -> 159.1 ms (every weight from 8: 165.7), 6 rows 142.2 -> 129.1, 4 rows
-# 97.0 -> 99.6 (not taken); the 0.5B Q4_K_M mix at 8 rows 66.4 -> 62.3.
-PANEL_AVX2_K4_ROWS = 6
+# 97.0 -> 99.6 (not taken); the 0.5B Q4_K_M mix at 8 rows 66.4 -> 62.3. With their quants decoded
+# after the transpose too (unpack_k4_avx2), from 4 rows instead of 6: 5 rows 124.6 -> 112.7, 4
+# rows 96.6 -> 94.1 and 95.3 -> 92.4 (the 0.5B mix 37.0 -> 37.3), 3 rows 82.3 -> 83.1 (not taken).
+PANEL_AVX2_K4_ROWS = 4
 # Q8_0 and IQ4_NL from PANEL_AVX2_Q8_ROWS (their panel by the sign trick, one maddubs a quad, two
 # panels at a time), any other type (Q6_K, Q5_K, IQ4_XS) from PANEL_AVX2_SB_ROWS (Q6_K's scales
 # decoded 8 rows at a time too); a weight of several types from the largest of theirs. The same
