@@ -397,7 +397,8 @@ void by_groups(int64_t T, const Fn& f, int64_t t = 0) {
 #ifdef PQ_AVX2
 
 // chunk c of one row -> its 32 u (element order), d, m: chunk_scalar's values; the wide types
-// (wide_u) their signed w = u - 128 instead (rows_avx2's sign trick). (The nibble_chunks types: unpack_nibbles_avx2; Q4_K, Q5_K: unpack_k4_avx2.)
+// (wide_u) their signed w = u - 128 instead (rows_avx2's sign trick). (The nibble_chunks types:
+// unpack_nibbles_avx2; Q4_K, Q5_K: unpack_k4_avx2.)
 template <int64_t QT>
 inline __m256i chunk_avx2(const uint8_t* row, int64_t c, float& d, float& m) {
   m = 0.f;
@@ -560,7 +561,7 @@ void unpack_nibbles_avx2(const uint8_t* const* rows, int64_t nb, Buf& buf) {
                                        0, 16, 16, 0, 16, 0, 0, 0, 16, 0, 0, 0, 0, 0, 0, 0);
   const __m256i mask[2] = {_mm256_set1_epi32(0x08040201), _mm256_set1_epi32(static_cast<int32_t>(0x80402010u))};
   for (int64_t c = 0; c < nb; ++c) {
-    __m256i h, l, q[4];
+    __m256i h = _mm256_setzero_si256(), l = h, q[4];  // (IQ4_XS: h, l unused)
     if constexpr (QT == IQ4_XS) {
       if (c % 8 == 0) header_xs_avx2(rows, c / 8, buf);
       rows8x16(rows, B * (c / 8) + at + 16 * (c % 8), q);
@@ -644,7 +645,8 @@ void unpack_rows_avx2(const uint8_t* const* rows, int64_t nb, Buf& buf) {
   }
 }
 
-// unpack_rows_avx2's layout: the nibble_chunks types, Q4_K and Q5_K decoded after the transpose, the others before it
+// unpack_rows_avx2's layout: the nibble_chunks types, Q4_K and Q5_K decoded after the transpose,
+// the others before it
 template <int64_t QT>
 void unpack_avx2(const uint8_t* const* rows, int64_t nb, Buf& buf) {
   if constexpr (nibble_chunks(QT)) unpack_nibbles_avx2<QT>(rows, nb, buf);
