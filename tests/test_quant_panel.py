@@ -218,8 +218,8 @@ def test_k_quant_weights_take_the_panel_from_panel_sb_rows() -> None:
 def test_avx2_cpu_takes_the_avx2_panel_from_its_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without VNNI (an AVX2 CPU; here the ISA limit at AVX2): Q5_0/Q5_1 weights take the AVX2
     panel from PANEL_AVX2_Q5_ROWS rows (Q4_0 too), Q4_1 from PANEL_AVX2_Q4_1_ROWS,
-    Q8_0 and IQ4_NL from PANEL_AVX2_Q8_ROWS, Q4_K
-    from PANEL_AVX2_K4_ROWS, any other panel type (Q5_K, Q6_K, IQ4_XS) from PANEL_AVX2_SB_ROWS,
+    Q8_0 and IQ4_NL from PANEL_AVX2_Q8_ROWS, Q6_K from PANEL_AVX2_Q6_ROWS, Q4_K
+    from PANEL_AVX2_K4_ROWS, any other panel type (Q5_K, IQ4_XS) from PANEL_AVX2_SB_ROWS,
     a weight of several types from the largest of theirs, one with a Q2_K or Q3_K segment past
     the row kernel's cap (A8_SB_ROWS); below, the row kernel."""
     monkeypatch.setattr(qkernel._kernel, "vnni", False)
@@ -235,11 +235,13 @@ def test_avx2_cpu_takes_the_avx2_panel_from_its_rows(monkeypatch: pytest.MonkeyP
                  ([(Q.Q8_0, _weights(Q.Q8_0, 6, k, 15)), (Q.Q4_K, _blocks(Q.Q4_K, 8, k, 16))],
                   max(quant.PANEL_AVX2_K4_ROWS, quant.PANEL_AVX2_Q8_ROWS)),
                  ([(Q.IQ4_XS, _blocks(Q.IQ4_XS, 9, k, 17))], quant.PANEL_AVX2_SB_ROWS),
-                 ([(Q.Q8_0, _weights(Q.Q8_0, 19, k, 12)), (Q.Q6_K, _blocks(Q.Q6_K, 5, k, 13))], quant.PANEL_AVX2_SB_ROWS),
+                 ([(Q.Q8_0, _weights(Q.Q8_0, 19, k, 12)), (Q.Q6_K, _blocks(Q.Q6_K, 5, k, 13))],
+                  max(quant.PANEL_AVX2_Q8_ROWS, quant.PANEL_AVX2_Q6_ROWS)),
+                 ([(Q.Q6_K, _blocks(Q.Q6_K, 6, k, 22)), (Q.IQ4_XS, _blocks(Q.IQ4_XS, 5, k, 23))], quant.PANEL_AVX2_SB_ROWS),
                  ([(Q.Q4_K, _blocks(Q.Q4_K, 11, k, 4))], quant.PANEL_AVX2_K4_ROWS),
                  ([(Q.Q4_K, _blocks(Q.Q4_K, 9, k, 8)), (Q.Q5_0, _blocks(Q.Q5_0, 4, k, 9))], quant.PANEL_AVX2_K4_ROWS),
                  ([(Q.Q4_K, _blocks(Q.Q4_K, 9, k, 10)), (Q.Q5_K, _blocks(Q.Q5_K, 4, k, 11))], quant.PANEL_AVX2_SB_ROWS),
-                 ([(Q.Q6_K, _blocks(Q.Q6_K, 7, k, 5))], quant.PANEL_AVX2_SB_ROWS),
+                 ([(Q.Q6_K, _blocks(Q.Q6_K, 7, k, 5))], quant.PANEL_AVX2_Q6_ROWS),
                  ([(Q.Q2_K, _blocks(Q.Q2_K, 13, k, 6)), (Q.Q3_K, _blocks(Q.Q3_K, 6, k, 7))], quant.A8_SB_ROWS + 1)]
         for parts, first in cases:
             assert quant.panel_rows(q for q, _ in parts) == first

@@ -227,9 +227,13 @@ PANEL_AVX2_Q4_1_ROWS = 3
 # after the transpose too (unpack_k4_avx2), from 4 rows instead of 6: 5 rows 124.6 -> 112.7, 4
 # rows 96.6 -> 94.1 and 95.3 -> 92.4 (the 0.5B mix 37.0 -> 37.3), 3 rows 82.3 -> 83.1 (not taken).
 PANEL_AVX2_K4_ROWS = 4
+# Q6_K weights from PANEL_AVX2_Q6_ROWS, with its quants decoded after the transpose too
+# (unpack_q6k_avx2): the 1.5B's step (its Q6_K weights from these rows instead of 10) at 8 rows
+# 153.1 -> 146.3 ms, the 0.5B mix's 59.0 -> 58.6; at 6 rows 122.7 -> 122.1 (so not lower).
+PANEL_AVX2_Q6_ROWS = 8
 # Q8_0 and IQ4_NL from PANEL_AVX2_Q8_ROWS (their panel by the sign trick, one maddubs a quad, two
-# panels at a time), any other type (Q6_K, Q5_K, IQ4_XS) from PANEL_AVX2_SB_ROWS (Q6_K's scales
-# decoded 8 rows at a time too); a weight of several types from the largest of theirs. The same
+# panels at a time), any other type (Q5_K, IQ4_XS; Q6_K before unpack_q6k_avx2) from
+# PANEL_AVX2_SB_ROWS (Q6_K's scales decoded 8 rows at a time too); a weight of several types from the largest of theirs. The same
 # Zen 2, alternated step medians, ms: every weight from 10 at 10 rows 80.7 -> 75.1; the 1.5B at 10
 # rows (its Q6_K weights from 10) 192.7 -> 185.8, at 8 rows from 8 163.9 -> 166.0 (not taken); the
 # 0.5B mix, its weights with a Q8_0 segment from these rows instead of 8: 6 rows 54.5 -> 51.1, 5
@@ -240,8 +244,8 @@ PANEL_AVX2_K4_ROWS = 4
 # so IQ4_XS stays at PANEL_AVX2_SB_ROWS.
 PANEL_AVX2_Q8_ROWS = 5
 PANEL_AVX2_FROM = {Q.Q5_0: PANEL_AVX2_Q5_ROWS, Q.Q5_1: PANEL_AVX2_Q5_ROWS, Q.Q4_0: PANEL_AVX2_Q5_ROWS,
-                   Q.Q4_1: PANEL_AVX2_Q4_1_ROWS, Q.Q4_K: PANEL_AVX2_K4_ROWS, Q.Q8_0: PANEL_AVX2_Q8_ROWS,
-                   Q.IQ4_NL: PANEL_AVX2_Q8_ROWS}
+                   Q.Q4_1: PANEL_AVX2_Q4_1_ROWS, Q.Q4_K: PANEL_AVX2_K4_ROWS, Q.Q6_K: PANEL_AVX2_Q6_ROWS,
+                   Q.Q8_0: PANEL_AVX2_Q8_ROWS, Q.IQ4_NL: PANEL_AVX2_Q8_ROWS}
 
 
 def panel_rows(qtypes: Iterable[Q]) -> int:
