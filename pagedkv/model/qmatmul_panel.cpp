@@ -392,8 +392,9 @@ void by_groups(int64_t T, const Fn& f, int64_t t = 0) {
 // Zen 2 EPYC, 896 x 4864, alternated, T40 3.39 / 3.42 -> 3.25 / 3.36 ms; the 1.5B's int8 step at
 // 40 rows, 2 threads, 568 / 570 -> 557 / 563. Each block's int32 sums are
 // those of the scalar path, and the float steps the same, so the results are bit-identical.
-// Unpacking: each row's 32 values of a chunk decoded in element order (one ymm), then 8 rows
-// transposed by dwords.
+// Unpacking (unpack_avx2): 8 rows' raw bytes transposed by dwords, then decoded 8 rows per
+// instruction (the nibble types, Q4_K, Q5_K, Q6_K); Q8_0, Q3_K and Q2_K decode each row's chunk in
+// element order first, then transpose 8 rows.
 #ifdef PQ_AVX2
 
 // chunk c of one row -> its 32 u (element order), d, m: chunk_scalar's values; the wide types
@@ -548,7 +549,7 @@ void unpack_nibbles_avx2(const uint8_t* const* rows, int64_t nb, Buf& buf) {
   constexpr int64_t B = QT == Q4_0 ? sizeof(BlockQ4_0) : QT == Q4_1 ? sizeof(BlockQ4_1) : QT == IQ4_NL ? sizeof(BlockIQ4_NL)
                       : QT == Q5_0 ? sizeof(BlockQ5_0) : QT == Q5_1 ? sizeof(BlockQ5_1) : sizeof(BlockIQ4_XS);
   constexpr int64_t at = QT == Q4_0 || QT == IQ4_NL ? 2 : QT == Q4_1 ? 4 : QT == Q5_0 ? 6 : 8;  // the quants
-  const __m256i lo4 = _mm256_set1_epi8(0x0F), b4 = _mm256_set1_epi8(0x10);
+  const __m256i b4 = _mm256_set1_epi8(0x10);
   const __m256i levels = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_LEVELS)));
   const __m256i any = _mm256_setr_epi8(0, 16, 16, 0, 16, 0, 0, 0, 16, 0, 0, 0, 0, 0, 0, 0,  // (v = 0, 1, 2, 4, 8)
                                        0, 16, 16, 0, 16, 0, 0, 0, 16, 0, 0, 0, 0, 0, 0, 0);
@@ -564,10 +565,10 @@ void unpack_nibbles_avx2(const uint8_t* const* rows, int64_t nb, Buf& buf) {
       _mm256_storeu_ps(buf.d.data() + c * NR2, halves8(h));
       if constexpr (has_m(QT)) _mm256_storeu_ps(buf.m.data() + c * NR2, halves8(_mm256_srli_epi32(h, 16)));
     }
-    const __m256i qh = QT == Q5_0 ? _mm256_or_si256(_mm256_srli_epi32(h, 16), _mm256_slli_epi32(l, 16)) : l;
+    const __m256i qh = QT == Q5_0 ? _mm256_or_si256(_mm256_srli_epi32(h, 16), _mm256_slli_epi32(l, 16)) : l;  // (Q5)
     auto* u = reinterpret_cast<__m256i*>(buf.u.data() + c * 8 * NR2 * 4);
     for (int j = 0; j < 8; ++j) {
-      __m256i v = _mm256_and_si256(j < 4 ? q[j] : _mm256_srli_epi16(q[j - 4], 4), lo4);
+      __m256i v = vec::field(q[j % 4], 4 * (j / 4), 0, 0x0F);
       if constexpr (five) {
         const __m256i rep = _mm256_shuffle_epi8(qh, _mm256_add_epi32(_mm256_set1_epi32(0x01010101 * (j / 2)),
                                                                      _mm256_setr_epi32(0, 0x04040404, 0x08080808, 0x0C0C0C0C,
@@ -591,7 +592,6 @@ void unpack_nibbles_avx2(const uint8_t* const* rows, int64_t nb, Buf& buf) {
 template <int64_t QT>
 void unpack_k4_avx2(const uint8_t* const* rows, int64_t nb, Buf& buf) {
   using B = std::conditional_t<QT == Q4_K, BlockQ4_K, BlockQ5_K>;
-  const __m256i lo4 = _mm256_set1_epi8(0x0F), b4 = _mm256_set1_epi8(0x10);
   for (int64_t sb = 0; sb < nb / 8; ++sb) {
     header_k4_avx2<QT>(rows, sb, buf);
     __m256i qh[8];
@@ -607,9 +607,8 @@ void unpack_k4_avx2(const uint8_t* const* rows, int64_t nb, Buf& buf) {
         const int c = 2 * pr + hi;  // (of the super-block)
         auto* u = reinterpret_cast<__m256i*>(buf.u.data() + (8 * sb + c) * 8 * NR2 * 4);
         for (int j = 0; j < 8; ++j) {
-          __m256i v = _mm256_and_si256(hi ? _mm256_srli_epi16(q[j], 4) : q[j], lo4);
-          if constexpr (QT == Q5_K)  // bit c of each qh byte to 0x10 (bits from a neighbour byte masked off)
-            v = _mm256_or_si256(v, _mm256_and_si256(c < 4 ? _mm256_slli_epi16(qh[j], 4 - c) : _mm256_srli_epi16(qh[j], c - 4), b4));
+          __m256i v = vec::field(q[j], 4 * hi, 0, 0x0F);
+          if constexpr (QT == Q5_K) v = _mm256_or_si256(v, vec::field(qh[j], c, 4, 0x10));  // bit c of each qh byte
           _mm256_storeu_si256(u + j, v);
         }
       }
@@ -637,8 +636,8 @@ inline void unpack_q6k_avx2(const uint8_t* const* rows, int64_t nb, Buf& buf) {
         for (int j = 0; j < 8; ++j) {
           const __m256i q = ql[8 * (k % 2) + j];
           const __m256i lo = _mm256_and_si256(k / 2 ? _mm256_srli_epi16(q, 4) : q, lo4);
-          const __m256i hb = _mm256_and_si256(k < 3 ? _mm256_slli_epi16(qh[j], 4 - 2 * k) : _mm256_srli_epi16(qh[j], 2), hi2);
-          _mm256_storeu_si256(u + j, _mm256_sub_epi8(_mm256_or_si256(lo, hb), b32));
+          const __m256i hi = _mm256_and_si256(k < 3 ? _mm256_slli_epi16(qh[j], 4 - 2 * k) : _mm256_srli_epi16(qh[j], 2), hi2);
+          _mm256_storeu_si256(u + j, _mm256_sub_epi8(_mm256_or_si256(lo, hi), b32));  // (vec::field's steps, unrolled)
         }
       }
     }

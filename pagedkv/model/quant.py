@@ -200,9 +200,9 @@ PANEL_Q6_K_ROWS = 16 if _zen5_cpu() else 12
 # holds out longer where a type's products cost more there (Q8_0 / IQ4_NL / IQ4_XS: two maddubs
 # a quad; the K-quants: scales unpacked per row): the rows below for weights of only Q4_0 / Q4_1 /
 # Q5_0 / Q5_1 (4 before unpack_nibbles_avx2), PANEL_AVX2_SB_ROWS with any other type. 1 thread,
-# PAGEDKV_MAX_ISA=avx2 on the Zen 4, 2048 x 1536, ns per multiply-add, panel / row kernel, interleaved min of 5: Q5_0 0.022 /
-# 0.032 at 4 rows, 0.016 / 0.031 at 8; Q8_0 0.034 / 0.027 at 4, 0.028 / 0.027 at 8, 0.026 /
-# 0.028 at 16; Q4_K 0.032 / 0.022 at 4, 0.022 / 0.021 at 8, 0.018 / 0.021 at 16; Q6_K 0.024 /
+# PAGEDKV_MAX_ISA=avx2 on the Zen 4, 2048 x 1536, ns per multiply-add, panel / row kernel,
+# interleaved min of 5: Q5_0 0.022 / 0.032 at 4 rows, 0.016 / 0.031 at 8; Q8_0 0.034 / 0.027 at
+# 4, 0.028 / 0.027 at 8, 0.026 / 0.028 at 16; Q4_K 0.032 / 0.022 at 4, 0.022 / 0.021 at 8, 0.018 / 0.021 at 16; Q6_K 0.024 /
 # 0.022 at 8, 0.020 / 0.021 at 16 (and the row kernel's Q6_K stops at A8_SB_ROWS); IQ4_NL 0.027
 # / 0.028 at 8. At 40 rows the panel: Q4_0 / Q4_1 / Q5_0 0.013, Q4_K 0.015, Q6_K 0.017, Q8_0
 # 0.026 (VNNI: 0.007-0.008). A step's matmuls of the Qwen2.5-0.5B Q4_K_M mix, 2 threads, ms,
@@ -233,7 +233,8 @@ PANEL_AVX2_K4_ROWS = 4
 PANEL_AVX2_Q6_ROWS = 8
 # Q8_0 and IQ4_NL from PANEL_AVX2_Q8_ROWS (their panel by the sign trick, one maddubs a quad, two
 # panels at a time), any other type (Q5_K, IQ4_XS; Q6_K before unpack_q6k_avx2) from
-# PANEL_AVX2_SB_ROWS (Q6_K's scales decoded 8 rows at a time too); a weight of several types from the largest of theirs. The same
+# PANEL_AVX2_SB_ROWS (Q6_K's scales decoded 8 rows at a time too); a weight of several types from
+# the largest of theirs. The same
 # Zen 2, alternated step medians, ms: every weight from 10 at 10 rows 80.7 -> 75.1; the 1.5B at 10
 # rows (its Q6_K weights from 10) 192.7 -> 185.8, at 8 rows from 8 163.9 -> 166.0 (not taken); the
 # 0.5B mix, its weights with a Q8_0 segment from these rows instead of 8: 6 rows 54.5 -> 51.1, 5

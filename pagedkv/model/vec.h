@@ -43,13 +43,18 @@ PQ_INLINE __m256i bit_bytes(uint32_t w) {
   return _mm256_cmpeq_epi8(_mm256_and_si256(rep, sel), sel);
 }
 
+// the bits from bit j (0..7) of each byte of v, moved to bit `to` of that byte and masked to `mask`
+// (the field at its new place): one 16-bit shift and a mask (bits shifted in from a neighbouring
+// byte land below `to` going left, above the field going right, outside the mask)
+PQ_INLINE __m256i field(__m256i v, int j, int to, int mask) {
+  const __m256i s = j < to ? _mm256_slli_epi16(v, to - j) : j > to ? _mm256_srli_epi16(v, j - to) : v;
+  return _mm256_and_si256(s, _mm256_set1_epi8(static_cast<char>(mask)));
+}
+
 // bit j (0..7) of each of the 32 bytes at p, moved to bit `to` of its byte (1 << to where set, 0
-// where clear): one 16-bit shift and a mask (a bit shifted in from a neighbouring byte lands
-// below `to` going left, above it going right)
+// where clear)
 PQ_INLINE __m256i bit_at(const uint8_t* p, int j, int to) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  const __m256i s = j < to ? _mm256_slli_epi16(raw, to - j) : j > to ? _mm256_srli_epi16(raw, j - to) : raw;
-  return _mm256_and_si256(s, _mm256_set1_epi8(static_cast<char>(1 << to)));
+  return field(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), j, to, 1 << to);
 }
 
 // the signed byte table t[16] indexed by 32 index bytes (each 0..15)
