@@ -84,13 +84,15 @@ constexpr bool halved(int64_t qt) { return qt == Q6_K || qt == Q3_K; }
 constexpr int32_t hbias(int64_t qt) { return qt == Q6_K ? 32 : 4; }
 // the types whose u reach 255 (the AVX2 code holds their w = u - 128 and dots them by the sign trick)
 constexpr bool wide_u(int64_t qt) { return qt == Q8_0 || qt == IQ4_NL || qt == IQ4_XS; }
-// The types whose panels go two at a time, and (RB2X2) their rows per register block: Q4_K 3 rows, those
-// whose u reaches 255 2 (with the sign trick, 3 rows: Q8_0 T40 28.7 -> 30.4 ms; one panel at a time:
-// T40 28.7 -> 29.4-29.7, T8 7.25 -> 7.0-7.1, 32768 x 896, 1 thread). The others lost: 1 thread,
-// Zen 2 EPYC, 40 rows, per-row cost of a call (fit over 8-40 rows), multiply-adds per cycle, one
-// panel -> two: Q4_K 896 x 4864 20.6 -> 21.9-22.1, Q8_0 32768 x 896 10.9 -> 11.7-12.3; Q4_0 4864
-// x 896 21.6 -> 14.6 (3 rows), Q5_0 19.8 -> 19.4-19.7, Q6_K 896 x 4864 16.4-16.7 -> 15.2-16.4.
-constexpr bool pair_avx2(int64_t qt) { return qt == Q4_K || wide_u(qt); }
+// The types whose panels go two at a time (3 activation rows per register block): Q4_K. The others
+// lost: 1 thread, Zen 2 EPYC, 40 rows, per-row cost of a call (fit over 8-40 rows), multiply-adds
+// per cycle, one panel -> two: Q4_K 896 x 4864 20.6 -> 21.9-22.1; Q4_0 4864 x 896 21.6 -> 14.6 (3
+// rows), Q5_0 19.8 -> 19.4-19.7, Q6_K 896 x 4864 16.4-16.7 -> 15.2-16.4. Those whose u reaches 255
+// (the sign trick) went two at a time with 2 rows (Q8_0 32768 x 896 T40 28.7 ms; one panel with 4
+// rows: 29.4-29.7) and now go one at a time with 2 rows (RB2): T40 29.7 -> 29.2, 2048 x 1536 at
+// 40 rows 0.0241 -> 0.0238 ns per weight (IQ4_NL 0.0242 -> 0.0236, IQ4_XS 0.0241 -> 0.0235); in
+// an isolated copy of the loop, in L1, 13.9 -> 14.9 multiply-adds a cycle.
+constexpr bool pair_avx2(int64_t qt) { return qt == Q4_K; }
 constexpr bool km(int64_t qt) { return qt == Q4_K || qt == Q5_K || qt == Q2_K || halved(qt); }
 // a km type's mins per super-block in int16 pairs (Buf::mn; Acts::ks or ks16): Q2_K 16, else 8
 constexpr int64_t mpairs(int64_t qt) { return qt == Q2_K ? 8 : 4; }
@@ -861,14 +863,14 @@ void rows_avx2_km(const Panels<P>& ps, int64_t nb, const Acts& a, int64_t ldo, a
   ps.put(y, R, ldo);
 }
 
-constexpr int RB2 = 4;  // activation rows per register block, one panel at a time
-// (pair_avx2, above: the types whose panels go two at a time)
+// activation rows per register block: one panel at a time (RB2; the sign-trick types 2), two (RB2X2)
 template <int64_t QT>
-constexpr int RB2X2 = wide_u(QT) ? 2 : 3;
+constexpr int RB2 = wide_u(QT) ? 2 : 4;
+constexpr int RB2X2 = 3;
 
 template <int64_t QT, int P>
 void rows_groups_avx2(const Panels<P>& ps, int64_t T, const Acts& a, int64_t ldo, const ahead::Ranges& next) {
-  constexpr int RB = P == 1 ? RB2 : RB2X2<QT>;
+  constexpr int RB = P == 1 ? RB2<QT> : RB2X2;
   ahead::Cursor cur(next, (T + RB - 1) / RB * a.nb);  // (a step per block of each group)
   by_groups<RB>(T, [&](auto r, int64_t t) {
     const Acts s = a.at(t);
