@@ -274,7 +274,7 @@ A8_SB_VNNI_ROWS = 64
 A8_SB_CAP_TYPES = frozenset({Q.Q2_K, Q.Q3_K, Q.Q6_K})
 
 
-def _gemm_rows(capability: str) -> tuple[int, int]:
+def _gemm_rows() -> tuple[int, int]:
     """(GEMM_MIN_ROWS, GEMM_MAX_ROWS): the exact path's calls with that many rows go to
     qmatmul.cpp's qgemm (panels of weight rows dequantized and transposed into L1/L2, activations
     broadcast: 32 rows and 6 activation rows per pass with AVX-512, 16 and 5 with AVX2) instead
@@ -284,17 +284,21 @@ def _gemm_rows(capability: str) -> tuple[int, int]:
       43.1 (tiles) / 34.7 at 40, 64.3 / 46.8 at 64, 95.9 / 83.1 at 128, 178.4 / 183.1 at 256.
     - AVX2 (our kernels limited to AVX2, oneDNN to AVX2 by ONEDNN_MAX_CPU_ISA): 30.3 / 41.5 /
       30.0 at 16, 53.3 / 48.7 / 36.4 at 24; 70.1 / 54.8 at 40, 140.3 / 82.4 at 64, 216.9 / 155.3
-      at 128, 359.8 / 358.0 at 256.
+      at 128, 359.8 / 358.0 at 256. On a real AVX2 CPU (Zen 2 EPYC; the row kernels as of stop
+      62), whole decode steps, 2 threads, ms, qgemm from 17 -> from 13 rows (the 12-row step
+      slower that way: 441 -> 470): the 1.5B K-quant file 535-539 -> 488 at 13 rows, 541 -> 516-518
+      at 14, 569-570 -> 467-468 at 15, 593 -> 537 at 16; the 0.5B Q4_K_M mix 179-180 -> 159-160 at
+      13, 184 -> 169 at 14, 203-204 -> 174 at 16: from 13 on both ISAs.
     Above GEMM_MAX_ROWS, qgemm in blocks of GEMM_MAX_ROWS rows (a block's x stays in the L3; a
     panel is dequantized once per block), not the tiles: Zen 5 EPYC, 2 threads, ms, tiles +
     oneDNN / qgemm blocks: 8960 x 1536 Q4_K 26.6 / 21.4 at 384 rows, 74.9 / 58.9 at 1024, 420.5
     / 118.6 at 2048; 1536 x 8960 Q4_K 30.3 / 24.4 at 384, 140.7 / 129.9 at 2048; 4864 x 896 Q5_0
     7.3 / 7.0 at 384, 46.3 / 37.6 at 2048; both limited to AVX2: 8960 x 1536 Q4_K 46.8 / 41.8 at
     384, 129.4 / 114.0 at 1024; 1536 x 8960 53.8 / 43.3 at 384."""
-    return (13, 192) if capability.startswith("AVX512") else (17, 192)
+    return 13, 192
 
 
-GEMM_MIN_ROWS, GEMM_MAX_ROWS = _gemm_rows(torch.backends.cpu.get_cpu_capability())
+GEMM_MIN_ROWS, GEMM_MAX_ROWS = _gemm_rows()
 # With AVX-512, rows longer than PAIRED_K (where 8 activation rows pass L1) take the row kernel's
 # weight-row pairs (qmatmul.cpp: pair_group), which beat qgemm up to 16 rows: 2 threads, ns per
 # weight, pairs / qgemm, 8960 x 1536 Q4_K 0.261 / 0.324 at 12, 0.352 / 0.374 at 16, 0.718 / 0.408
