@@ -288,7 +288,9 @@ def _gemm_rows() -> tuple[int, int]:
       62), whole decode steps, 2 threads, ms, qgemm from 17 -> from 13 rows (the 12-row step
       slower that way: 441 -> 470): the 1.5B K-quant file 535-539 -> 488 at 13 rows, 541 -> 516-518
       at 14, 569-570 -> 467-468 at 15, 593 -> 537 at 16; the 0.5B Q4_K_M mix 179-180 -> 159-160 at
-      13, 184 -> 169 at 14, 203-204 -> 174 at 16: from 13 on both ISAs.
+      13, 184 -> 169 at 14, 203-204 -> 174 at 16: from 13 on both ISAs. With the row kernel's
+      blocks (qmatmul.cpp: ROW_BLOCK) row kernel / qgemm: the 1.5B 482 / 487 at 13, 545 / 539 at
+      16; the 0.5B mix 163 / 161 at 13, 185 / 174 at 16.
     Above GEMM_MAX_ROWS, qgemm in blocks of GEMM_MAX_ROWS rows (a block's x stays in the L3; a
     panel is dequantized once per block), not the tiles: Zen 5 EPYC, 2 threads, ms, tiles +
     oneDNN / qgemm blocks: 8960 x 1536 Q4_K 26.6 / 21.4 at 384 rows, 74.9 / 58.9 at 1024, 420.5
