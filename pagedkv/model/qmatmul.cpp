@@ -186,7 +186,8 @@ constexpr int64_t ROW_BLOCK = 16;
 
 // weight rows [n0, n1) against T activation rows: the fused path, weight rows in pairs against
 // groups of pair_group(T, K) activation rows where it applies, else one at a time against groups
-// of fused_group(K) (8 with AVX-512, 4 with AVX2) while the weight row stays in L1; or (K not a
+// of up to fused_group(K) (8 with AVX-512, 4 with AVX2; ROW_BLOCK rows against each group in turn
+// where T spans several); or (K not a
 // multiple of 32) the row dequantized into a scratch first
 __attribute__((noinline)) void row_range(int64_t qtype, const uint8_t* wp, int64_t rb, int64_t n0, int64_t n1,
                                          int64_t T, int64_t K, const float* xp, float* op, int64_t ldo,

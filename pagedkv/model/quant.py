@@ -231,8 +231,8 @@ PANEL_AVX2_K4_ROWS = 4
 # (unpack_q6k_avx2): the 1.5B's step (its Q6_K weights from these rows instead of 10) at 8 rows
 # 153.1 -> 146.3 ms, the 0.5B mix's 59.0 -> 58.6; at 6 rows 122.7 -> 122.1 (so not lower).
 PANEL_AVX2_Q6_ROWS = 8
-# Q8_0 and IQ4_NL from PANEL_AVX2_Q8_ROWS (their panel by the sign trick, one maddubs a quad, two
-# panels at a time), any other type (Q5_K, IQ4_XS; Q6_K before unpack_q6k_avx2) from
+# Q8_0 and IQ4_NL from PANEL_AVX2_Q8_ROWS (their panel by the sign trick, one maddubs a quad; two
+# panels at a time when measured, one since stop 62), any other type (Q5_K, IQ4_XS; Q6_K before unpack_q6k_avx2) from
 # PANEL_AVX2_SB_ROWS (Q6_K's scales decoded 8 rows at a time too); a weight of several types from
 # the largest of theirs. The same
 # Zen 2, alternated step medians, ms: every weight from 10 at 10 rows 80.7 -> 75.1; the 1.5B at 10
