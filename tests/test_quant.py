@@ -153,7 +153,9 @@ def test_gemm_for_many_rows(qtype: Q) -> None:
     QWeight routes those calls to it, past GEMM_MAX_ROWS in blocks (the same bits)."""
     if not qkernel.load():
         pytest.skip(f"kernel unavailable: {qkernel.info()['error']}")
-    qw, ref = _case(qtype, n=75)  # 75 rows: a partial panel of weight rows (past 16 and 32)
+    # 75 rows: a partial panel of weight rows (past 16 and 32); K past one of the AVX2 gemm's
+    # slices of 256 (qmatmul_simd.inc: KC), the 32-element types' with a partial last one
+    qw, ref = _case(qtype, n=75, k=512 if GGML_QUANT_SIZES[qtype][0] == 256 else 416)
     data, gen = qw.parts[0][1], torch.Generator().manual_seed(9)
     x = torch.randn(100, qw.k, generator=gen)
     want = x @ ref.t()
@@ -164,7 +166,7 @@ def test_gemm_for_many_rows(qtype: Q) -> None:
             full = torch.empty(100, qw.n)
             torch.ops.pagedkv_q.qgemm(x, data, int(qtype), full, 0)
             assert float((full - want).abs().max()) <= 1e-5 * float(want.abs().max()) + 1e-6
-            for t in (1, 4, 5, 6, 7, 13, 40, 65):  # whole register blocks (5 or 6) and the rest
+            for t in (1, 4, 5, 6, 7, 8, 13, 40, 65):  # register blocks of up to 6 rows, split evenly
                 out = torch.full((t, qw.n + 3), float("nan"))
                 torch.ops.pagedkv_q.qgemm(x[:t], data, int(qtype), out, 2)
                 assert out[:, :2].isnan().all() and out[:, -1].isnan().all()

@@ -911,6 +911,89 @@ void panel_avx2x2(int64_t qt, const uint8_t* const* rows, const uint8_t* const* 
       panel_avx2x2<decltype(q)::value>(rows, rows_b, T, a, out, out_b, ldo, cols_b, buf, buf_b, next);
   });
 }
+
+// --- the exact path's gemm panels, AVX2 (qmatmul_simd.h: f32_avx2) --------------------------------
+//
+// qmatmul_simd.inc's gemm multiplies panels of 16 weight rows dequantized into wt [K][16] (a lane
+// per row). Dequantizing each row's chunk in element order and transposing 8 x 8 floats took 24
+// shuffles per 64 weights and spilled (16 ymm registers): 1 thread, 2048 x 1536 Q4_K, the panel
+// cost more than the 1-row kernel's whole product. Here 8 rows at a time are unpacked as the int8
+// panels are (unpack_avx2: bytes transposed by dwords, decoded 8 rows per instruction), then each
+// element's byte of the 8 rows is widened in its lane, converted and scaled by that row's factors:
+// the float32 operation of qmatmul_simd.inc's Chunker for the type, so the same weights.
+constexpr bool f32_type(int64_t qt) { return nibble_chunks(qt) || qt == Q8_0 || qt == Q4_K || qt == Q5_K || qt == Q6_K; }
+
+// byte e (0..3) of each dword lane of v, zero- or sign-extended
+template <bool SIGNED>
+PQ_INLINE __m256i byte_of(__m256i v, int e) {
+  if constexpr (SIGNED) return _mm256_srai_epi32(e == 3 ? v : _mm256_slli_epi32(v, 24 - 8 * e), 24);
+  if (e == 3) return _mm256_srli_epi32(v, 24);
+  return _mm256_and_si256(e ? _mm256_srli_epi32(v, 8 * e) : v, _mm256_set1_epi32(0xFF));
+}
+
+// chunk c of buf (8 rows) -> element k's 8 values at o + k pn: Chunker's d * (u - bias) (Q4_0,
+// Q5_0; Q8_0 and the IQ4 levels signed, no bias), d * u + m (Q4_1, Q5_1), s * u + nm (Q4_K, Q5_K:
+// s = d * sc, nm = -dmin * mn) or s * q (Q6_K: s = d * sc per 16)
+template <int64_t QT>
+PQ_INLINE void f32_chunk(const Buf& buf, int64_t c, float* o, int64_t pn) {
+  constexpr bool sgn = QT == Q8_0 || QT == IQ4_NL || QT == IQ4_XS || QT == Q6_K;
+  constexpr bool fma = has_m(QT) || QT == Q4_K || QT == Q5_K;
+  const auto* u = reinterpret_cast<const __m256i*>(buf.u.data() + c * 8 * NR2 * 4);
+  __m256 a[2], b = _mm256_setzero_ps();  // a[h]: quads 4h .. 4h + 3
+  if constexpr (QT == Q6_K) {
+    const __m256 d = _mm256_loadu_ps(buf.dm.data());
+    const auto* sc = reinterpret_cast<const __m256i*>(buf.sc.data());  // sc | sc << 16 per 16 elements
+    for (int h = 0; h < 2; ++h) a[h] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_loadu_si256(sc + 2 * c + h), 16)));
+  } else {
+    a[0] = a[1] = _mm256_loadu_ps(buf.d.data() + c * NR2);
+    if constexpr (has_m(QT)) b = _mm256_loadu_ps(buf.m.data() + c * NR2);
+    if constexpr (QT == Q4_K || QT == Q5_K) {  // mn 2k | mn 2k + 1 << 16
+      const __m256i mn = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(buf.mn.data() + c / 2 * NR2));
+      const __m256i m = c % 2 ? _mm256_srli_epi32(mn, 16) : _mm256_and_si256(mn, _mm256_set1_epi32(0xFFFF));
+      b = _mm256_mul_ps(_mm256_loadu_ps(buf.dm.data()), _mm256_cvtepi32_ps(m));
+    }
+  }
+  const __m256i off = _mm256_set1_epi32(bias(QT) * !sgn);
+  for (int j = 0; j < 8; ++j) {
+    const __m256i v = _mm256_loadu_si256(u + j);
+    for (int e = 0; e < 4; ++e) {
+      __m256i q = byte_of<sgn>(v, e);
+      if constexpr (QT == Q4_0 || QT == Q5_0) q = _mm256_sub_epi32(q, off);
+      const __m256 f = _mm256_cvtepi32_ps(q);
+      _mm256_storeu_ps(o + (4 * j + e) * pn, fma ? _mm256_fmadd_ps(a[j / 4], f, b) : _mm256_mul_ps(a[j / 4], f));
+    }
+  }
+}
+
+template <int64_t QT>
+void f32_panel(const uint8_t* w, int64_t rb, int64_t rows, int64_t K, float* wt) {
+  constexpr int64_t PN = 2 * NR2;
+  const bool super = is_super_block(QT);
+  const int64_t B = type_info(QT)->bytes, nb = K / QK;
+  thread_local Buf tbuf = [] {
+    Buf b;
+    b.size(8);
+    return b;
+  }();
+  Buf& buf = tbuf;  // (its address once: each thread_local access in a shared library is a call)
+  for (int64_t g = 0; g < PN; g += NR2) {
+    for (int64_t c0 = 0; c0 < nb; c0 += 8) {  // 8 chunks (a super-block) at a time: buf stays in L1
+      const uint8_t* r[NR2];  // past the panel's rows its last row again (lanes the gemm does not store)
+      for (int n = 0; n < NR2; ++n) r[n] = w + std::min<int64_t>(g + n, rows - 1) * rb + (super ? c0 / 8 : c0) * B;
+      const int64_t n = std::min<int64_t>(8, nb - c0);
+      unpack_avx2<QT>(r, n, buf);
+      for (int64_t c = 0; c < n; ++c) f32_chunk<QT>(buf, c, wt + 32 * (c0 + c) * PN + g, PN);
+    }
+  }
+}
+
+bool f32_avx2(int64_t qt, const uint8_t* w, int64_t rb, int64_t rows, int64_t K, float* wt) {
+  if (!f32_type(qt)) return false;
+  with_panel_type(qt, [&](auto q) {
+    if constexpr (f32_type(decltype(q)::value)) f32_panel<decltype(q)::value>(w, rb, rows, K, wt);
+  });
+  return true;
+}
 #endif
 
 // --- r16 (see the VNNI section): the layout ----------------------------------------------------

@@ -26,3 +26,10 @@ PQ_SIMD_ENTRY_POINTS
 namespace z {
 PQ_SIMD_ENTRY_POINTS
 }
+
+// qmatmul_panel.cpp (AVX2): rows [0, rows) of one of the gemm's panels of 16 weight rows -> wt
+// [K][16] (the weights' float32 values, a lane per row; lanes past `rows` undefined), decoded 8
+// rows at a time from byte transposes; false (wt untouched) for a type it does not take
+namespace panel {
+bool f32_avx2(int64_t qtype, const uint8_t* w, int64_t rb, int64_t rows, int64_t K, float* wt);
+}

@@ -274,7 +274,7 @@ A8_SB_VNNI_ROWS = 64
 A8_SB_CAP_TYPES = frozenset({Q.Q2_K, Q.Q3_K, Q.Q6_K})
 
 
-def _gemm_rows() -> tuple[int, int]:
+def _gemm_rows(capability: str) -> tuple[int, int]:
     """(GEMM_MIN_ROWS, GEMM_MAX_ROWS): the exact path's calls with that many rows go to
     qmatmul.cpp's qgemm (panels of weight rows dequantized and transposed into L1/L2, activations
     broadcast: 32 rows and 6 activation rows per pass with AVX-512, 16 and 5 with AVX2) instead
@@ -290,17 +290,22 @@ def _gemm_rows() -> tuple[int, int]:
       at 14, 569-570 -> 467-468 at 15, 593 -> 537 at 16; the 0.5B Q4_K_M mix 179-180 -> 159-160 at
       13, 184 -> 169 at 14, 203-204 -> 174 at 16: from 13 on both ISAs. With the row kernel's
       blocks (qmatmul.cpp: ROW_BLOCK) row kernel / qgemm: the 1.5B 482 / 487 at 13, 545 / 539 at
-      16; the 0.5B mix 163 / 161 at 13, 185 / 174 at 16.
+      16; the 0.5B mix 163 / 161 at 13, 185 / 174 at 16. Stop 63 (Zen 2), the AVX2 gemm's panels
+      decoded from byte transposes (qmatmul_panel.cpp: f32_avx2), its register blocks of up to 6
+      rows split evenly, its tails' sums kept in registers: whole steps, row kernel / qgemm, ms,
+      the 1.5B 231 / 230 at 6, 252 / 300 at 7, 273 / 300 at 8, 346 / 300 at 9, 368 / 310 at 10,
+      407 / 383 at 12 (qgemm 430 at 13, was 488); the 0.5B mix 93.5 / 103 at 8, 117 / 105 at 9,
+      124 / 106 at 10, 139 / 130 at 12: from 9 with AVX2 (AVX-512, not measured since, from 13).
     Above GEMM_MAX_ROWS, qgemm in blocks of GEMM_MAX_ROWS rows (a block's x stays in the L3; a
     panel is dequantized once per block), not the tiles: Zen 5 EPYC, 2 threads, ms, tiles +
     oneDNN / qgemm blocks: 8960 x 1536 Q4_K 26.6 / 21.4 at 384 rows, 74.9 / 58.9 at 1024, 420.5
     / 118.6 at 2048; 1536 x 8960 Q4_K 30.3 / 24.4 at 384, 140.7 / 129.9 at 2048; 4864 x 896 Q5_0
     7.3 / 7.0 at 384, 46.3 / 37.6 at 2048; both limited to AVX2: 8960 x 1536 Q4_K 46.8 / 41.8 at
     384, 129.4 / 114.0 at 1024; 1536 x 8960 53.8 / 43.3 at 384."""
-    return 13, 192
+    return (13 if capability.startswith("AVX512") else 9), 192
 
 
-GEMM_MIN_ROWS, GEMM_MAX_ROWS = _gemm_rows()
+GEMM_MIN_ROWS, GEMM_MAX_ROWS = _gemm_rows(torch.backends.cpu.get_cpu_capability())
 # With AVX-512, rows longer than PAIRED_K (where 8 activation rows pass L1) take the row kernel's
 # weight-row pairs (qmatmul.cpp: pair_group), which beat qgemm up to 16 rows: 2 threads, ns per
 # weight, pairs / qgemm, 8960 x 1536 Q4_K 0.261 / 0.324 at 12, 0.352 / 0.374 at 16, 0.718 / 0.408

@@ -73,7 +73,7 @@ struct V8 {
   using F = __m256;
   using I = __m256i;
   static constexpr int L = 8, NV = 4;
-  static constexpr int RB = 5;  // gemm: activation rows per register block (10 of 16 ymm)
+  static constexpr int RB = 6;  // gemm: activation rows per register block (12 of 16 ymm)
   static PQ_INLINE F zero() { return _mm256_setzero_ps(); }
   static PQ_INLINE F set1(float v) { return _mm256_set1_ps(v); }
   static PQ_INLINE F splat(__m128 v) { return _mm256_broadcastss_ps(v); }  // lane 0 of v
