@@ -154,7 +154,7 @@ def test_gemm_for_many_rows(qtype: Q) -> None:
     if not qkernel.load():
         pytest.skip(f"kernel unavailable: {qkernel.info()['error']}")
     # 75 rows: a partial panel of weight rows (past 16 and 32); K past one of the AVX2 gemm's
-    # slices of 256 (qmatmul_simd.inc: KC), the 32-element types' with a partial last one
+    # slices (qmatmul_simd.inc: slice_for, 256 up to 16 rows), the 32-element types' with a partial last one
     qw, ref = _case(qtype, n=75, k=512 if GGML_QUANT_SIZES[qtype][0] == 256 else 416)
     data, gen = qw.parts[0][1], torch.Generator().manual_seed(9)
     x = torch.randn(100, qw.k, generator=gen)
