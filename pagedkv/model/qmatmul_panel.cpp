@@ -927,8 +927,11 @@ constexpr bool f32_type(int64_t qt) { return nibble_chunks(qt) || qt == Q8_0 || 
 template <bool SIGNED>
 PQ_INLINE __m256i byte_of(__m256i v, int e) {
   if constexpr (SIGNED) return _mm256_srai_epi32(e == 3 ? v : _mm256_slli_epi32(v, 24 - 8 * e), 24);
-  if (e == 3) return _mm256_srli_epi32(v, 24);
-  return _mm256_and_si256(e ? _mm256_srli_epi32(v, 8 * e) : v, _mm256_set1_epi32(0xFF));
+  // unsigned: one byte shuffle, zeros above (against a shift and a mask: the 0.5B Q4_K_M mix's
+  // exact step at 12 rows, Zen 2, 116.2 -> 114.4 ms)
+  const char z = -128;
+  return _mm256_shuffle_epi8(v, _mm256_setr_epi8(e, z, z, z, e + 4, z, z, z, e + 8, z, z, z, e + 12, z, z, z,
+                                                 e, z, z, z, e + 4, z, z, z, e + 8, z, z, z, e + 12, z, z, z));
 }
 
 // chunk c of buf (8 rows) -> element k's 8 values at o + k pn: Chunker's d * (u - bias) (Q4_0,
