@@ -65,13 +65,13 @@ static_assert(sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20 && sizeof(Block
               "block sizes are ggml's");
 
 // the type's entry, or nullptr when no kernel reads it
-inline const TypeInfo* type_info(int64_t t) {
+constexpr const TypeInfo* type_info(int64_t t) {
   for (const TypeInfo& i : TYPES)
     if (i.type == t) return &i;
   return nullptr;
 }
 
-inline bool is_super_block(int64_t t) {  // 256-element blocks
+constexpr bool is_super_block(int64_t t) {  // 256-element blocks
   const TypeInfo* i = type_info(t);
   return i && i->block == QK_K;
 }

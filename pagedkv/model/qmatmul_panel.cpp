@@ -971,8 +971,9 @@ PQ_INLINE void f32_chunk(const Buf& buf, int64_t c, float* o, int64_t pn) {
 template <int64_t QT>
 void f32_panel(const uint8_t* w, int64_t rb, int64_t rows, int64_t K, float* wt) {
   constexpr int64_t PN = 2 * NR2;
-  const bool super = is_super_block(QT);
-  const int64_t B = type_info(QT)->bytes, nb = K / QK;
+  constexpr bool super = is_super_block(QT);
+  constexpr int64_t B = type_info(QT)->bytes;
+  const int64_t nb = K / QK;
   thread_local Buf tbuf = [] {
     Buf b;
     b.size(8);
