@@ -208,11 +208,12 @@ struct Acts {
   const float* kd;
   const int32_t *ks, *ks16;
   const int32_t* hb[2];
+  const int32_t* xb[2];  // -8 and -16 times each block's sum (Q4_0's and Q5_0's bias terms, AVX2)
   Acts at(int64_t t) const {  // (an array a call does not need is empty: its pointer stays null)
     const auto row = [](auto* p, int64_t n) { return p ? p + n : p; };
     return {row(q, t * K), row(d, t * nb), row(s, t * nb), row(sum, t * nb), K, nb,
             row(kq, t * K), row(kd, t * (nb / 8)), row(ks, t * (nb / 8) * 4), row(ks16, t * (nb / 8) * 8),
-            {row(hb[0], t * 2 * nb), row(hb[1], t * 2 * nb)}};
+            {row(hb[0], t * 2 * nb), row(hb[1], t * 2 * nb)}, {row(xb[0], t * nb), row(xb[1], t * nb)}};
   }
   // row r's min sums of super-block sb for a km type QT (mpairs(QT) int16 pairs)
   const int32_t* mins(int64_t qt, int64_t r, int64_t sb) const {
@@ -736,7 +737,7 @@ struct Panels {
 
 // R activation rows x P panels (rows_scalar's arithmetic): out[q][r * ldo + n] for n < cols[q]
 template <int64_t QT, int R, int P>
-void rows_avx2(const Panels<P>& ps, int64_t nb, const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum,
+void rows_avx2(const Panels<P>& ps, int64_t nb, const int8_t* xq, const float* xd, const float* xs, const int32_t* xb,
                int64_t K, int64_t ldo, ahead::Cursor& next) {
   constexpr bool wide = wide_u(QT);  // u up to 255: the panel holds w = u - 128 (signed)
   constexpr int G = QT == Q4_0 || QT == Q4_1 || QT == Q4_K ? 8 : 4;  // quads summed in int16 (u <= 15 / 31)
@@ -762,7 +763,7 @@ void rows_avx2(const Panels<P>& ps, int64_t nb, const int8_t* xq, const float* x
       dot_rows<R, 1, P, true>(u, x, K, 0, 8, i, by);
     } else {
       for (int q = 0; q < P; ++q)
-        for (int r = 0; r < R; ++r) i[q * R + r] = _mm256_set1_epi32(-bi * xsum[r * nb + b]);
+        for (int r = 0; r < R; ++r) i[q * R + r] = bi ? _mm256_set1_epi32(xb[r * nb + b]) : _mm256_setzero_si256();
       dot_rows<R, G, P>(u, x, K, 0, 8, i, by);
     }
     for (int q = 0; q < P; ++q) {
@@ -877,7 +878,7 @@ void rows_groups_avx2(const Panels<P>& ps, int64_t T, const Acts& a, int64_t ldo
     Panels<P> at = ps;
     for (int q = 0; q < P; ++q) at.out[q] += t * ldo;
     if constexpr (km(QT)) rows_avx2_km<QT, decltype(r)::value, P>(at, s.nb, s, ldo, cur);
-    else rows_avx2<QT, decltype(r)::value, P>(at, s.nb, s.q, s.d, s.s, s.sum, s.K, ldo, cur);
+    else rows_avx2<QT, decltype(r)::value, P>(at, s.nb, s.q, s.d, s.s, s.xb[QT == Q5_0], s.K, ldo, cur);
   });
 }
 
@@ -1825,13 +1826,18 @@ void ahead_of(at::TensorList ws, std::pair<int64_t, int64_t> panel, int64_t nr, 
 struct Prep {
   std::vector<int8_t> xq, kq;
   std::vector<float> xds, kd;  // xds: d, then s
-  std::vector<int32_t> xsum, ks, ks16, hb[2];
+  std::vector<int32_t> xsum, ks, ks16, hb[2], xb[2];
   Acts acts;
   Prep(const at::Tensor& x, at::IntArrayRef qtypes, int64_t impl) {
     const int64_t T = x.size(0), K = x.size(1), nb = K / QK, nsb = nb / 8;
     if (!std::all_of(qtypes.begin(), qtypes.end(), km)) {
       xq.resize(T * K), xds.resize(2 * T * nb), xsum.resize(T * nb);
       a8::quantize_blocks(x.data_ptr<float>(), xq.data(), xds.data(), xds.data() + T * nb, T * nb, impl, xsum.data());
+      for (int h = 0; h < 2; ++h)  // each block's -bias * sum, once a call (not in the panels' loops)
+        if (std::find(qtypes.begin(), qtypes.end(), h ? Q5_0 : Q4_0) != qtypes.end()) {
+          xb[h].resize(T * nb);
+          for (int64_t i = 0; i < T * nb; ++i) xb[h][i] = -bias(h ? Q5_0 : Q4_0) * xsum[i];
+        }
     }
     if (std::any_of(qtypes.begin(), qtypes.end(), km)) {
       std::vector<int16_t> bs(16 * T * nsb);
@@ -1852,7 +1858,7 @@ struct Prep {
       }
     }
     acts = {xq.data(), xds.data(), xq.empty() ? nullptr : xds.data() + T * nb, xsum.data(), K, nb,
-            kq.data(), kd.data(), ks.data(), ks16.data(), {hb[0].data(), hb[1].data()}};
+            kq.data(), kd.data(), ks.data(), ks16.data(), {hb[0].data(), hb[1].data()}, {xb[0].data(), xb[1].data()}};
   }
   static int32_t pair(int32_t lo, int32_t hi) {  // two int16 values in a dword (lo | hi << 16)
     return static_cast<int32_t>((static_cast<uint32_t>(lo) & 0xFFFF) | static_cast<uint32_t>(hi) << 16);
