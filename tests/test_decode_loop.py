@@ -81,6 +81,23 @@ def test_loop_gives_the_python_loops_bits(files: dict[str, Path], name: str, act
         assert calls.n == ran  # (and the Python loop's steps never did)
 
 
+def test_batch_invariant_mode_keeps_a_sequences_bits_in_any_batch(files: dict[str, Path]) -> None:
+    """With pagedkv_q.batch_invariant on (PAGEDKV_BATCH_INVARIANT=1) a greedy request's logprobs
+    are the same bits alone and among 15 others (prefill and decode steps through qgemm, the op's
+    layers included): the exact mode's paths all sum in one order."""
+    llm = LLM(str(files["llama-fallbacks"]), enable_prefix_caching=False, num_blocks=256)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+    one = [5, 77, 310, 12, 9, 41, 150]
+    others = [[7 + i, 90 + 3 * i, 200, 11 * i + 5, 64, 3 + i][: 2 + i % 5] for i in range(15)]
+    before = torch.ops.pagedkv_q.batch_invariant(True)
+    try:
+        alone = llm.generate([one], sp)[0].outputs[0]
+        batched = llm.generate([one, *others], sp)[0].outputs[0]
+    finally:
+        torch.ops.pagedkv_q.batch_invariant(before)
+    assert alone.token_ids == batched.token_ids and alone.logprobs == batched.logprobs
+
+
 @pytest.mark.parametrize("kv", ["float16", "bfloat16"])
 def test_loop_over_a_16_bit_kv_cache_gives_the_python_loops_bits(files: dict[str, Path], kv: str,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 from test_model import F32_TOL, _tokens, hf_logits, max_diff, prefill_then_decode, run_paged
 
-from pagedkv.errors import ModelLoadError, UnsupportedModelError
+from pagedkv.errors import InvalidArgumentError, ModelLoadError, UnsupportedModelError
 from pagedkv.model import load_model, qkernel, quant
 from pagedkv.model.quant import QWeight
 
@@ -180,6 +180,48 @@ def test_gemm_for_many_rows(qtype: Q) -> None:
                     assert torch.equal(qw.linear(x), full), level
     finally:
         limit(2)
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda q: q.name)
+def test_batch_invariant_gemm_gives_the_row_kernels_bits(qtype: Q) -> None:
+    """pagedkv_q.batch_invariant (PAGEDKV_BATCH_INVARIANT=1): qgemm sums in the row kernels' order,
+    so each row of a many-row call is the bits of that row alone (the row kernel), at every row
+    count and across its slices and partial panels, on the AVX2 path and the AVX-512 one where the
+    CPU has it. Off (the default) qgemm keeps its own order: the same sums up to rounding."""
+    if not qkernel.load() or qkernel.gemm() is None:
+        pytest.skip("needs the compiled gemm")
+    qw, _ = _case(qtype, n=75, k=512 if GGML_QUANT_SIZES[qtype][0] == 256 else 416)
+    data, x = qw.parts[0][1], torch.randn(70, qw.k, generator=torch.Generator().manual_seed(4))
+    ops = torch.ops.pagedkv_q
+    before = ops.batch_invariant(True)
+    try:
+        for level in (1, 2):
+            ops.limit_isa(level)
+            alone = torch.empty(70, qw.n)
+            for i in range(70):
+                ops.qmatmul(x[i : i + 1], data, int(qtype), alone[i : i + 1], 0)
+            for t in (2, 8, 9, 13, 17, 40, 70):  # row kernel groups, then qgemm's blocks of 1-6 rows
+                out = torch.empty(t, qw.n)
+                (ops.qgemm if t >= 9 else ops.qmatmul)(x[:t], data, int(qtype), out, 0)
+                assert torch.equal(out.view(torch.int32), alone[:t].view(torch.int32)), (level, t)
+        ops.batch_invariant(False)
+        out = torch.empty(40, qw.n)
+        ops.qgemm(x[:40], data, int(qtype), out, 0)
+        assert float((out - alone[:40]).abs().max()) <= 1e-5 * float(alone.abs().max()) + 1e-6
+    finally:
+        ops.limit_isa(2)
+        ops.batch_invariant(before)
+
+
+def test_batch_invariant_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PAGEDKV_BATCH_INVARIANT takes 1/true/yes/on or 0/false/no/off; anything else is a typed
+    error naming the variable, never a silent default."""
+    for value, want in (("1", True), (" On ", True), ("0", False), ("", False), ("no", False)):
+        monkeypatch.setenv("PAGEDKV_BATCH_INVARIANT", value)
+        assert qkernel.batch_invariant() is want
+    monkeypatch.setenv("PAGEDKV_BATCH_INVARIANT", "sometimes" * 20)
+    with pytest.raises(InvalidArgumentError, match="PAGEDKV_BATCH_INVARIANT"):
+        qkernel.batch_invariant()
 
 
 def test_gemm_rejects_bad_arguments() -> None:

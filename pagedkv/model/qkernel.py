@@ -9,7 +9,7 @@ package's block sizes at load.
 Built like the attention kernel (same compiler flags and cache folder, from
 pagedkv/attention/kernel.py) plus -ffp-contract=off, so that the kernel dequantizes with exactly
 the float32 roundings of the `gguf` package (a fused multiply-add would round d * q + m once).
-Registered as torch.ops.pagedkv_q.{qmatmul,qgemm,qrows,has_gemm,limit_isa,isa,types},
+Registered as torch.ops.pagedkv_q.{qmatmul,qgemm,qrows,has_gemm,limit_isa,batch_invariant,isa,types},
 torch.ops.pagedkv_a8.{quantize,matmul,linear,panel,panel_vnni,panel_avx2} and
 torch.ops.pagedkv_ops.{add_rms_norm,silu_mul,rope,argmax,gelu_tanh_mul,norm_add_rms_norm,norm_rope} and
 decode_loop.cpp's torch.ops.pagedkv_ops.decode_layers.
@@ -21,6 +21,12 @@ first attempt forces the fallback (read once, not per call).
 `PAGEDKV_MAX_ISA=avx2` caps every kernel of the library at its AVX2 code (pagedkv_q.limit_isa:
 no AVX-512, no VNNI panel), so a process runs the paths an AVX2-only CPU runs; pagedkv/__init__.py
 caps torch's own kernels and oneDNN alike. Unset or `avx512`: the widest the CPU has.
+
+`PAGEDKV_BATCH_INVARIANT=1` makes the exact gemm (qgemm, from 9 rows with AVX2 and 13 with
+AVX-512) sum in the row kernels' order (pagedkv_q.batch_invariant), so that a row's result is
+the same bits whatever its call's row count: a sequence's logits then do not depend on what it
+was batched with. Off by default: it costs 12-37% of a 9-40-row exact step (Zen 2). The int8
+mode is not covered (its kernels for different row counts round differently).
 """
 
 from __future__ import annotations
@@ -86,6 +92,19 @@ def max_isa() -> str:
     return value
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def batch_invariant() -> bool:
+    """PAGEDKV_BATCH_INVARIANT: 1/true/yes/on or 0/false/no/off (unset: off);
+    InvalidArgumentError for anything else."""
+    value = os.environ.get("PAGEDKV_BATCH_INVARIANT", "").strip().lower()
+    if value not in _TRUE + _FALSE:
+        shown = value if len(value) <= 40 else value[:40] + "..."
+        raise InvalidArgumentError(f"PAGEDKV_BATCH_INVARIANT={shown!r}: choose 1 or 0")
+    return value in _TRUE
+
+
 def _build() -> None:
     build_and_load_units(_SOURCES, "pagedkv_qmatmul", _EXTRA_FLAGS, [_DIR])
 
@@ -114,6 +133,7 @@ def load() -> bool:
     if k.tried:
         return k.ok
     cap = max_isa()  # a bad value is the caller's error, not a reason to fall back
+    invariant = batch_invariant()
     with k.lock:
         if k.tried:
             return k.ok
@@ -131,6 +151,7 @@ def load() -> bool:
             _check_types(list(torch.ops.pagedkv_q.types()))
             if cap == "avx2":
                 torch.ops.pagedkv_q.limit_isa(1)
+            torch.ops.pagedkv_q.batch_invariant(invariant)
             k.qmatmul = _raw(torch.ops.pagedkv_q.qmatmul.default)
             a8 = torch.ops.pagedkv_a8
             k.a8 = tuple(_raw(o.default) for o in (a8.quantize, a8.matmul, a8.linear))

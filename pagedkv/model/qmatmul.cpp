@@ -22,6 +22,7 @@
 //     the build has a gemm
 //   limit_isa(level) -> previous: 2 = AVX-512 where available (default), 1 = AVX2 at most, for
 //     every kernel of the library (isa.h)
+//   batch_invariant(on) -> previous: whether qgemm sums in the row kernel's order (isa.h: order)
 //   isa() -> what calls run now: 0 scalar (a build without AVX2), 1 AVX2, 2 AVX-512, 3 AVX-512
 //     with the int8 kernels' VNNI code
 //   types() -> [type, block elements, block bytes] * n: the kernel types (ggml::TYPES)
@@ -49,6 +50,11 @@ namespace isa {
 std::atomic<int64_t> level{2};
 int64_t limit() { return level.load(std::memory_order_relaxed); }
 }  // namespace isa
+
+namespace order {
+std::atomic<bool> on{false};
+bool invariant() { return on.load(std::memory_order_relaxed); }
+}  // namespace order
 
 namespace {
 
@@ -114,6 +120,9 @@ bool has_avx512() {
 
 int64_t isa_now() { return has_avx512() ? (a8::vnni512() ? 3 : 2) : 1; }
 
+// Op pagedkv_q.batch_invariant(on) -> the previous setting (isa.h: order::invariant)
+bool batch_invariant(bool on) { return order::on.exchange(on); }
+
 bool fused_ok(int64_t, int64_t K) { return K % 32 == 0; }
 
 // activation rows a weight row is dequantized once for: the kernel's group (8 with AVX-512, 4
@@ -159,6 +168,7 @@ void deq_row_fast(const uint8_t* row, int64_t qtype, int64_t K, float* out) {
 #else
 int64_t limit_isa(int64_t level) { return isa::level.exchange(level); }  // nothing to limit: the scalar path
 int64_t isa_now() { return 0; }
+bool batch_invariant(bool on) { return order::on.exchange(on); }  // (no gemm: every path is the row loop)
 void deq_row_fast(const uint8_t* row, int64_t qtype, int64_t K, float* out) { deq_row(row, qtype, K, out); }
 bool fused_ok(int64_t, int64_t) { return false; }
 int64_t fused_group(int64_t) { return 4; }
@@ -333,6 +343,7 @@ TORCH_LIBRARY(pagedkv_q, m) {
   m.def("qrows(Tensor w, int qtype, int K, Tensor idx, Tensor(a!) out) -> ()");
   m.def("qgemm(Tensor x, Tensor w, int qtype, Tensor(a!) out, int col0) -> ()");
   m.def("limit_isa(int level) -> int", &limit_isa);
+  m.def("batch_invariant(bool on) -> bool", &batch_invariant);
   m.def("has_gemm() -> bool", &has_gemm);
   m.def("isa() -> int", &isa_now);
   m.def("types() -> int[]", &types);

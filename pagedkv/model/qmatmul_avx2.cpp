@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "ggml_blocks.h"
+#include "isa.h"
 #include "out_store.h"
 #include "qmatmul_simd.h"
 #include "vec.h"

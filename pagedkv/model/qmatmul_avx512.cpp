@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "ggml_blocks.h"
+#include "isa.h"
 #include "out_store.h"
 #include "qmatmul_simd.h"
 #include "vec.h"
