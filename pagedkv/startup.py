@@ -69,13 +69,15 @@ def model_format(source: Any) -> str:
 
 
 def _kernels() -> str:
-    """", AVX-512 VNNI kernels" (what the quantized matmuls run), capped by PAGEDKV_MAX_ISA."""
+    """", AVX-512 VNNI kernels" (what the quantized matmuls run), capped by PAGEDKV_MAX_ISA, and
+    whether the exact gemm keeps the row kernels' order (PAGEDKV_BATCH_INVARIANT)."""
     from pagedkv.model import qkernel
 
     isa = qkernel.info()["isa"]  # None without the kernel (never loads it)
     if isa is None:
         return ""
-    return f", {isa} kernels" + (" (PAGEDKV_MAX_ISA=avx2)" if qkernel.max_isa() == "avx2" else "")
+    return (f", {isa} kernels" + (" (PAGEDKV_MAX_ISA=avx2)" if qkernel.max_isa() == "avx2" else "")
+            + (", batch-invariant (PAGEDKV_BATCH_INVARIANT=1)" if qkernel.info()["batch_invariant"] else ""))
 
 
 def engine_lines(engine: Any, source: Any, dtype: str) -> list[str]:

@@ -67,3 +67,27 @@ def test_env_caps_a_process() -> None:
     got = json.loads(out.stdout.strip().splitlines()[-1])
     # the panel runs its AVX2 code; torch's kernels are capped too
     assert got == {"ok": True, "isa": "AVX2", "panel": True, "vnni": False, "torch": "AVX2"}
+
+
+INVARIANT_PROBE = """
+import json, torch
+from pagedkv.model import qkernel
+from pagedkv.startup import _kernels
+ok = qkernel.load()
+was = torch.ops.pagedkv_q.batch_invariant(False) if ok else None
+print(json.dumps({"ok": ok, "info": qkernel.info()["batch_invariant"], "op": was,
+                  "said": "PAGEDKV_BATCH_INVARIANT=1" in _kernels()}))
+"""
+
+
+def test_batch_invariant_env_sets_a_process() -> None:
+    """PAGEDKV_BATCH_INVARIANT=1 turns the exact gemm's row-kernel order on for the process (the
+    op's setting, qkernel.info(), and the start-up line say so); 0 or unset leaves it off."""
+    for value, want in (("1", True), ("0", False)):
+        env = {**os.environ, "PAGEDKV_BATCH_INVARIANT": value}
+        out = subprocess.run([sys.executable, "-c", INVARIANT_PROBE], env=env, capture_output=True, text=True,
+                             timeout=300, check=True)
+        got = json.loads(out.stdout.strip().splitlines()[-1])
+        if not got["ok"]:
+            pytest.skip("kernel unavailable")
+        assert got == {"ok": True, "info": want, "op": want, "said": want}, value

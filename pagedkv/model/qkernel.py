@@ -67,6 +67,7 @@ class _Kernel:
         self.vnni = False  # whether the int8 kernels run AVX-512 VNNI code (at load, within the ISA limit)
         self.gemm = None  # qmatmul.cpp's qgemm, where the build has its AVX2 / AVX-512 code
         self.decode_layers = None  # decode_loop.cpp's op
+        self.invariant = False  # PAGEDKV_BATCH_INVARIANT at load (pagedkv_q.batch_invariant)
 
 
 _kernel = _Kernel()
@@ -152,6 +153,7 @@ def load() -> bool:
             if cap == "avx2":
                 torch.ops.pagedkv_q.limit_isa(1)
             torch.ops.pagedkv_q.batch_invariant(invariant)
+            k.invariant = invariant
             k.qmatmul = _raw(torch.ops.pagedkv_q.qmatmul.default)
             a8 = torch.ops.pagedkv_a8
             k.a8 = tuple(_raw(o.default) for o in (a8.quantize, a8.matmul, a8.linear))
@@ -232,4 +234,5 @@ def isa() -> str | None:
 
 
 def info() -> dict[str, object]:
-    return {"loaded": _kernel.ok, "error": _kernel.error, "isa": isa() if _kernel.ok else None}
+    return {"loaded": _kernel.ok, "error": _kernel.error, "isa": isa() if _kernel.ok else None,
+            "batch_invariant": _kernel.invariant}
