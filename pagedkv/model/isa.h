@@ -13,7 +13,7 @@ int64_t limit();
 
 // Whether the exact gemm (qgemm) sums in the row kernel's order, so that a row's result does not
 // depend on its call's row count (PAGEDKV_BATCH_INVARIANT, qkernel.py; off by default: it costs
-// 8-37% of a 9-40-row step on a Zen 2). Set by pagedkv_q.batch_invariant; read on every call.
+// 10-18% of a 9-40-row step on a Zen 2). Set by pagedkv_q.batch_invariant; read on every call.
 namespace order {
 bool invariant();
 }  // namespace order
