@@ -201,6 +201,7 @@ class HybridMachine(RuleBasedStateMachine):
             return
         for s, t in zip(sids, toks, strict=True):
             self.tokens[s].append(t)
+        _same_per_group(self.cache, sids, None)
         for g in range(len(self.windows)):
             slots, tables, lens = self.cache.decode_tensors(sids, g)
             assert lens.tolist() == [len(self.tokens[s]) for s in sids]
@@ -247,6 +248,7 @@ class HybridMachine(RuleBasedStateMachine):
             if not got:
                 assert same_state(before, snapshot(c)), "a refused lookahead changed state"
             ks.append(len(d) if got else 0)
+        _same_per_group(c, sids, ks)
         for g in range(ng):
             slots, _, lens = c.decode_tensors(sids, g, ks)
             r = 0
@@ -467,3 +469,14 @@ def test_speculative_steps_on_every_group_layout(num_blocks, block_size, layout,
         elif op == "free" and m.tokens:
             m.free(arg)
         _check_all(m)
+
+
+def _same_per_group(cache: PagedKVCache, sids: list[str], drafts: list[int] | None) -> None:
+    """decode_tensors_groups (the step plan's one call for all groups) gives each group's
+    decode_tensors, the lengths tensor shared."""
+    every = cache.decode_tensors_groups(sids, drafts)
+    assert len(every) == cache.num_groups
+    for g, got in enumerate(every):
+        for a, b in zip(got, cache.decode_tensors(sids, g, drafts), strict=True):
+            assert torch.equal(a, b)
+        assert got[2] is every[0][2]

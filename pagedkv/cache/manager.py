@@ -1151,8 +1151,24 @@ class PagedKVCache:
         one pass. `drafts` (speculative decoding): sequence i also verifies drafts[i] tokens in
         its lookahead slots, as drafts[i] more rows (its table repeated, one more token each),
         so the rows are sum(1 + drafts[i])."""
-        seqs = self._seqs_of(seq_ids)
         table = self._table_of(group)
+        rows, lens = self._decode_rows(seq_ids, drafts)
+        lens32 = lens.astype(np.int32)
+        return self._decode_group(rows, lens, lens32, table)
+
+    def decode_tensors_groups(self, seq_ids: Sequence[SeqId], drafts: Sequence[int] | None = None
+                              ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """decode_tensors for every group, in group order: the sequences' rows and lengths built
+        once for all of them (a hybrid model's groups share them; the lengths tensor is shared
+        too), each group's slots and tables from its own block table."""
+        rows, lens = self._decode_rows(seq_ids, drafts)
+        lens32 = torch.from_numpy(lens.astype(np.int32))
+        return [self._decode_group(rows, lens, lens32.numpy(), t, lens32) for t in self.tables]
+
+    def _decode_rows(self, seq_ids: Sequence[SeqId], drafts: Sequence[int] | None
+                     ) -> tuple[np.ndarray, np.ndarray]:
+        """(table rows, lengths) of a decode step's rows (decode_tensors)."""
+        seqs = self._seqs_of(seq_ids)
         rows = np.fromiter((s.row for s in seqs), np.int64, len(seqs))
         lens = np.fromiter((s.num_tokens for s in seqs), np.int64, len(seqs))
         if lens.size and lens.min() < 1:
@@ -1166,9 +1182,13 @@ class PagedKVCache:
             starts = np.cumsum(n) - n
             rows = np.repeat(rows, n)
             lens = np.repeat(lens, n) + np.arange(int(n.sum())) - np.repeat(starts, n)
+        return rows, lens
+
+    def _decode_group(self, rows: np.ndarray, lens: np.ndarray, lens32: np.ndarray, table: BlockTable,
+                      lens_t: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         slots = table.slots(rows, lens - 1)
-        lens32 = lens.astype(np.int32)
-        return torch.from_numpy(slots), self._tables_of(rows, lens32, table), torch.from_numpy(lens32)
+        lens_t = torch.from_numpy(lens32) if lens_t is None else lens_t
+        return torch.from_numpy(slots), self._tables_of(rows, lens32, table), lens_t
 
     def check_new_id(self, seq_id: SeqId) -> None:
         try:

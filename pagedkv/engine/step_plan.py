@@ -106,7 +106,9 @@ def build_plan(
         rows.extend(range(first, first + len(decodes)))
         plan.samplers.extend(decodes)
     ks = [len(d) for d in drafts] if plan.drafts else None
-    plan.metas = tuple(_group_meta(cache, g, prefills, decodes, pos, ks)
+    dec = cache.decode_tensors_groups([s.seq_id for s in decodes], ks) if decodes else None
+    longest = int(dec[0][2].numpy().max()) if dec else 0  # (the groups share the lengths)
+    plan.metas = tuple(_group_meta(cache, g, prefills, decodes, pos, dec and dec[g], longest)
                        for g in range(cache.num_groups))
     plan.meta = plan.metas[0]
     plan.input_ids = torch.tensor(ids, dtype=torch.int64)
@@ -117,17 +119,17 @@ def build_plan(
 
 def _group_meta(cache: PagedKVCache, group: int, prefills: list[ScheduledPrefill],
                 decodes: list[Sequence], pos: list[torch.Tensor],
-                drafts: list[int] | None = None) -> AttentionMetadata:
-    """One KV group's metadata (its slots and block tables); group 0 also appends the decode
-    positions to `pos` (every group has the same lengths)."""
+                dec: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, longest: int) -> AttentionMetadata:
+    """One KV group's metadata (its slots and block tables; `dec` its decode tensors, from
+    decode_tensors_groups, built once for all groups); group 0 also appends the decode positions
+    to `pos` (every group has the same lengths)."""
     slots = [cache.slots(p.seq.seq_id, p.start, p.end, group) for p in prefills]
     prefill_tables = _EMPTY_TABLE
     if any(p.start > 0 for p in prefills):
         prefill_tables = cache.block_tables([p.seq.seq_id for p in prefills], group)[0]
     dec_tables, dec_lens = _EMPTY_TABLE, _EMPTY_I32
     if decodes:
-        dec_slots, dec_tables, dec_lens = cache.decode_tensors([s.seq_id for s in decodes],
-                                                               group, drafts)
+        dec_slots, dec_tables, dec_lens = dec
         if group == 0:
             pos.append(dec_lens.to(torch.int64) - 1)
         slots.append(dec_slots)
@@ -138,7 +140,7 @@ def _group_meta(cache: PagedKVCache, group: int, prefills: list[ScheduledPrefill
         prefill_block_tables=prefill_tables,
         decode_block_tables=dec_tables,
         decode_seq_lens=dec_lens,
-        max_decode_seq_len=int(dec_lens.numpy().max()) if decodes else 0,
+        max_decode_seq_len=longest,
         group_window=cache.groups.windows[group] or 0,
     )
 
