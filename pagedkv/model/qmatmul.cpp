@@ -154,9 +154,10 @@ void fused_pair_row(int64_t qtype, const uint8_t* row, int64_t rb, int64_t T, in
   else y::pair_row(qtype, row, rb, T, K, x, r0, r1);
 }
 
-void fused_row(int64_t qtype, const uint8_t* row, int64_t rb, int64_t T, int64_t K, const float* x, float* res) {
-  if (has_avx512()) z::row(qtype, row, rb, T, K, x, res);
-  else y::row(qtype, row, rb, T, K, x, res);
+void fused_row(int64_t qtype, const uint8_t* row, int64_t rb, int64_t T, int64_t K, const float* x, float* res,
+               bool once) {
+  if (has_avx512()) z::row(qtype, row, rb, T, K, x, res, once);
+  else y::row(qtype, row, rb, T, K, x, res, once);
 }
 
 // deq_row, through the chunk dequantizers where they apply (the same values)
@@ -174,7 +175,7 @@ bool fused_ok(int64_t, int64_t) { return false; }
 int64_t fused_group(int64_t) { return 4; }
 int64_t pair_group(int64_t, int64_t) { return 0; }
 void fused_pair_row(int64_t, const uint8_t*, int64_t, int64_t, int64_t, const float*, float*, float*) {}
-void fused_row(int64_t, const uint8_t*, int64_t, int64_t, int64_t, const float*, float*) {}
+void fused_row(int64_t, const uint8_t*, int64_t, int64_t, int64_t, const float*, float*, bool) {}
 #endif
 
 // weight rows [n0, n1) against one activation row, two rows at a time
@@ -182,7 +183,7 @@ __attribute__((noinline)) void pair_range(int64_t qtype, const uint8_t* wp, int6
                                           int64_t K, const float* xp, float* op) {
   int64_t n = n0;
   for (; n + 2 <= n1; n += 2) fused_pair_row(qtype, wp + n * rb, rb, 1, K, xp, op + n, op + n + 1);
-  if (n < n1) fused_row(qtype, wp + n * rb, rb, 1, K, xp, op + n);
+  if (n < n1) fused_row(qtype, wp + n * rb, rb, 1, K, xp, op + n, true);
 }
 
 // weight rows a block of the fused path takes against each group of activation rows in turn, where
@@ -222,7 +223,7 @@ __attribute__((noinline)) void row_range(int64_t qtype, const uint8_t* wp, int64
       for (int64_t g = 0, t = 0; g < ng; ++g) {
         const int64_t m = T / ng + (g < T % ng ? 1 : 0);
         for (int64_t j = n; j < e; ++j) {
-          fused_row(qtype, wp + j * rb, rb, m, K, xp + t * K, r);
+          fused_row(qtype, wp + j * rb, rb, m, K, xp + t * K, r, false);  // (read again by the next group)
           for (int64_t i = 0; i < m; ++i) op[(t + i) * ldo + j] = r[i];
         }
         t += m;
@@ -231,7 +232,7 @@ __attribute__((noinline)) void row_range(int64_t qtype, const uint8_t* wp, int64
   }
   for (; n < n1; ++n) {
     if (fused) {
-      fused_row(qtype, wp + n * rb, rb, T, K, xp, r);
+      fused_row(qtype, wp + n * rb, rb, T, K, xp, r, true);
       for (int64_t i = 0; i < T; ++i) op[i * ldo + n] = r[i];
       continue;
     }

@@ -5,9 +5,10 @@
 #include <cstdint>
 
 #define PQ_SIMD_ENTRY_POINTS                                                                           \
-  /* one weight row against T <= row_group() activation rows (ldx = K) */                             \
+  /* one weight row against T <= row_group() activation rows (ldx = K); `once`: no other call of    \
+     this matmul reads the row again (its lines prefetched NTA on AVX2) */                             \
   void row(int64_t qtype, const uint8_t* row, int64_t rb, int64_t T, int64_t K, const float* x,        \
-           float* res);                                                                                \
+           float* res, bool once);                                                                     \
   /* weight rows `row` and `row + rb` against T <= pair_group_rows() activation rows (ldx = K) */     \
   void pair_row(int64_t qtype, const uint8_t* row, int64_t rb, int64_t T, int64_t K, const float* x,   \
                 float* r0, float* r1);                                                                 \
