@@ -219,12 +219,20 @@ inline void scales_of(const uint8_t* b, Scales& s) {
 // it (points at most 64 bytes apart, its last byte last; three lines per step left a Q6_K
 // block's fourth to demand misses), into L2 (T1). 1 thread, 4096 x 1536 rows cycled through
 // 400 MB (DRAM), GB/s of weights: Q4_K 7.5 -> 10.5-12.6, Q6_K 6.9 -> 14.5-17 (T0: no gain).
+// The AVX2 tiles (Y::NTA) fetch the next tile only, NTA: T1 lines 4 tiles ahead passed through L2
+// into Zen 2's L3 and pushed out what the rest of the step runs from (qmatmul_a8.cpp:
+// PF_NTA_TILES has the figures). The VNNI ones (Z) keep T1, 4 tiles (not measured with NTA).
 constexpr int64_t PF_TILES = 4;
-template <int64_t QT>
+constexpr int64_t PF_NTA_TILES = 1;
+template <int64_t QT, bool NTA = false>
 PQ_INLINE void prefetch_sb(const uint8_t* p) {
   constexpr int64_t bb = sb_bytes(QT);
-  for (int64_t o = 0; o < bb; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T1);
-  _mm_prefetch(reinterpret_cast<const char*>(p + bb - 1), _MM_HINT_T1);
+  const auto one = [](const uint8_t* q) __attribute__((always_inline)) {
+    if constexpr (NTA) _mm_prefetch(reinterpret_cast<const char*>(q), _MM_HINT_NTA);
+    else _mm_prefetch(reinterpret_cast<const char*>(q), _MM_HINT_T1);
+  };
+  for (int64_t o = 0; o < bb; o += 64) one(p + o);
+  one(p + bb - 1);
 }
 #endif
 
@@ -375,6 +383,7 @@ struct Y {
   // once per super-block): 1 thread, 4096x1536 in L3, 8 rows, ns/w, 2 rows per pass -> 4:
   // Q4_K 0.333 -> 0.189, Q5_K 0.392 -> 0.208, Q6_K 0.356 -> 0.191, IQ4_XS 0.356 -> 0.283
   static constexpr int BYTES = 32, UNITS = 8, MAXR = 4;
+  static constexpr bool NTA = true;  // (prefetch_sb)
   template <bool SG>
   struct Unit {
     __m256i u;
@@ -472,6 +481,7 @@ PQ_INLINE __m512i pair_scales(__m512i sc16, int i) {
 struct Z {
   using I = __m512i;
   static constexpr int BYTES = 64, UNITS = 4, MAXR = 4;  // 4 activation rows: 32 zmm hold them
+  static constexpr bool NTA = false;  // (prefetch_sb)
   template <bool SG>
   struct Unit {
     __m512i u;  // IQ4_XS: |u|, and the mask of the negative ones
