@@ -1153,8 +1153,7 @@ class PagedKVCache:
         so the rows are sum(1 + drafts[i])."""
         table = self._table_of(group)
         rows, lens = self._decode_rows(seq_ids, drafts)
-        lens32 = lens.astype(np.int32)
-        return self._decode_group(rows, lens, lens32, table)
+        return self._decode_group(rows, lens, torch.from_numpy(lens.astype(np.int32)), table)
 
     def decode_tensors_groups(self, seq_ids: Sequence[SeqId], drafts: Sequence[int] | None = None
                               ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -1163,7 +1162,7 @@ class PagedKVCache:
         too), each group's slots and tables from its own block table."""
         rows, lens = self._decode_rows(seq_ids, drafts)
         lens32 = torch.from_numpy(lens.astype(np.int32))
-        return [self._decode_group(rows, lens, lens32.numpy(), t, lens32) for t in self.tables]
+        return [self._decode_group(rows, lens, lens32, t) for t in self.tables]
 
     def _decode_rows(self, seq_ids: Sequence[SeqId], drafts: Sequence[int] | None
                      ) -> tuple[np.ndarray, np.ndarray]:
@@ -1184,11 +1183,11 @@ class PagedKVCache:
             lens = np.repeat(lens, n) + np.arange(int(n.sum())) - np.repeat(starts, n)
         return rows, lens
 
-    def _decode_group(self, rows: np.ndarray, lens: np.ndarray, lens32: np.ndarray, table: BlockTable,
-                      lens_t: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _decode_group(self, rows: np.ndarray, lens: np.ndarray, lens32: torch.Tensor, table: BlockTable
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One group's (slots, tables, lens32): lens32 is returned as given (shared by the groups)."""
         slots = table.slots(rows, lens - 1)
-        lens_t = torch.from_numpy(lens32) if lens_t is None else lens_t
-        return torch.from_numpy(slots), self._tables_of(rows, lens32, table), lens_t
+        return torch.from_numpy(slots), self._tables_of(rows, lens32.numpy(), table), lens32
 
     def check_new_id(self, seq_id: SeqId) -> None:
         try:

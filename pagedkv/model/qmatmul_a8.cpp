@@ -62,8 +62,8 @@ constexpr int64_t PF_TILES = 4;
 // AVX2: the next tile only, NTA (each weight byte is read once a call): T0 lines 4 tiles ahead
 // passed through L2 into Zen 2's L3 and pushed out what the rest of the step runs from (see
 // qmatmul_simd.inc: PF_NTA_BYTES). Batch-1 int8 steps, Zen 2, 2 threads, ms, T0 4 tiles -> NTA
-// 1 (with qmatmul_a8x's tiles): the 0.5B Q4_K_M mix 21.6-22.0 -> 19.3-19.5, the 1.5B 48.2-53.2
-// -> 45.8-46.5, Gemma 3 270M 13.1-13.5 -> 11.8-12.6. The VNNI code keeps T0, 4 tiles (not
+// 1 (with qmatmul_a8x's tiles): the 0.5B Q4_K_M mix 22.0-22.7 -> 20.2-22.3, the 1.5B 51.0-51.7
+// -> 45.9-48.5, Gemma 3 270M 13.2-13.6 -> 12.8-13.5. The VNNI code keeps T0, 4 tiles (not
 // measured with NTA).
 constexpr int64_t PF_NTA_TILES = 1;
 constexpr int64_t QK = ggml::QK;
