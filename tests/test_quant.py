@@ -79,7 +79,7 @@ def test_rows_and_products_match_gguf(qtype: Q, path: str, monkeypatch: pytest.M
     monkeypatch.setattr(quant, "GEMM_MIN_ROWS", 1 << 30)  # qgemm: test_gemm_for_many_rows
     for limit in (1 << 30, 0):  # every row count through the streaming kernel, then the tiles
         monkeypatch.setattr(quant, "TILED_ROWS", limit)
-        for t in (1, 2, 3, 4, 5, 7, 16, 41):  # fused groups of 4 and their remainders
+        for t in (1, 2, 3, 4, 5, 6, 7, 8, 16, 41):  # fused groups of 4, one chain per row at 5-8
             x = torch.randn(t, qw.k, generator=gen)
             got, want = qw.linear(x), x @ ref.t()
             assert got.shape == (t, qw.n)
@@ -94,28 +94,41 @@ def test_exact_rows_do_not_depend_on_the_batch(qtype: Q, k: int, monkeypatch: py
     pairs against groups of up to 4 rows, an odd weight row left alone), on the AVX2 path and on
     the AVX-512 one where the CPU has it (pagedkv_q.limit_isa); the two agree up to summation
     order, and both dequantize rows (qrows: the tiles) bit for bit. K = 1280: 8 rows of x pass
-    L1, so AVX-512 pairs weight rows at every row count there."""
+    L1, so AVX-512 pairs weight rows at every row count there. AVX2 sums 5-8 rows in one chain
+    per row by default (qmatmul.cpp: wide_rows): the same bits as alone only with
+    pagedkv_q.batch_invariant on, else the same sums up to rounding."""
     if not qkernel.load():
         pytest.skip(f"kernel unavailable: {qkernel.info()['error']}")
     qw, ref = _case(qtype, n=73, k=k)
     monkeypatch.setattr(quant, "TILED_ROWS", 1 << 30)
     monkeypatch.setattr(quant, "GEMM_MIN_ROWS", 1 << 30)
     x = torch.randn(16, qw.k, generator=torch.Generator().manual_seed(4))
-    limit, alone = torch.ops.pagedkv_q.limit_isa, {}
+    ops, alone = torch.ops.pagedkv_q, {}
+    avx512 = ops.isa() >= 2
+    before = ops.batch_invariant(False)
     try:
         for level in (1, 2):
-            limit(level)
+            ops.limit_isa(level)
             assert torch.equal(qw.rows(torch.arange(qw.n)), ref)  # the tiles' dequantizer
             alone[level] = torch.cat([qw.linear(x[i : i + 1]) for i in range(16)])
-            for t in (2, 3, 4, 5, 7, 8, 9, 12, 15, 16):  # groups of 4 / 8, pairs of 4, remainders
-                assert torch.equal(qw.linear(x[:t]), alone[level][:t]), (level, t)
+            wide = level == 1 or not avx512  # this level runs the AVX2 code
+            for t in (2, 3, 4, 5, 6, 7, 8, 9, 12, 15, 16):  # groups of 4 / 8, pairs of 4, remainders
+                got = qw.linear(x[:t])
+                if wide and 5 <= t <= 8:  # one chain per row: the same sums up to rounding
+                    err = float((got - alone[level][:t]).abs().max())
+                    assert err <= 1e-5 * float(alone[level].abs().max()) + 1e-6, (level, t)
+                    ops.batch_invariant(True)
+                    got = qw.linear(x[:t])
+                    ops.batch_invariant(False)
+                assert torch.equal(got, alone[level][:t]), (level, t)
     finally:
-        limit(2)
+        ops.limit_isa(2)
+        ops.batch_invariant(before)
     want = x @ ref.t()
     for got in alone.values():
         assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max()) + 1e-6
     with pytest.raises(RuntimeError, match="level must be"):
-        limit(3)
+        ops.limit_isa(3)
 
 
 SUPER_TYPES = [q for q in KERNEL_TYPES if GGML_QUANT_SIZES[q][0] == 256]

@@ -23,9 +23,11 @@ no AVX-512, no VNNI panel), so a process runs the paths an AVX2-only CPU runs; p
 caps torch's own kernels and oneDNN alike. Unset or `avx512`: the widest the CPU has.
 
 `PAGEDKV_BATCH_INVARIANT=1` makes the exact gemm (qgemm, from 9 rows with AVX2 and 13 with
-AVX-512) sum in the row kernels' order (pagedkv_q.batch_invariant), so that a row's result is
+AVX-512) and AVX2's 5-8-row row kernel (one FMA chain per row by default) sum in the row
+kernels' order (pagedkv_q.batch_invariant), so that a row's result is
 the same bits whatever its call's row count: a sequence's logits then do not depend on what it
-was batched with. Off by default: it costs 10-18% of a 9-40-row exact step (Zen 2). The int8
+was batched with. Off by default: it costs 12-27% of a 5-8-row and 10-18% of a
+9-40-row exact step (Zen 2). The int8
 mode is not covered (its kernels for different row counts round differently).
 """
 

@@ -147,6 +147,17 @@ int64_t pair_group(int64_t T, int64_t K) {
   return T <= pg || fused_group(K) < z::row_group() ? pg : 0;
 }
 
+// whether T activation rows of length K take the AVX2 row kernel's one chain per row (y::row_wide)
+// instead of its groups of 4 (which dequantize each weight once per group): 5-7 rows, and 8 while
+// their x fits in L1; not under order::invariant (the groups' order is the row kernels' order).
+// Zen 2, 1 thread, ns per weight, groups / one chain: Q5_0 896 x 4864 0.284 / 0.220 at 5 rows,
+// 0.344 / 0.280 at 7, 0.375 / 0.319 at 8; Q6_K 1536 x 2837 0.359 / 0.263 at 6; Q4_K 1024 x 4256
+// 0.298 / 0.244 at 7. At 8 rows past L1 (and with the K-quants' accumulators spilled) one chain
+// lost or tied: Q4_K 1536 x 2837 0.308 / 0.340, Q8_0 0.294 / 0.352, Q6_K 0.412 / 0.414.
+bool wide_rows(int64_t T, int64_t K) {
+  return !has_avx512() && T >= 5 && (T <= 7 || (T == 8 && T * K * 4 <= 32 * 1024)) && !order::invariant();
+}
+
 // weight rows `row`, `row + rb` against T <= pair_group(T, K) activation rows (T = 1 on any width)
 void fused_pair_row(int64_t qtype, const uint8_t* row, int64_t rb, int64_t T, int64_t K, const float* x, float* r0,
                     float* r1) {
@@ -172,6 +183,7 @@ int64_t isa_now() { return 0; }
 bool batch_invariant(bool on) { return order::on.exchange(on); }  // (no gemm: every path is the row loop)
 void deq_row_fast(const uint8_t* row, int64_t qtype, int64_t K, float* out) { deq_row(row, qtype, K, out); }
 bool fused_ok(int64_t, int64_t) { return false; }
+bool wide_rows(int64_t, int64_t) { return false; }
 int64_t fused_group(int64_t) { return 4; }
 int64_t pair_group(int64_t, int64_t) { return 0; }
 void fused_pair_row(int64_t, const uint8_t*, int64_t, int64_t, int64_t, const float*, float*, float*) {}
@@ -196,7 +208,8 @@ __attribute__((noinline)) void pair_range(int64_t qtype, const uint8_t* wp, int6
 constexpr int64_t ROW_BLOCK = 16;
 
 // weight rows [n0, n1) against T activation rows: the fused path, weight rows in pairs against
-// groups of pair_group(T, K) activation rows where it applies, else one at a time against groups
+// groups of pair_group(T, K) activation rows where it applies, one at a time against all T rows
+// in one chain each where wide_rows(T, K) (AVX2), else one at a time against groups
 // of up to fused_group(K) (8 with AVX-512, 4 with AVX2; ROW_BLOCK rows against each group in turn
 // where T spans several); or (K not a
 // multiple of 32) the row dequantized into a scratch first
@@ -215,6 +228,12 @@ __attribute__((noinline)) void row_range(int64_t qtype, const uint8_t* wp, int64
         fused_pair_row(qtype, wp + n * rb, rb, m, K, xp + t * K, r, r1);
         for (int64_t i = 0; i < m; ++i) op[(t + i) * ldo + n] = r[i], op[(t + i) * ldo + n + 1] = r1[i];
       }
+  }
+  if (fused && wide_rows(T, K)) {  // each weight row once against all T rows, one chain per row
+    for (; n < n1; ++n) {
+      y::row_wide(qtype, wp + n * rb, rb, T, K, xp, r);
+      for (int64_t i = 0; i < T; ++i) op[i * ldo + n] = r[i];
+    }
   }
   if (fused && T > group) {  // ROW_BLOCK weight rows against each group of x in turn
     const int64_t ng = (T + group - 1) / group;  // groups of T / ng or one more row (5 rows: 3 + 2)

@@ -13,6 +13,9 @@
   void pair_row(int64_t qtype, const uint8_t* row, int64_t rb, int64_t T, int64_t K, const float* x,   \
                 float* r0, float* r1);                                                                 \
   int64_t pair_group_rows();                                                                           \
+  /* one weight row against 5 <= T <= 8 activation rows, one FMA chain per row (ldx = K) */          \
+  void row_wide(int64_t qtype, const uint8_t* row, int64_t rb, int64_t T, int64_t K, const float* x,   \
+                float* res);                                                                           \
   /* how many activation rows `row` takes at once (4 or 8) */                                          \
   int64_t row_group();                                                                                 \
   /* one weight row -> K floats */                                                                     \
