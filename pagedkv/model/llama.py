@@ -36,6 +36,7 @@ from pagedkv.cache.storage import KVStorage, LayerKV
 from pagedkv.errors import ModelLoadError, StorageMismatchError
 from pagedkv.model import qkernel, quant
 from pagedkv.model.config import ModelConfig
+from pagedkv.model.greedy_head import GreedyHead
 from pagedkv.model.packed import linear as packed_linear
 from pagedkv.model.packed import pack
 from pagedkv.model.quant import QPart, QWeight
@@ -367,6 +368,10 @@ class LlamaModel(nn.Module):
         )
         self._lm_head_packed: torch.Tensor | None = None
         self._logits_buf: torch.Tensor | None = None  # _logits_out
+        self._greedy: GreedyHead | None = None  # greedy_head.py's, for lm_head_q (_greedy_head)
+        # the last forward's greedy rows' tokens (GreedyHead.logits; None: not decided there),
+        # read with its logits, before the next forward
+        self.greedy_tokens: torch.Tensor | None = None
         self._plans: dict[int, tuple] = {}  # row count -> ((route key, KV layer groups), _static_plan)
 
     def pack_weights(self) -> bool:
@@ -481,9 +486,12 @@ class LlamaModel(nn.Module):
         kv: KVStorage,
         meta: AttentionMetadata | tuple[AttentionMetadata, ...],
         logits_indices: torch.Tensor | None = None,
+        greedy: tuple[torch.Tensor, bool] | None = None,
     ) -> torch.Tensor:
         """input_ids/positions [T] int64 -> logits [B, vocab] float32 for rows `logits_indices`
-        ([B] int64; None: all T rows). `meta`: one AttentionMetadata per KV group of `kv`
+        ([B] int64; None: all T rows). `greedy`: (rows of the B, approx) where those rows' tokens
+        are the plain argmax of their logits (greedy_head.py: their candidates are recomputed in
+        float64; approx: every row is such a row and needs no other logit exactly). `meta`: one AttentionMetadata per KV group of `kv`
         (a single one for a storage of one group); layer i attends through group
         `kv.layer_group[i]`'s and reads `kv.model_layers[i]`."""
         metas = (meta,) if isinstance(meta, AttentionMetadata) else tuple(meta)
@@ -536,7 +544,7 @@ class LlamaModel(nn.Module):
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)  # [B, H]: norm + LM head only where needed
         x = F.rms_norm(x, x.shape[-1:], self.norm, self.config.rms_norm_eps)
-        return self._final_logits(self._lm_head(x))
+        return self._final_logits(self._lm_head(x, greedy))
 
     def _decode_plan(self, kv: KVStorage, metas: tuple[AttentionMetadata, ...], tables: list,
                      bufs: tuple[torch.Tensor, ...]) -> tuple | None:
@@ -611,14 +619,40 @@ class LlamaModel(nn.Module):
         floats = [float(c.rms_norm_eps), float(layers[0].scale), float(layers[0].softcap)]
         return w, ints, floats, {ly.rope_table for ly in layers}
 
-    def _lm_head(self, x: torch.Tensor) -> torch.Tensor:
+    def _lm_head(self, x: torch.Tensor, greedy: tuple[torch.Tensor, bool] | None = None) -> torch.Tensor:
         """Normed hidden states [B, H] -> logits [B, V] float32: a new tensor, or rows of the
         kept logits buffer (`_logits_out`), overwritten by the next forward."""
+        self.greedy_tokens = None
+        head = None if greedy is None or not greedy[0].numel() else self._greedy_head()
+        if head is not None:
+            logits, self.greedy_tokens = head.logits(x, greedy[0], greedy[1],
+                                                     self._logits_out(x.shape[0], head.q.n))
+            return logits
         if self.lm_head_q is not None:
             return self.lm_head_q.linear(x, self._logits_out(x.shape[0], self.lm_head_q.n))
         if self._lm_head_packed is not None:
             return packed_linear(x, self.lm_head_t.t(), self._lm_head_packed).float()
         return torch.mm(x, self.lm_head_t).float()
+
+    def prepare_greedy_head(self) -> bool:
+        """Build the greedy head and its row norms now (one pass over the LM head: ~0.2 s for
+        Gemma 3 270M's), not at the first greedy step; False where there is none."""
+        head = self._greedy_head()
+        return head is not None and head.norms() is not None
+
+    def _greedy_head(self) -> GreedyHead | None:
+        """lm_head_q's GreedyHead (kept while lm_head_q is the same), or None: no quantized
+        head, or one greedy_head.py does not take. Only where the final logits keep the raw
+        ones' order strictly: no softcap (Gemma 2's tanh can round two logits to one float32
+        value), a divisor (Granite) only when positive."""
+        q, c = self.lm_head_q, self.config
+        div = c.logit_divisor
+        if (q is None or c.final_logit_softcapping is not None or (div is not None and not div > 0)
+                or not GreedyHead.able(q)):
+            return None
+        if self._greedy is None or self._greedy.q is not q:
+            self._greedy = GreedyHead(q)
+        return self._greedy
 
     def _logits_out(self, rows: int, vocab: int) -> torch.Tensor | None:
         """Where the quantized LM head writes [rows, vocab] logits: rows of one buffer kept from

@@ -12,7 +12,8 @@ the float32 roundings of the `gguf` package (a fused multiply-add would round d 
 Registered as torch.ops.pagedkv_q.{qmatmul,qgemm,qrows,has_gemm,limit_isa,batch_invariant,isa,types},
 torch.ops.pagedkv_a8.{quantize,matmul,linear,panel,panel_vnni,panel_avx2} and
 torch.ops.pagedkv_ops.{add_rms_norm,silu_mul,rope,argmax,gelu_tanh_mul,norm_add_rms_norm,norm_rope} and
-decode_loop.cpp's torch.ops.pagedkv_ops.decode_layers.
+decode_loop.cpp's torch.ops.pagedkv_ops.decode_layers and logits_screen.cpp's
+torch.ops.pagedkv_ops.{screen,rescore} (greedy_head.py's candidates).
 
 Attempted once per process; any failure is logged once and `load()` returns False, and the
 callers (quant.py) use the pure-torch fallback. `PAGEDKV_NO_KERNEL=1` in the environment at the
@@ -48,7 +49,7 @@ logger = logging.getLogger(__name__)
 _DIR = Path(__file__).parent
 # one translation unit each; the headers they include (ggml_blocks.h, vec.h, ...) live in _DIR
 _SOURCES = [_DIR / n for n in ("qmatmul.cpp", "qmatmul_avx2.cpp", "qmatmul_avx512.cpp", "qmatmul_a8.cpp", "qmatmul_a8x.cpp",
-                               "qmatmul_panel.cpp", "fused_ops.cpp", "decode_loop.cpp")]
+                               "qmatmul_panel.cpp", "fused_ops.cpp", "decode_loop.cpp", "logits_screen.cpp")]
 _EXTRA_FLAGS = ["-ffp-contract=off"]
 
 
@@ -64,6 +65,7 @@ class _Kernel:
         self.a8 = None  # (quantize, matmul, linear) overloads of the activation-quantized path
         self.fused = None  # (rope, silu_mul, add_rms_norm, gelu_tanh_mul, norm_add_rms_norm, norm_rope)
         self.argmax = None  # fused_ops.cpp's argmax
+        self.screen = None  # logits_screen.cpp's (screen, rescore): greedy_head.py's
         self.panel = None  # qmatmul_panel.cpp's panel op, where this CPU runs its VNNI or AVX2 code
         self.r16 = None  # (r16_pack, panel_r16) of qmatmul_panel.cpp, where this CPU runs its VNNI code
         self.vnni = False  # whether the int8 kernels run AVX-512 VNNI code (at load, within the ISA limit)
@@ -163,6 +165,7 @@ def load() -> bool:
             k.fused = tuple(_raw(o.default) for o in (f.rope, f.silu_mul, f.add_rms_norm,
                                                       f.gelu_tanh_mul, f.norm_add_rms_norm, f.norm_rope))
             k.argmax = _raw(f.argmax.default)
+            k.screen = (_raw(f.screen.default), _raw(f.rescore.default))
             k.decode_layers = _raw(f.decode_layers.default)
             k.vnni = bool(a8.panel_vnni())
             if hasattr(a8, "panel") and (k.vnni or a8.panel_avx2()):
@@ -198,6 +201,12 @@ def fused():  # noqa: ANN201
 def argmax():  # noqa: ANN201
     """fused_ops.cpp's argmax(x, best, idx) op, or None without the kernel."""
     return _kernel.argmax if (_kernel.ok or load()) else None
+
+
+def screen():  # noqa: ANN201
+    """logits_screen.cpp's (screen, rescore) ops (the greedy head's candidates and their float64
+    logits), or None without the kernel."""
+    return _kernel.screen if (_kernel.ok or load()) else None
 
 
 def decode_layers():  # noqa: ANN201
