@@ -147,6 +147,7 @@ class EagerAndPadded:
         self.eager_only = 0
 
     def run(self, plan):  # noqa: ANN001, ANN201
+        plan.greedy = None  # every logit is compared: the plain LM head (no greedy screen)
         want = self.eager.run(plan)
         size = self.graphs.size_for(plan)
         if size is None:

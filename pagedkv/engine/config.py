@@ -156,6 +156,12 @@ class EngineConfig:
         None, "torch threads (default: one per physical core other programs leave free, "
               "re-checked while serving; more threads than free cores slow every step down)",
         parse=positive_int)  # process-wide; None: leave as is
+    greedy_head: str = option(
+        "screen", "greedy requests without logit changes (no logprobs, logit_bias, penalties, "
+                  "min_tokens or grammar): screen (their token is the argmax of the few logits "
+                  "that can be the maximum, recomputed in float64; the other logits of an "
+                  "all-greedy batch may come from the int8 kernels where those are faster) or "
+                  "off (the argmax of the float32 logits)", choices=("screen", "off"))
     grammar_mask_overlap: str = option(
         "auto", "compute structured-output token masks on a worker thread while the forward "
                 "pass runs: on, off, or auto (only while a CPU is left beside the torch threads: "
@@ -236,6 +242,9 @@ class EngineConfig:
         resolve_kv_cache_dtype(self.kv_cache_dtype)  # CacheConfigError naming the supported ones
         check_activations(self.activations, self.weights)  # ModelLoadError
         check_batch_weights(self.batch_weights, self.weights)
+        if self.greedy_head not in ("screen", "off"):
+            raise invalid(InvalidParamsError, f"greedy_head is screen or off, got {self.greedy_head!r}",
+                          "greedy_head")
         if self.grammar_mask_overlap not in ("auto", "on", "off"):
             raise invalid(InvalidParamsError, "grammar_mask_overlap is auto, on or off, got "
                                               f"{self.grammar_mask_overlap!r}", "grammar_mask_overlap")

@@ -26,7 +26,14 @@ from pagedkv.engine.cuda_graphs import GraphRunner
 from pagedkv.engine.detokenizer import find_stop
 from pagedkv.engine.kv_events import EngineKVEvents
 from pagedkv.engine.model_runner import ModelRunner
-from pagedkv.engine.sampler import FAILED, Sampler, generator_for, top_logprobs
+from pagedkv.engine.sampler import (
+    ARGMAX_ONLY,
+    FAILED,
+    Sampler,
+    generator_for,
+    greedy_kind,
+    top_logprobs,
+)
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.engine.sequence import CompletionOutput, Request, RequestOutput, Sequence, Status
@@ -48,6 +55,8 @@ class Forward:
 
     plan: StepPlan
     logits: torch.Tensor
+    # row i's token where the model's greedy head decided it (greedy_head.py), else -1; None
+    greedy_tokens: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -121,6 +130,8 @@ class LLMEngine:
         )
         if not on_cpu:
             self.loaded.model.to_device(c.device)
+        elif c.greedy_head == "screen" and hasattr(self.loaded.model, "prepare_greedy_head"):
+            self.loaded.model.prepare_greedy_head()  # its norms now, not in the first step
         cfg = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.model_name = self.loaded.name
@@ -374,7 +385,7 @@ class LLMEngine:
 
     # --- one step -----------------------------------------------------------------------------
 
-    def forward(self, masks: bool = False, speculate: bool = False) -> Forward | None:
+    def forward(self, masks: bool = False, speculate: bool = False, greedy: bool = False) -> Forward | None:
         """The one step primitive, shared by step() and beam search: schedule -> run the plan ->
         commit (or undo and re-raise) -> tier writes -> timing. None when nothing could be
         scheduled. `masks` (step()'s): the sampler's grammar masks for the plan are computed
@@ -386,6 +397,8 @@ class LLMEngine:
         hash over unwritten K/V), and the error propagates. `speculate` (step() only, with
         speculative decoding on): decoding sequences may verify drafts (`plan.drafts`); the
         caller must then hand every verifying sequence's tokens to `Scheduler.accept`.
+        `greedy` (step()'s, whose sampler takes each greedy row's argmax): with greedy_head
+        "screen", those rows' logits are the screened ones (greedy_rows).
         """
         t0 = time.perf_counter()
         sched = self.scheduler
@@ -402,6 +415,8 @@ class LLMEngine:
             self.sampler.prefetch(plan.samplers)
         if self.before_forward is not None:
             self.before_forward()
+        if greedy:
+            plan.greedy = self._greedy_rows(plan)
         try:
             logits = self.runner.run(plan)
         except BaseException:
@@ -414,14 +429,32 @@ class LLMEngine:
         if self.kv_events is not None:
             self.kv_events.after_step()  # the step's stored / removed blocks, one batch
         self._busy_s += time.perf_counter() - t0
-        return Forward(plan, logits)
+        return Forward(plan, logits, getattr(self.runner, "greedy_tokens", None) if greedy else None)
+
+    @staticmethod
+    def _greedy_rows(plan: StepPlan) -> tuple[torch.Tensor, bool] | None:
+        """(the logits rows of greedy samplers whose token is the argmax of their raw logits,
+        whether every row is one that reads no other logit) for the model's greedy head
+        (greedy_head.py), or None when no row is."""
+        kinds = [greedy_kind(s) for s in plan.samplers]
+        if not any(kinds):
+            return None
+        rows: list[int] = []
+        r = 0
+        for i, k in enumerate(kinds):
+            n = 1 + (len(plan.drafts[i]) if plan.drafts else 0)
+            if k:
+                rows.extend(range(r, r + n))
+            r += n
+        return torch.tensor(rows, dtype=torch.int64), all(k == ARGMAX_ONLY for k in kinds)
 
     def step(self) -> list[RequestOutput]:
         """One forward pass (`forward`), then sample, append, finish and detokenize; return the
         requests that progressed. With speculative decoding a decode-only step's whole seconds
         feed the policy's cost fit (`SpecDecoder.observe_step`)."""
         ts = time.perf_counter()
-        done = self.forward(masks=True, speculate=self.spec is not None)
+        done = self.forward(masks=True, speculate=self.spec is not None,
+                            greedy=self.config.greedy_head == "screen")
         if done is None:
             return []
         outs = self._step_verified(done) if done.plan.drafts else self._step_sampled(done)
@@ -434,7 +467,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         logits = done.logits
         seqs = done.plan.samplers
-        tokens = self.sampler(logits, seqs)
+        tokens = self.sampler(logits, seqs, done.greedy_tokens)
         rows = list(range(len(seqs)))
         for row, s in enumerate(done.plan.samplers):
             if s.request.params.n > 1 and not s.request.forked:
@@ -469,7 +502,8 @@ class LLMEngine:
         plan, logits = done.plan, done.logits
         firsts = plan.first_rows()
         lists = self.sampler.verify(logits, plan.samplers, plan.drafts,
-                                    self.spec.draft_probs(plan.samplers, plan.drafts))  # type: ignore[union-attr]
+                                    self.spec.draft_probs(plan.samplers, plan.drafts),  # type: ignore[union-attr]
+                                    done.greedy_tokens)
         entries = list(zip(plan.samplers, lists, firsts, plan.drafts, strict=True))
         for s, _toks, r, _ in list(entries):
             if s.request.params.n > 1 and not s.request.forked:  # a prompt's end (no drafts)

@@ -31,10 +31,16 @@ class ModelRunner:
         # what runs: "triton" or "torch" (the tier fingerprint names it: it changes the K/V)
         self.attention = "triton" if use_triton(attention_backend, self.device) else "torch"
         self.graphs = graphs  # an engine.cuda_graphs.GraphRunner, or None
+        # the last run's greedy rows' tokens [R] int64 (-1: not decided), where the model's
+        # greedy head decided them (LlamaModel.greedy_tokens), else None
+        self.greedy_tokens: torch.Tensor | None = None
 
     def run(self, plan: StepPlan) -> torch.Tensor:
         """Logits [R, V] on the CPU, `plan.num_rows` rows: row i for `plan.samplers[i]`
-        (speculative steps: each sampler's 1 + len(drafts) rows in turn)."""
+        (speculative steps: each sampler's 1 + len(drafts) rows in turn). `plan.greedy` goes to
+        the model's greedy head (LlamaModel.forward; CPU steps only), and the tokens it decided
+        to `greedy_tokens`."""
+        self.greedy_tokens = None
         if self.graphs is not None:
             logits = self.graphs.run(plan)
             if logits is not None:
@@ -49,8 +55,14 @@ class ModelRunner:
             metas = tuple(device_metadata(m, self.device) for m in metas)
             ids, pos, rows = (t.to(self.device, non_blocking=True) for t in (ids, pos, rows))
         with torch.inference_mode():
-            logits = self.model(ids, pos, self.storage, metas, rows)
+            if plan.greedy is not None and self.device.type == "cpu":
+                logits = self.model(ids, pos, self.storage, metas, rows, greedy=plan.greedy)
+                self.greedy_tokens = getattr(self.model, "greedy_tokens", None)
+            else:
+                logits = self.model(ids, pos, self.storage, metas, rows)
         logits = logits[: plan.num_rows]
+        if self.greedy_tokens is not None:
+            self.greedy_tokens = self.greedy_tokens[: plan.num_rows]
         return logits if logits.is_cpu else logits.float().cpu()
 
 

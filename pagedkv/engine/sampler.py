@@ -150,12 +150,15 @@ class Sampler:
             self._pool.shutdown(wait=True)
             self._pool = None
 
-    def __call__(self, logits: torch.Tensor, seqs: Sequence[SampledSeq]) -> list[int]:
+    def __call__(self, logits: torch.Tensor, seqs: Sequence[SampledSeq],
+                 known: torch.Tensor | None = None) -> list[int]:
+        """`known` [R] int64: rows whose token the model's greedy head already took (the first
+        maximum of the row as it is), -1 for the others."""
         params = [s.request.params for s in seqs]
         x = self.adjust(logits, seqs)
         # one reduction gives argmax and its value (first maximum, as argmax);
         # NaN and +inf count as the maximum: their rows fail below
-        best, tokens = _row_max(x)
+        best, tokens = _row_max_known(x, known)
         ok = torch.isfinite(best)
         rand = [i for i, p in enumerate(params) if not p.greedy and not _keyed(seqs[i])]
         for i, s in enumerate(seqs):
@@ -171,13 +174,14 @@ class Sampler:
 
     def verify(self, logits: torch.Tensor, seqs: Sequence[SampledSeq],
                drafts: Sequence[list[int]],
-               draft_probs: Sequence[torch.Tensor | None] | None = None) -> list[list[int]]:
+               draft_probs: Sequence[torch.Tensor | None] | None = None,
+               known: torch.Tensor | None = None) -> list[list[int]]:
         """A speculative step: sampler i owns 1 + len(drafts[i]) consecutive rows (row j: after
         drafts[i][:j]); returns the tokens each appends (accepted drafts, then a correction or
         bonus token: rejection.py), a list ending at FAILED where a row it reached could not
         be sampled. Row j's penalties count drafts[i][:j] as generated. `draft_probs[i]`: the
         distributions [len(drafts[i]), V] a sampling draft model drew sampler i's drafts from
-        (None: point masses)."""
+        (None: point masses). `known`: as __call__'s, per row."""
         row_seqs: list[SampledSeq] = []
         ahead: list[list[int]] = []
         for s, d in zip(seqs, drafts, strict=True):
@@ -185,7 +189,7 @@ class Sampler:
                 row_seqs.append(s)
                 ahead.append(d[:j])
         x = self.adjust(logits, row_seqs, ahead)
-        best, top = _row_max(x)
+        best, top = _row_max_known(x, known)
         ok = torch.isfinite(best).tolist()
         top_ids = top.tolist()
         out = []
@@ -346,6 +350,22 @@ def _ahead(h: _History, tokens: list[int]) -> _History:
     return _History(h.seq, seen, counts, h.n + len(tokens), h.bias_ids, h.bias_vals, h.banned)
 
 
+# greedy_kind: what a row needs of its raw logits
+OTHER, GREEDY_VALUES, ARGMAX_ONLY = 0, 1, 2
+
+
+def greedy_kind(s: SampledSeq) -> int:
+    """ARGMAX_ONLY: s's token is the plain argmax of its raw logits and nothing else reads them
+    (greedy; no logprobs, logit_bias, penalties, min_tokens still ahead or grammar); GREEDY_VALUES:
+    the same with logprobs (every logit read); OTHER: anything else. A verification row counts
+    drafts as generated: with no penalties and min_tokens behind, the same kind."""
+    p = s.request.params
+    if (not p.greedy or p.logit_bias or p.has_penalties or _before_min_tokens(s, p)
+            or s.grammar is not None):
+        return OTHER
+    return ARGMAX_ONLY if p.logprobs is None else GREEDY_VALUES
+
+
 def _before_min_tokens(s: SampledSeq, p: SamplingParams) -> bool:
     return len(s.token_ids) - s.num_prompt < p.min_tokens
 
@@ -470,6 +490,18 @@ def top_logprobs(logits_row: torch.Tensor, token: int, k: int) -> dict[int, floa
         out = dict(zip(ids.tolist(), vals.tolist(), strict=True))
     out[token] = float(lp[token])
     return out
+
+
+def _row_max_known(x: torch.Tensor, known: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """_row_max, taking the rows of `known` >= 0 as decided (their value counted finite)."""
+    if known is None:
+        return _row_max(x)
+    todo = (known < 0).nonzero().flatten()
+    best, tokens = torch.zeros(x.shape[0]), known.clone()
+    if todo.numel():
+        b, t = _row_max(x.index_select(0, todo))
+        best[todo], tokens[todo] = b, t
+    return best, tokens
 
 
 def _row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -45,6 +45,9 @@ class StepPlan:
     # speculative steps only ([] otherwise): the draft tokens each sampler verifies, parallel
     # to samplers; sampler i then owns 1 + len(drafts[i]) consecutive logits rows
     drafts: list[list[int]] = field(default_factory=list)
+    # (logits rows whose token is their plain argmax, whether every row is such a row) for the
+    # model's greedy head (greedy_head.py), or None; set by LLMEngine.forward for step()
+    greedy: tuple[torch.Tensor, bool] | None = None
 
     @property
     def empty(self) -> bool:
