@@ -291,6 +291,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--batch-weights", default=None, choices=["quantized", "float32", "panel"],
                     help="batch weights of the pagedkv server started for --peer and of its "
                          "in-process reference (default: the engine's, quantized)")
+    ap.add_argument("--greedy-head", default=None, choices=["screen", "off"],
+                    help="greedy head of the pagedkv server started for --peer and of its "
+                         "in-process reference (default: the engine's, screen)")
     ap.add_argument("--kv-cache-dtype", default=None,
                     help="KV cache dtype of the pagedkv server started for --peer and of its in-process "
                          "reference (default: the engine's, auto; llama.cpp's default is float16)")
@@ -311,7 +314,8 @@ def _requests_for(concurrency: int) -> int:
 
 def start_pagedkv(threads: int, weights: str | None, model: str | None,
                   activations: str | None = None, batch_weights: str | None = None,
-                  kv_cache_dtype: str | None = None) -> tuple[subprocess.Popen, str]:
+                  kv_cache_dtype: str | None = None, greedy_head: str | None = None
+                  ) -> tuple[subprocess.Popen, str]:
     """`pagedkv serve` as its own process (as the peer is); returns it once /health answers."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -322,6 +326,7 @@ def start_pagedkv(threads: int, weights: str | None, model: str | None,
     cmd += ["--activations", activations] if activations else []
     cmd += ["--batch-weights", batch_weights] if batch_weights else []
     cmd += ["--kv-cache-dtype", kv_cache_dtype] if kv_cache_dtype else []
+    cmd += ["--greedy-head", greedy_head] if greedy_head else []
     cmd += ["--model", model] if model else []
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
@@ -352,6 +357,8 @@ def in_process_engine(args: argparse.Namespace, prompts: list[Prompt], levels: l
     # (blocks_needed counts each KV group's: a hybrid cache holds a token once per group)
     per_request = engine.cache.blocks_needed(longest + max_tokens + engine.cache.block_size)
     kv = {"kv_cache_dtype": args.kv_cache_dtype} if args.kv_cache_dtype else {}
+    if args.greedy_head:
+        kv["greedy_head"] = args.greedy_head
     return LLMEngine(engine.loaded, num_blocks=max(levels) * per_request, max_num_seqs=64, **kv)
 
 
@@ -440,7 +447,7 @@ def run_peer(args: argparse.Namespace) -> dict[str, Any]:
     levels = [int(c) for c in str(args.peer_concurrency).split(",") if c.strip()]
     proc, ours = ((None, args.base_url) if args.base_url else
                   start_pagedkv(args.threads, args.weights, args.model, args.activations, args.batch_weights,
-                                args.kv_cache_dtype))
+                                args.kv_cache_dtype, args.greedy_head))
     max_tokens = 16 if args.quick else args.peer_max_tokens
     rows = {}
     try:  # (from here on the server is stopped whatever fails: the in-process engine's set-up too)
@@ -468,6 +475,7 @@ def run_peer(args: argparse.Namespace) -> dict[str, Any]:
             "weights": args.weights or "default", "activations": args.activations or "default",
             "batch_weights": args.batch_weights or "default",
             "kv_cache_dtype": args.kv_cache_dtype or "default",
+            "greedy_head": args.greedy_head or "default",
             "kernels": qkernel.isa() if proc is not None else None,  # the server started here
             "clients": rows}
 
