@@ -25,7 +25,7 @@ from test_quant import _blocks
 from pagedkv.engine import LLM, SamplingParams
 from pagedkv.errors import InvalidParamsError
 from pagedkv.model import qkernel
-from pagedkv.model.greedy_head import SCREEN_BLOCK, GreedyHead
+from pagedkv.model.greedy_head import MAX_CANDIDATES, SCREEN_BLOCK, GreedyHead
 from pagedkv.model.quant import QWeight
 
 pytestmark = pytest.mark.skipif(not qkernel.load(), reason="needs the compiled kernel")
@@ -128,6 +128,25 @@ def test_int8_activations_mode_gets_the_float64_argmax_too(qtype: Q) -> None:
     x = _x(np.random.default_rng(3), 5, 256, "outliers")
     a, tokens = h.logits(x, torch.arange(5), False, None)
     assert tokens.tolist() == (x.double() @ w64.t()).argmax(1).tolist()
+
+
+def test_crowded_rows_take_the_exact_bound_or_the_float32_argmax() -> None:
+    """A near-flat row (every logit within the int8 bound of the top) takes its exact logits and
+    their bound; a flat one (a head of equal rows) is left to the sampler."""
+    n, k = MAX_CANDIDATES + 500, 256
+    rng = np.random.default_rng(6)
+    base = rng.standard_normal(k).astype(np.float32) * 0.05
+    w = base + rng.standard_normal((n, k)).astype(np.float32) * 2e-4  # logits a few 1e-3 apart
+    data = np.ascontiguousarray(quantize(w, Q.Q8_0)).view(np.uint8).reshape(n, -1)
+    w64 = torch.from_numpy(dequantize(data, Q.Q8_0).astype(np.float32)).reshape(n, k).double()
+    h = GreedyHead(QWeight(k, [(Q.Q8_0, torch.from_numpy(data.copy()))]))
+    x = torch.from_numpy(base[None].repeat(4, 0) * 20 + rng.standard_normal((4, k)).astype(np.float32))
+    a, tokens = h.logits(x, torch.arange(4), True, None)
+    assert tokens.tolist() == (x.double() @ w64.t()).argmax(1).tolist()
+    flat = np.ascontiguousarray(np.repeat(data[:1], n, axis=0))
+    h = GreedyHead(QWeight(k, [(Q.Q8_0, torch.from_numpy(flat))]))
+    a, tokens = h.logits(x, torch.arange(4), True, None)
+    assert tokens.tolist() == [-1] * 4 and torch.equal(a, h.q.linear(x))  # the float32 logits
 
 
 def test_only_the_greedy_rows_change() -> None:

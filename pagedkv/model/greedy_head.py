@@ -28,7 +28,10 @@ Bounds, per row and vocabulary entry j (u = 2^-24, |.| the 2-norm):
   M_j = |w_j| for the exact kernels and Q8_0's int8 ones, |w_j| + 2 |o_j| for Q6_K's int8 ones
   (they subtract its 32 d sc offsets in float; o_j is the row with every quant at 0). The largest
   M_j of the head is used for every j (a term ~1e-4 of the others).
-Rows whose logits or bounds are not finite are left to the model's exact path.
+Rows whose logits or bounds are not finite are left to the model's exact path. A row with more
+than MAX_CANDIDATES candidates (a near-flat distribution) takes its exact logits and their
+tighter bound; one crowded even then (degenerate, e.g. a head of equal rows) keeps its float32
+logits, and the sampler takes their argmax.
 
 Measured (Zen 2, 2 threads, the LM head alone, ms, exact vs int8): Gemma 3 270M's Q8_0
 262,144 x 640: 6.16 vs 6.13 at 1 row, 10.5 vs 7.75 at 2, 24.8 vs 21.4 at 8, 70.7 vs 64.5 at 32,
@@ -52,14 +55,30 @@ _U = 2.0 ** -24
 _UP = 1 + 2.0 ** -20  # rounding a bound up
 INT8_MIN_ROWS, INT8_MAX_ROWS = 2, 32  # Q8_0 heads without AVX-512 VNNI: where int8 is faster
 _CHUNK = 1 << 22  # weights dequantized at a time (norms, rescoring): 16 MiB of float32
+# a row with more candidates (a near-flat distribution: real hidden states gave 8 a row, at most
+# 872, of Gemma 3's 262,144 with the int8 bound) gets its exact logits and their bound instead,
+# or, still crowded, the float32 argmax: rescoring is bounded by K MAX_CANDIDATES a row
+MAX_CANDIDATES = 1024
 
 
 def int8_faster(qtype: Q, rows: int) -> bool:
     """Whether the int8 kernels compute a head of `qtype` faster than the exact ones for `rows`
-    rows (the measures above; with AVX-512 VNNI, vpdpbusd: always)."""
-    if qkernel.vnni() or qtype != Q.Q8_0:
+    rows: with AVX-512 VNNI (vpdpbusd) always; with AVX2 the measures above; with AVX-512 and no
+    VNNI never (its int8 kernels run their AVX2 code against 16-lane exact ones: not measured,
+    so not taken)."""
+    isa = qkernel.isa()
+    if isa == "AVX-512 VNNI":
         return True
-    return INT8_MIN_ROWS <= rows <= INT8_MAX_ROWS
+    if isa != "AVX2":
+        return False
+    return qtype != Q.Q8_0 or INT8_MIN_ROWS <= rows <= INT8_MAX_ROWS
+
+
+def _crowded(rows: torch.Tensor, n: int) -> torch.Tensor:
+    """The rows of [n] holding more than MAX_CANDIDATES candidates."""
+    if rows.numel() <= MAX_CANDIDATES:
+        return rows[:0]
+    return (torch.bincount(rows, minlength=n) > MAX_CANDIDATES).nonzero().flatten()
 
 
 class GreedyHead:
@@ -93,10 +112,22 @@ class GreedyHead:
         if int8 and self.block is None:  # int8 mode with a head type of no known bound
             return a, None
         block, m = (self.block, norms[2]) if int8 else (0, norms[1])
-        cand_rows, cols, bad = qkernel.screen()[0](a, x, rows, norms[0], block, m, (self.k + 64) * _U)
+        screen, c = qkernel.screen()[0], (self.k + 64) * _U
+        cand_rows, cols, bad = screen(a, x, rows, norms[0], block, m, c)
+        redo = rows[bad] if fast else rows[:0]  # their exact logits, as the model's path gives them
+        crowded = _crowded(cand_rows, x.shape[0])
+        if crowded.numel():  # rescoring them would cost more than the exact logits
+            keep = ~torch.isin(cand_rows, crowded)
+            cand_rows, cols = cand_rows[keep], cols[keep]
+            if fast:  # the exact logits, then their (tight) bound: a few candidates
+                a[crowded] = self.q.linear(x.index_select(0, crowded))
+                more_rows, more_cols, _ = screen(a, x, crowded, norms[0], 0, norms[1], c)
+                keep = ~torch.isin(more_rows, _crowded(more_rows, x.shape[0]))
+                cand_rows = torch.cat([cand_rows, more_rows[keep]])
+                cols = torch.cat([cols, more_cols[keep]])
+            # (else, or still crowded: the sampler's float32 argmax of the row)
         tokens = self._rescore(a, x, cand_rows, cols)
-        if fast and bool(bad.any()):  # those rows' exact logits, as the model's path gives them
-            redo = rows[bad]
+        if redo.numel():
             a[redo] = self.q.linear(x.index_select(0, redo))
         return a, tokens
 
