@@ -43,20 +43,32 @@ namespace {
 
 constexpr float REL = 1.0f / (1 << 20);  // the |a| term of the bound
 
-inline float bound(float a, float w, float eb, float beta) { return std::fma(w, eb, beta) + std::fabs(a) * REL; }
+// the bound of one entry; WN false: eb is 0 (exact logits), wn is not read
+template <bool WN>
+inline float bound(float a, const float* wn, int64_t j, float eb, float beta) {
+  return (WN ? std::fma(wn[j], eb, beta) : beta) + std::fabs(a) * REL;
+}
+
+#ifdef LS_AVX2
+template <bool WN>
+inline __m256 bound8(__m256 x, const float* wn, int64_t j, __m256 ve, __m256 vbeta) {
+  const __m256 ax = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x), rel = _mm256_set1_ps(REL);
+  return _mm256_fmadd_ps(ax, rel, WN ? _mm256_fmadd_ps(_mm256_loadu_ps(wn + j), ve, vbeta) : vbeta);
+}
+#endif
 
 // One pass over a row: the running lo (max of a - b so far, folded in every LO_EVERY columns, so
 // at most the final lo) picks a superset of the candidates; the final lo then filters them. False
 // when a value (a or its bound) is not finite.
 constexpr int64_t LO_EVERY = 512;
 
+template <bool WN>
 bool row_scan(const float* a, const float* wn, int64_t V, float eb, float beta, std::vector<int64_t>& out) {
   float lo = -INFINITY;
   bool bad = false;
   int64_t j = 0;
 #ifdef LS_AVX2
-  const __m256 ve = _mm256_set1_ps(eb), vbeta = _mm256_set1_ps(beta), vrel = _mm256_set1_ps(REL);
-  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256 ve = _mm256_set1_ps(eb), vbeta = _mm256_set1_ps(beta);
   __m256 vl = _mm256_set1_ps(-INFINITY), vbad = _mm256_setzero_ps();
   auto fold = [&]() {
     alignas(32) float t[8];
@@ -68,7 +80,7 @@ bool row_scan(const float* a, const float* wn, int64_t V, float eb, float beta, 
     if (j0 == 0) {  // the first stretch sets lo before any candidate is taken
       for (int64_t i = 0; i < j1; i += 8) {
         const __m256 x = _mm256_loadu_ps(a + i);
-        const __m256 b = _mm256_fmadd_ps(_mm256_andnot_ps(sign, x), vrel, _mm256_fmadd_ps(_mm256_loadu_ps(wn + i), ve, vbeta));
+        const __m256 b = bound8<WN>(x, wn, i, ve, vbeta);
         vl = _mm256_max_ps(vl, _mm256_sub_ps(x, b));
       }
       fold();
@@ -76,7 +88,7 @@ bool row_scan(const float* a, const float* wn, int64_t V, float eb, float beta, 
     const __m256 vlo = _mm256_set1_ps(lo);
     for (j = j0; j < j1; j += 8) {
       const __m256 x = _mm256_loadu_ps(a + j);
-      const __m256 b = _mm256_fmadd_ps(_mm256_andnot_ps(sign, x), vrel, _mm256_fmadd_ps(_mm256_loadu_ps(wn + j), ve, vbeta));
+      const __m256 b = bound8<WN>(x, wn, j, ve, vbeta);
       const __m256 d = _mm256_sub_ps(x, b);
       vl = _mm256_max_ps(vl, d);
       const __m256 z = _mm256_sub_ps(d, d);  // NaN where x or b is not finite
@@ -93,16 +105,16 @@ bool row_scan(const float* a, const float* wn, int64_t V, float eb, float beta, 
   bad = _mm256_movemask_ps(vbad) != 0;
 #endif
   for (int64_t i = j; i < V; ++i) {  // the tail (the whole row without AVX2): its lo first
-    const float d = a[i] - bound(a[i], wn[i], eb, beta);
+    const float d = a[i] - bound<WN>(a[i], wn, i, eb, beta);
     if (!std::isfinite(d)) bad = true;
     lo = d > lo ? d : lo;
   }
   for (int64_t i = j; i < V; ++i)
-    if (a[i] + bound(a[i], wn[i], eb, beta) >= lo) out.push_back(i);
+    if (a[i] + bound<WN>(a[i], wn, i, eb, beta) >= lo) out.push_back(i);
   if (bad || !std::isfinite(lo)) return false;
   size_t k = 0;  // the final lo's candidates
   for (int64_t i : out)
-    if (a[i] + bound(a[i], wn[i], eb, beta) >= lo) out[k++] = i;
+    if (a[i] + bound<WN>(a[i], wn, i, eb, beta) >= lo) out[k++] = i;
   out.resize(k);
   return true;
 }
@@ -148,7 +160,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> screen(const at::Tensor& a, const
   at::parallel_for(0, S, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       float eb, beta;
-      if (!row_bounds(xp + sp[i] * K, K, block, m, c, eb, beta) || !row_scan(ap + sp[i] * V, wp, V, eb, beta, cand[i])) {
+      const bool ok = row_bounds(xp + sp[i] * K, K, block, m, c, eb, beta) &&
+                      (eb > 0 ? row_scan<true>(ap + sp[i] * V, wp, V, eb, beta, cand[i])
+                              : row_scan<false>(ap + sp[i] * V, wp, V, eb, beta, cand[i]));
+      if (!ok) {
         bad[i] = 1;
         cand[i].clear();
       }
