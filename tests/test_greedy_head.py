@@ -25,7 +25,7 @@ from test_quant import _blocks
 from pagedkv.engine import LLM, SamplingParams
 from pagedkv.errors import InvalidParamsError
 from pagedkv.model import qkernel
-from pagedkv.model.greedy_head import MAX_CANDIDATES, SCREEN_BLOCK, GreedyHead
+from pagedkv.model.greedy_head import MAX_CANDIDATES, SCREEN_BLOCK, GreedyHead, _q6_k_offset_norms
 from pagedkv.model.quant import QWeight
 
 pytestmark = pytest.mark.skipif(not qkernel.load(), reason="needs the compiled kernel")
@@ -147,6 +147,17 @@ def test_crowded_rows_take_the_exact_bound_or_the_float32_argmax() -> None:
     h = GreedyHead(QWeight(k, [(Q.Q8_0, torch.from_numpy(flat))]))
     a, tokens = h.logits(x, torch.arange(4), True, None)
     assert tokens.tolist() == [-1] * 4 and torch.equal(a, h.q.linear(x))  # the float32 logits
+
+
+def test_q6_k_offset_norms_from_the_scales() -> None:
+    """M's offset norms (from each block's scales and d) equal the rows dequantized with every
+    quant at 0 (o = -32 d sc)."""
+    data = _blocks(Q.Q6_K, 40, 512, 8)
+    zeroed = data.copy().reshape(40, 2, 210)
+    zeroed[:, :, :192] = 0
+    o = torch.from_numpy(dequantize(zeroed.reshape(40, -1), Q.Q6_K).astype(np.float64)).reshape(40, 512)
+    got = _q6_k_offset_norms(torch.from_numpy(data))
+    assert torch.allclose(got, o.norm(dim=1), rtol=1e-6)
 
 
 def test_only_the_greedy_rows_change() -> None:

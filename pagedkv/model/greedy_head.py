@@ -45,12 +45,12 @@ import torch
 from gguf import GGMLQuantizationType
 
 from pagedkv.model import qkernel
-from pagedkv.model.quant import QWeight, row_bytes
+from pagedkv.model.quant import QWeight
 
 Q = GGMLQuantizationType
 SCREEN_BLOCK = {Q.Q8_0: 32, Q.Q6_K: 256}  # int8-screened types -> elements per activation block
-# Q6_K's quant bytes (ql, qh) in its 210-byte block: zeroed, the row's offsets o = -32 d sc remain
-_Q6_K_QUANTS = 192
+# Q6_K's 210-byte block: ql[128], qh[64], scales[16] (int8), d (float16)
+_Q6_K_SCALES, _Q6_K_D = 192, 208
 _U = 2.0 ** -24
 _UP = 1 + 2.0 ** -20  # rounding a bound up
 INT8_MIN_ROWS, INT8_MAX_ROWS = 2, 32  # Q8_0 heads without AVX-512 VNNI: where int8 is faster
@@ -72,6 +72,20 @@ def int8_faster(qtype: Q, rows: int) -> bool:
     if isa != "AVX2":
         return False
     return qtype != Q.Q8_0 or INT8_MIN_ROWS <= rows <= INT8_MAX_ROWS
+
+
+def _q6_k_offset_norms(data: torch.Tensor) -> torch.Tensor:
+    """float64 [N]: the 2-norm of each Q6_K row's offsets o = -32 d sc (16 elements a scale),
+    from its scale bytes alone."""
+    n = data.shape[0]
+    out = torch.empty(n, dtype=torch.float64)
+    step = max(1, _CHUNK // data.shape[1])
+    for s in range(0, n, step):
+        b = data[s : s + step].view(-1, data.shape[1] // 210, 210)
+        d = b[:, :, _Q6_K_D:].contiguous().view(torch.float16).double()  # [rows, blocks, 1]
+        sc = b[:, :, _Q6_K_SCALES:_Q6_K_D].contiguous().view(torch.int8).double()
+        out[s : s + b.shape[0]] = ((32 * d * sc).square().sum((1, 2)) * 16).sqrt()
+    return out
 
 
 def _crowded(rows: torch.Tensor, n: int) -> torch.Tensor:
@@ -156,11 +170,8 @@ class GreedyHead:
         """(|w_j| float32 [V] rounded up, max_j |w_j|, max_j M_j), computed once; None where a
         weight is not finite."""
         if self._norms is None:
-            wn, on = self._row_norms(self.data), None
-            if self.qtype == Q.Q6_K:
-                z = self.data.view(self.data.shape[0], -1, row_bytes(Q.Q6_K, 256)).clone()
-                z[:, :, :_Q6_K_QUANTS] = 0
-                on = self._row_norms(z.view(self.data.shape[0], -1))
+            wn = self._row_norms(self.data)
+            on = _q6_k_offset_norms(self.data) if self.qtype == Q.Q6_K else None
             if not bool(torch.isfinite(wn).all()):
                 self._norms = (wn, float("nan"), float("nan"))
             else:
