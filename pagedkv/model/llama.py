@@ -635,8 +635,9 @@ class LlamaModel(nn.Module):
         return torch.mm(x, self.lm_head_t).float()
 
     def prepare_greedy_head(self) -> bool:
-        """Build the greedy head and its row norms now (one pass over the LM head: ~0.2 s for
-        Gemma 3 270M's), not at the first greedy step; False where there is none."""
+        """Build the greedy head and its row norms now (one pass over the LM head, at engine
+        start: 0.06-0.15 s for the 0.5B, Gemma 3 270M and 1.5B heads on the Zen 2), not at the
+        first greedy step; False where there is none."""
         head = self._greedy_head()
         return head is not None and head.norms() is not None
 
