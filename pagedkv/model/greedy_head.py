@@ -50,7 +50,7 @@ from pagedkv.model.quant import QWeight
 Q = GGMLQuantizationType
 SCREEN_BLOCK = {Q.Q8_0: 32, Q.Q6_K: 256}  # int8-screened types -> elements per activation block
 # Q6_K's 210-byte block: ql[128], qh[64], scales[16] (int8), d (float16)
-_Q6_K_SCALES, _Q6_K_D = 192, 208
+_Q6_K_SCALES, _Q6_K_D, _Q6_K_BLOCK = 192, 208, 210
 _U = 2.0 ** -24
 _UP = 1 + 2.0 ** -20  # rounding a bound up
 INT8_MIN_ROWS, INT8_MAX_ROWS = 2, 32  # Q8_0 heads without AVX-512 VNNI: where int8 is faster
@@ -81,7 +81,7 @@ def _q6_k_offset_norms(data: torch.Tensor) -> torch.Tensor:
     out = torch.empty(n, dtype=torch.float64)
     step = max(1, _CHUNK // data.shape[1])
     for s in range(0, n, step):
-        b = data[s : s + step].view(-1, data.shape[1] // 210, 210)
+        b = data[s : s + step].view(-1, data.shape[1] // _Q6_K_BLOCK, _Q6_K_BLOCK)
         d = b[:, :, _Q6_K_D:].contiguous().view(torch.float16).double()  # [rows, blocks, 1]
         sc = b[:, :, _Q6_K_SCALES:_Q6_K_D].contiguous().view(torch.int8).double()
         out[s : s + b.shape[0]] = ((32 * d * sc).square().sum((1, 2)) * 16).sqrt()
@@ -103,7 +103,7 @@ class GreedyHead:
         self.q, self.qtype, self.data, self.k = q, qtype, data, q.k
         self.block = SCREEN_BLOCK.get(qtype)
         self._twin: QWeight | None = None  # the same blocks, activations="int8"
-        self._norms: tuple[torch.Tensor, float, float] | None = None  # (|w_j|, max |w_j|, max M_j)
+        self._norms: tuple | None = None  # norms(): (|w_j|, max |w_j|, max M_j), () if not finite
 
     @staticmethod
     def able(q: QWeight | None) -> bool:
@@ -170,15 +170,17 @@ class GreedyHead:
         """(|w_j| float32 [V] rounded up, max_j |w_j|, max_j M_j), computed once; None where a
         weight is not finite."""
         if self._norms is None:
-            wn = self._row_norms(self.data)
-            on = _q6_k_offset_norms(self.data) if self.qtype == Q.Q6_K else None
-            if not bool(torch.isfinite(wn).all()):
-                self._norms = (wn, float("nan"), float("nan"))
-            else:
-                mg = float(wn.max()) if wn.numel() else 0.0
-                mi = mg if on is None else float((wn + 2 * on).max())
-                self._norms = ((wn * _UP).float(), mg * _UP, mi * _UP)
-        return None if self._norms[1] != self._norms[1] else self._norms
+            self._norms = self._all_norms()
+        return self._norms or None
+
+    def _all_norms(self) -> tuple[torch.Tensor, float, float] | tuple[()]:
+        """norms(), or () where a weight is not finite."""
+        wn = self._row_norms(self.data)
+        if not bool(torch.isfinite(wn).all()):
+            return ()
+        mg = float(wn.max()) if wn.numel() else 0.0
+        mi = mg if self.qtype != Q.Q6_K else float((wn + 2 * _q6_k_offset_norms(self.data)).max())
+        return (wn * _UP).float(), mg * _UP, mi * _UP
 
     def _row_norms(self, data: torch.Tensor) -> torch.Tensor:
         """The 2-norm of each dequantized row of `data` (blocks of self.qtype), float64, rounded up."""

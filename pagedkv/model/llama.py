@@ -489,11 +489,12 @@ class LlamaModel(nn.Module):
         greedy: tuple[torch.Tensor, bool] | None = None,
     ) -> torch.Tensor:
         """input_ids/positions [T] int64 -> logits [B, vocab] float32 for rows `logits_indices`
-        ([B] int64; None: all T rows). `greedy`: (rows of the B, approx) where those rows' tokens
-        are the plain argmax of their logits (greedy_head.py: their candidates are recomputed in
-        float64; approx: every row is such a row and needs no other logit exactly). `meta`: one AttentionMetadata per KV group of `kv`
+        ([B] int64; None: all T rows). `meta`: one AttentionMetadata per KV group of `kv`
         (a single one for a storage of one group); layer i attends through group
-        `kv.layer_group[i]`'s and reads `kv.model_layers[i]`."""
+        `kv.layer_group[i]`'s and reads `kv.model_layers[i]`. `greedy`: (rows of the B, approx)
+        where those rows' tokens are the plain argmax of their logits (greedy_head.py: their
+        candidates are recomputed in float64; approx: every row is such a row and needs no other
+        logit exactly); their tokens are then left in `greedy_tokens`."""
         metas = (meta,) if isinstance(meta, AttentionMetadata) else tuple(meta)
         groups = kv.layer_group
         if len(metas) <= max(groups, default=0):
